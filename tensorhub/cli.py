@@ -1,0 +1,42 @@
+"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate``, ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="tensorhub", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from tensorhub.sim import cli as sim_cli
+
+    sim_cli.add_arguments(sub.add_parser("simulate", help="run seeded deterministic simulations of the protocol"))
+
+    try:
+        from tensorhub import demo
+    except ImportError:  # the data path is optional for the simulator
+        demo = None
+    if demo is not None:
+        demo.add_arguments(sub.add_parser("demo", help="trainer + rollouts on a local Ray cluster"))
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "simulate":
+        return sim_cli.run(args)
+    if args.command == "demo":
+        return demo.run(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

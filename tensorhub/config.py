@@ -1,0 +1,105 @@
+"""One frozen configuration object for every TensorHub component.
+
+Build it once (``Config()`` or ``Config.from_env()``) and pass it explicitly; nothing deeper
+in the code reads the environment. Every field can be overridden by an environment variable
+``TENSORHUB_<FIELD>`` (upper case) through :meth:`Config.from_env`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from tensorhub.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # --- layout -------------------------------------------------------------------------
+    unit_bytes: int = 64 << 20
+    """Largest transfer unit; bigger tensors are cut into chunks of at most this size."""
+    pack_below_bytes: int = 2 << 20
+    """Tensors smaller than this (and than unit_bytes) share units (tiny-tensor compaction)."""
+    checksums: bool = True
+    """Compute per-unit checksums at publish and verify them at the reader."""
+
+    # --- protocol -----------------------------------------------------------------------
+    versions_retained: int = 2
+    """The newest k versions of each model are kept available (offloaded to host if needed)."""
+    readers_per_source_max: int = 1
+    """At most this many concurrent readers per source (1 = pipeline replication)."""
+    heartbeat_interval_s: float = 1.0
+    lease_timeout_s: float = 10.0
+    """A client silent for this long is declared dead and its whole replica removed."""
+    smart_skipping: bool = True
+    """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version."""
+
+    # --- data path ----------------------------------------------------------------------
+    reads_in_flight: int = 4
+    """Unit reads a reader keeps posted at once."""
+    source_stall_timeout_s: float = 10.0
+    """A source whose progress does not advance for this long is reported as failed."""
+    request_timeout_s: float = 300.0
+    """Upper bound on any blocking client call (waiting for a source, a drain, ...)."""
+
+    # --- Ray ------------------------------------------------------------------------------
+    server_name: str = "tensorhub-server"
+    namespace: str = "tensorhub"
+    server_tick_s: float = 0.5
+    backend: str = "UCX"
+    """NIXL backend for reads."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.unit_bytes >= 4096, "unit_bytes must be >= 4096")
+        need(self.pack_below_bytes >= 0, "pack_below_bytes must be >= 0")
+        need(self.versions_retained >= 1, "versions_retained must be >= 1")
+        need(self.readers_per_source_max >= 1, "readers_per_source_max must be >= 1")
+        need(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
+        need(
+            self.lease_timeout_s > 2 * self.heartbeat_interval_s,
+            "lease_timeout_s must be > 2 * heartbeat_interval_s",
+        )
+        need(self.reads_in_flight >= 1, "reads_in_flight must be >= 1")
+        need(self.source_stall_timeout_s > 0, "source_stall_timeout_s must be > 0")
+        need(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        need(self.server_tick_s > 0, "server_tick_s must be > 0")
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "Config":
+        """Defaults, then ``TENSORHUB_<FIELD>`` variables, then explicit ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"TENSORHUB_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse(f.name, f.type, raw)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(name: str, type_name: Any, raw: str) -> Any:
+    t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
+    try:
+        if t == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if t == "int":
+            return int(raw)
+        if t == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"TENSORHUB_{name.upper()}={raw!r} is not a valid {t}") from None

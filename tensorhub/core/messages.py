@@ -1,0 +1,266 @@
+"""Every message that crosses a process boundary, in one place.
+
+Requests go client -> reference server; replies come back on the same call; *events* are
+delivered later to one client by an effect of the core (``Deliver``): an assignment that had to
+wait for a free source, a finished drain, an offload order, a failure. All are frozen
+``msgspec.Struct`` types tagged by class name, so one decoder reads any of them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+VersionSpec = Union[int, str]
+"""An int >= 0, ``"latest"`` or ``"latest-k"``."""
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    pass
+
+
+# --------------------------------------------------------------------------- shared types
+
+
+class TensorMeta(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class LayoutInfo(msgspec.Struct, frozen=True):
+    """What the server needs to know of a shard's layout: the fingerprint it compares, the unit
+    count that defines "complete", and the tensor list to name the first difference."""
+
+    fingerprint: str
+    unit_count: int
+    total_bytes: int
+    tensors: tuple[TensorMeta, ...] = ()
+
+
+class Holding(msgspec.Struct, frozen=True):
+    """What a client tells a fresh server it holds (re-announcement after a server restart)."""
+
+    published: Optional[int] = None
+    host_copies: tuple[tuple[int, bytes], ...] = ()
+    """(version, endpoint) of host-memory copies this client serves."""
+    txn_seq: int = -1
+    txn_version: int = -1
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class Register(_Msg, frozen=True):
+    client_id: str
+    model: str
+    replica_id: str
+    shard: int
+    num_shards: int
+    layout: LayoutInfo
+    endpoint: bytes = b""
+    datacenter: str = "default"
+    spot: bool = False
+
+
+class Announce(_Msg, frozen=True):
+    """Register again after a server restart, with what this client holds."""
+
+    register: Register
+    holding: Holding
+
+
+class Heartbeat(_Msg, frozen=True):
+    client_id: str
+
+
+class Publish(_Msg, frozen=True):
+    client_id: str
+    version: int
+
+
+class Unpublish(_Msg, frozen=True):
+    client_id: str
+
+
+class Replicate(_Msg, frozen=True):
+    """Ask for a source of ``spec``. ``seq`` numbers this shard's replicate rounds (the client
+    counts them); shards of one replica with equal ``seq`` form one transaction. ``update=True``
+    makes it atomic: no-op when already published at the resolved version, else drain and
+    unpublish the current version first. ``resume_version``/``resume_units`` say how much of a
+    version this client already has in place (after a failure), so the read resumes there."""
+
+    client_id: str
+    spec: VersionSpec = "latest"
+    seq: int = 0
+    update: bool = False
+    resume_version: int = -1
+    resume_units: int = 0
+
+
+class SourceFailed(_Msg, frozen=True):
+    """The reader's source died, stalled or served bad bytes; ``units_done`` is its own progress."""
+
+    client_id: str
+    source_id: str
+    units_done: int
+
+
+class Progress(_Msg, frozen=True):
+    client_id: str
+    units_done: int
+
+
+class ReplicateDone(_Msg, frozen=True):
+    client_id: str
+    version: int
+
+
+class ReplicateAbort(_Msg, frozen=True):
+    """The reader gives up (bad bytes it cannot fix, user cancel); it holds nothing now."""
+
+    client_id: str
+
+
+class OffloadDone(_Msg, frozen=True):
+    client_id: str
+    version: int
+    endpoint: bytes
+
+
+class Leave(_Msg, frozen=True):
+    client_id: str
+
+
+class Query(_Msg, frozen=True):
+    model: str = ""
+
+
+Request = Union[
+    Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
+    ReplicateDone, ReplicateAbort, OffloadDone, Leave, Query,
+]
+
+
+# --------------------------------------------------------------------------- replies and events
+
+
+class Ok(_Msg, frozen=True):
+    pass
+
+
+class ErrorReply(_Msg, frozen=True):
+    code: str
+    message: str
+
+
+class Assignment(_Msg, frozen=True):
+    """Read ``version`` of this shard from ``source_id`` starting at unit ``start_unit``.
+    ``assign_no`` grows with every assignment to this client; a client ignores an older one."""
+
+    version: int
+    source_id: str
+    source_endpoint: bytes
+    source_partial: bool
+    start_unit: int
+    assign_no: int
+    cross_datacenter: bool = False
+
+
+class NoChange(_Msg, frozen=True):
+    """update(): already published at the resolved version."""
+
+    version: int
+
+
+class Waiting(_Msg, frozen=True):
+    """Accepted; the outcome arrives later as an event (an Assignment, UnpublishDone, Failed)."""
+
+    version: int = -1
+
+
+class UnpublishDone(_Msg, frozen=True):
+    version: int
+
+
+class OffloadOrder(_Msg, frozen=True):
+    """Copy the shard of ``version`` to host memory and answer with OffloadDone before the
+    unpublish (or update) can go on: this client holds the last non-spot copy of a retained version."""
+
+    version: int
+
+
+class DropHostCopy(_Msg, frozen=True):
+    """A host copy of ``version`` is no longer needed (past retention); free it."""
+
+    version: int
+
+
+class Failed(_Msg, frozen=True):
+    code: str
+    message: str
+
+
+class Evicted(_Msg, frozen=True):
+    """The server removed this client (lease expired, or a sibling shard of its replica died)."""
+
+    reason: str
+
+
+class HolderView(_Msg, frozen=True):
+    client_id: str
+    replica_id: str
+    shard: int
+    datacenter: str
+    spot: bool
+    host: bool
+    state: str
+    version: int
+    progress: int
+    readers: int
+
+
+class ModelView(_Msg, frozen=True):
+    model: str
+    num_shards: int
+    available: tuple[int, ...]
+    committed: tuple[int, ...]
+    holders: tuple[HolderView, ...]
+
+
+class Status(_Msg, frozen=True):
+    models: tuple[ModelView, ...]
+
+
+Reply = Union[Ok, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status]
+Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, Failed, Evicted]
+
+
+class Deliver(msgspec.Struct, frozen=True):
+    """Effect: send ``event`` to ``client_id``."""
+
+    client_id: str
+    event: Event
+
+
+_REQ_DECODER = msgspec.msgpack.Decoder(Request)
+_ANY_DECODER = msgspec.msgpack.Decoder(Union[
+    Ok, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
+    DropHostCopy, Failed, Evicted,
+])
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_request(data: bytes) -> Request:
+    return _REQ_DECODER.decode(data)
+
+
+def decode_reply(data: bytes):
+    """Decode a reply or an event."""
+    return _ANY_DECODER.decode(data)

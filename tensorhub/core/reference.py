@@ -1,0 +1,653 @@
+"""The reference protocol as a pure state machine.
+
+``ReferenceCore.handle(request, now) -> (reply, effects)`` and ``tick(now) -> effects``. The
+core owns the reference table (which node holds or receives which version of which shard),
+version resolution, replicate transactions of sharded replicas, retention with host offload,
+leases, and source scheduling. It never sleeps, never reads a clock and never does I/O: the
+Ray actor and the simulator are two drivers of the same code.
+
+Effects are ``Deliver(client_id, event)``: an outcome that reaches a client later (an
+assignment once a source frees, a finished drain, an offload order, a failure, an eviction).
+An event for the requesting client that arises while its own request is handled becomes the
+reply itself, so a request that can finish at once costs one round trip.
+
+Rules kept here (DESIGN.md section 1):
+- a version is *committed* once every shard of one replica holds it complete; only committed
+  versions with a live complete holder of every shard are *available* to version specs;
+- the first shard of a replica to replicate in round ``seq`` resolves the spec; its siblings
+  in that round get the same version (a transaction);
+- unpublish hides the holder, waits until its readers finish, then completes (the drain);
+- the last non-spot complete holder of a retained version offloads to host before unpublish;
+- a client silent past ``lease_timeout_s`` is dead, and so is its whole replica; readers of a
+  dead source are reassigned and resume from their own progress; readers of a version no one
+  holds any more fail with ``VersionLost``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core import scheduler, versions
+from tensorhub.core.state import COMPLETE, LEGAL, VISIBLE_SOURCE, Node, S
+from tensorhub.errors import (
+    InvalidState,
+    LayoutMismatch,
+    ShardTaken,
+    TensorHubError,
+    TransactionMismatch,
+    UnknownClient,
+    UnknownModel,
+    VersionExpired,
+    VersionLost,
+    code_of,
+)
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, int, int]
+
+
+class _Model:
+    def __init__(self, name: str, num_shards: int) -> None:
+        self.name = name
+        self.num_shards = num_shards
+        self.layouts: dict[int, m.LayoutInfo] = {}
+        self.committed: list[int] = []  # ascending
+        self.forgotten_below = 0  # versions under this are past retention
+
+
+class ReferenceCore:
+    """The reference table and every rule around it. Not thread-safe: one driver calls it."""
+
+    def __init__(self, config: Optional[Config] = None) -> None:
+        self.config = config or Config()
+        self.nodes: dict[str, Node] = {}
+        self.models: dict[str, _Model] = {}
+        self.groups: dict[Key, set[str]] = {}
+        self.txns: dict[tuple[str, str, int], tuple[object, int, set[int]]] = {}
+        self._order = 0
+        self._stamp = 0
+        self._effects: list[m.Deliver] = []
+        self._touched: set[Key] = set()
+
+    # ------------------------------------------------------------------ driver interface
+
+    def handle(self, req: m.Request, now: float) -> tuple[m.Reply, list[m.Deliver]]:
+        """Apply one request at time ``now``. Errors come back as ``ErrorReply`` and change
+        nothing (every handler validates before it mutates)."""
+        self._effects = []
+        self._touched = set()
+        name = type(req).__name__
+        try:
+            client_id = None if isinstance(req, m.Register) else getattr(req, "client_id", None)
+            if client_id is not None:
+                node = self.nodes.get(client_id)
+                if node is None or node.host:
+                    raise UnknownClient(f"client {client_id} is not registered (expired, or the server restarted)")
+                node.last_seen = now
+                if node.state not in LEGAL[name]:
+                    raise InvalidState(f"{name} is not allowed while {self._describe(node)}")
+            reply = getattr(self, f"_on_{name}")(req, now)
+        except TensorHubError as err:
+            assert not self._effects, "a rejected request must not have effects"
+            return m.ErrorReply(code=code_of(err), message=str(err)), []
+        self._settle()
+        effects = self._effects
+        self._effects = []
+        client_id = getattr(req, "client_id", None)
+        if isinstance(reply, m.Waiting) and client_id is not None:
+            for i, eff in enumerate(effects):
+                if eff.client_id == client_id:
+                    reply = eff.event
+                    del effects[i]
+                    break
+        return reply, effects
+
+    def tick(self, now: float) -> list[m.Deliver]:
+        """Expire clients whose lease ran out; returns the effects of their removal."""
+        self._effects = []
+        self._touched = set()
+        lease = self.config.lease_timeout_s
+        dead_replicas = {
+            (n.model, n.replica_id)
+            for n in self.nodes.values()
+            if not n.host and now - n.last_seen > lease
+        }
+        for model, replica in sorted(dead_replicas):
+            log.info("model=%s replica=%s lease expired: removing the replica", model, replica)
+            self._remove_replica(model, replica, reason="lease expired")
+        self._settle()
+        effects, self._effects = self._effects, []
+        return effects
+
+    # ------------------------------------------------------------------ queries
+
+    def available(self, model: str) -> list[int]:
+        """Committed, retained versions with a visible complete holder of every shard."""
+        mod = self.models.get(model)
+        if mod is None:
+            return []
+        out = []
+        for v in mod.committed:
+            if v < mod.forgotten_below:
+                continue
+            if all(self._has_visible(model, v, i) for i in range(mod.num_shards)):
+                out.append(v)
+        return out
+
+    def retained(self, model: str) -> list[int]:
+        mod = self.models.get(model)
+        return [] if mod is None else [v for v in mod.committed if v >= mod.forgotten_below]
+
+    def status(self, model: str = "") -> m.Status:
+        views = []
+        for name in sorted(self.models):
+            if model and name != model:
+                continue
+            mod = self.models[name]
+            holders = tuple(
+                m.HolderView(
+                    client_id=n.id, replica_id=n.replica_id, shard=n.shard, datacenter=n.datacenter,
+                    spot=n.spot, host=n.host, state=n.state.value, version=n.version,
+                    progress=n.progress, readers=len(n.readers),
+                )
+                for n in sorted(self.nodes.values(), key=lambda n: n.order)
+                if n.model == name
+            )
+            views.append(m.ModelView(
+                model=name, num_shards=mod.num_shards, available=tuple(self.available(name)),
+                committed=tuple(self.retained(name)), holders=holders,
+            ))
+        return m.Status(models=tuple(views))
+
+    # ------------------------------------------------------------------ requests
+
+    def _on_Query(self, req: m.Query, now: float) -> m.Reply:
+        return self.status(req.model)
+
+    def _on_Register(self, req: m.Register, now: float) -> m.Reply:
+        existing = self.nodes.get(req.client_id)
+        if existing is not None:
+            if self._registration_of(existing) == req:
+                return m.Ok()
+            raise InvalidState(f"client {req.client_id} is already registered with other parameters")
+        self._check_registration(req)
+        self._add_node(req, now)
+        return m.Ok()
+
+    def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
+        reg, hold = req.register, req.holding
+        if reg.client_id not in self.nodes:
+            self._check_registration(reg)
+            self._add_node(reg, now)
+        node = self.nodes[reg.client_id]
+        node.last_seen = now
+        if hold.published is not None and node.state is S.IDLE:
+            self._set_version(node, hold.published, S.PUBLISHED, node.units)
+            self._maybe_commit(node)
+        for version, endpoint in hold.host_copies:
+            self._add_host_copy(node, version, endpoint)
+        if hold.txn_seq >= 0 and node.num_shards > 1:
+            self.txns.setdefault((node.model, node.replica_id, hold.txn_seq), ("announced", hold.txn_version, {node.shard}))
+        return m.Ok()
+
+    def _on_Heartbeat(self, req: m.Heartbeat, now: float) -> m.Reply:
+        return m.Ok()
+
+    def _on_Publish(self, req: m.Publish, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        if req.version < 0:
+            raise InvalidState(f"version {req.version} is negative")
+        if node.state is S.PUBLISHED:
+            if node.version == req.version:
+                return m.Ok()
+            raise InvalidState(f"{self._describe(node)}: unpublish() before publishing version {req.version}")
+        mod = self.models[node.model]
+        if req.version < mod.forgotten_below:
+            raise VersionExpired(f"{node.model}: version {req.version} is older than the retained versions")
+        self._set_version(node, req.version, S.PUBLISHED, node.units)
+        self._maybe_commit(node)
+        return m.Ok()
+
+    def _on_Unpublish(self, req: m.Unpublish, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        if node.state is S.IDLE:
+            return m.UnpublishDone(version=-1)
+        if node.state is S.OFFLOADING:
+            return m.OffloadOrder(version=node.version)  # a retry: the order may have been lost
+        if node.state is S.DRAINING:
+            return m.Waiting(version=node.version)
+        self._begin_unpublish(node)
+        return m.Waiting(version=node.version)
+
+    def _on_Replicate(self, req: m.Replicate, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        if node.state is S.PUBLISHED and not req.update:
+            raise InvalidState(f"{self._describe(node)}: unpublish() first, or use update()")
+        version = self._resolve_in_txn(node, req)
+        if node.state is S.PUBLISHED and node.version == version:
+            return m.NoChange(version=version)
+        resume = req.resume_units if req.resume_version == version else 0
+        if node.state is S.PUBLISHED:
+            node.pending_read = (version, resume)
+            self._begin_unpublish(node)
+        else:
+            self._enqueue_read(node, version, resume)
+        return m.Waiting(version=version)
+
+    def _on_SourceFailed(self, req: m.SourceFailed, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        node.progress = max(0, min(req.units_done, node.units))
+        if node.state is S.WAITING:
+            return m.Waiting(version=node.version)
+        if node.source != req.source_id:
+            return self._assignment(node)  # already moved on; repeat the current one
+        log.info("model=%s version=%d reader=%s reports source %s failed at unit %d",
+                 node.model, node.version, node.id, req.source_id, node.progress)
+        node.suspects.add(req.source_id)
+        self._detach_from_source(node)
+        self._wait(node)
+        return m.Waiting(version=node.version)
+
+    def _on_Progress(self, req: m.Progress, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        node.progress = max(node.progress, min(req.units_done, node.units))
+        return m.Ok()
+
+    def _on_ReplicateDone(self, req: m.ReplicateDone, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        if node.version != req.version:
+            raise InvalidState(f"{self._describe(node)}: done reported for version {req.version}")
+        # A holder first, then detach: the drain of the source may end here, and its
+        # retention check must count this reader as a holder already.
+        self._set_version(node, node.version, S.PUBLISHED, node.units)
+        self._detach_from_source(node)
+        node.suspects.clear()
+        self._maybe_commit(node)
+        return m.Ok()
+
+    def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        self._stop_reading(node)
+        return m.Ok()
+
+    def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        if node.version != req.version:
+            raise InvalidState(f"{self._describe(node)}: offload reported for version {req.version}")
+        if self._needs_offload(node):
+            self._add_host_copy(node, req.version, req.endpoint)
+        else:  # another non-spot holder appeared meanwhile: the copy is not needed
+            self._deliver(node.id, m.DropHostCopy(version=req.version))
+        self._complete_unpublish(node)
+        return m.Waiting(version=req.version)
+
+    def _on_Leave(self, req: m.Leave, now: float) -> m.Reply:
+        self._remove(req.client_id)
+        self._forget_empty_models()
+        return m.Ok()
+
+    # ------------------------------------------------------------------ registration
+
+    def _check_registration(self, req: m.Register) -> None:
+        if req.num_shards < 1 or not 0 <= req.shard < req.num_shards:
+            raise LayoutMismatch(f"shard {req.shard} of {req.num_shards} is out of range")
+        if req.layout.unit_count < 1:
+            raise LayoutMismatch(f"{req.model}: a layout needs at least one transfer unit")
+        mod = self.models.get(req.model)
+        if mod is not None:
+            if mod.num_shards != req.num_shards:
+                raise LayoutMismatch(f"{req.model} has {mod.num_shards} shards per replica, not {req.num_shards}")
+            known = mod.layouts.get(req.shard)
+            if known is not None and (known.fingerprint, known.unit_count) != (req.layout.fingerprint, req.layout.unit_count):
+                raise LayoutMismatch(f"{req.model} shard {req.shard}: {_first_difference(known, req.layout)}")
+        for n in self.nodes.values():
+            if not n.host and (n.model, n.replica_id, n.shard) == (req.model, req.replica_id, req.shard):
+                raise ShardTaken(f"{req.model} replica {req.replica_id} shard {req.shard} is held by client {n.id}")
+
+    def _add_node(self, req: m.Register, now: float) -> Node:
+        mod = self.models.get(req.model)
+        if mod is None:
+            mod = self.models[req.model] = _Model(req.model, req.num_shards)
+        mod.layouts.setdefault(req.shard, req.layout)
+        self._order += 1
+        node = Node(
+            id=req.client_id, model=req.model, replica_id=req.replica_id, shard=req.shard,
+            num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
+            layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now,
+        )
+        self.nodes[node.id] = node
+        return node
+
+    def _registration_of(self, n: Node) -> m.Register:
+        return m.Register(
+            client_id=n.id, model=n.model, replica_id=n.replica_id, shard=n.shard,
+            num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
+            datacenter=n.datacenter, spot=n.spot,
+        )
+
+    def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
+        hid = f"{owner.id}#host{version}"
+        if hid in self.nodes:
+            return
+        self._order += 1
+        host = Node(
+            id=hid, model=owner.model, replica_id=f"{owner.replica_id}#host", shard=owner.shard,
+            num_shards=owner.num_shards, datacenter=owner.datacenter, spot=False,
+            layout=owner.layout, endpoint=endpoint, order=self._order, host=True, owner=owner.id,
+        )
+        self.nodes[hid] = host
+        self._set_version(host, version, S.PUBLISHED, host.units)
+        log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
+
+    # ------------------------------------------------------------------ versions
+
+    def _set_version(self, node: Node, version: int, state: S, progress: int) -> None:
+        if node.version >= 0:
+            group = self.groups.get(node.key)
+            if group is not None:
+                group.discard(node.id)
+                if not group:
+                    del self.groups[node.key]
+            self._touched.add(node.key)
+        node.version, node.state, node.progress = version, state, progress
+        if version >= 0:
+            self.groups.setdefault(node.key, set()).add(node.id)
+            self._touched.add(node.key)
+
+    def _has_visible(self, model: str, version: int, shard: int) -> bool:
+        return any(self.nodes[i].state in VISIBLE_SOURCE for i in self.groups.get((model, version, shard), ()))
+
+    def _maybe_commit(self, node: Node) -> None:
+        mod = self.models[node.model]
+        v = node.version
+        if v in mod.committed:
+            return
+        shards = [n for n in self.nodes.values() if not n.host and n.model == node.model and n.replica_id == node.replica_id]
+        if len(shards) < mod.num_shards or not all(n.state in VISIBLE_SOURCE and n.version == v for n in shards):
+            return
+        if v < mod.forgotten_below:
+            return
+        mod.committed.append(v)
+        mod.committed.sort()
+        log.info("model=%s version=%d committed by replica %s", node.model, v, node.replica_id)
+        keep = self.config.versions_retained
+        if len(mod.committed) > keep:
+            mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
+            for old in [c for c in mod.committed if c < mod.forgotten_below]:
+                mod.committed.remove(old)
+                self._forget(node.model, old)
+
+    def _forget(self, model: str, version: int) -> None:
+        """A version fell out of retention: its host copies drain and are freed."""
+        log.info("model=%s version=%d is past retention", model, version)
+        for i in range(self.models[model].num_shards):
+            for nid in sorted(self.groups.get((model, version, i), ())):
+                host = self.nodes[nid]
+                if host.host and host.state is S.PUBLISHED:
+                    self._drain(host)
+
+    def _resolve(self, node: Node, spec: m.VersionSpec) -> int:
+        mod = self.models[node.model]
+        avail = self.available(node.model)
+        kind, k = versions.parse_spec(spec)
+        if kind == "latest" and k == 0 and self.config.smart_skipping and avail:
+            skipped = self._smart_skip(node, avail)
+            if skipped is not None:
+                return skipped
+        if not mod.committed and not any(
+            n.model == node.model and n.replica_id != node.replica_id for n in self.nodes.values()
+        ):
+            raise UnknownModel(f"{node.model}: no other replica of this model is registered")
+        return versions.resolve(spec, node.model, avail, mod.forgotten_below)
+
+    def _smart_skip(self, node: Node, avail: list[int]) -> Optional[int]:
+        """While the newest version is being seeded into the reader's datacenter, answer the
+        newest version already complete there (if any) instead of queueing behind the seed."""
+        newest = avail[-1]
+        dc = node.datacenter
+        shards = range(self.models[node.model].num_shards)
+
+        def complete_here(v: int) -> bool:
+            return all(
+                any(self.nodes[i].datacenter == dc and self.nodes[i].state in VISIBLE_SOURCE
+                    for i in self.groups.get((node.model, v, s), ()))
+                for s in shards
+            )
+
+        if complete_here(newest):
+            return None
+        seeding = any(
+            self.nodes[i].datacenter == dc and self.nodes[i].state in (S.READING, S.WAITING) and i != node.id
+            for s in shards for i in self.groups.get((node.model, newest, s), ())
+        )
+        if not seeding:
+            return None
+        for v in reversed(avail[:-1]):
+            if complete_here(v):
+                return v
+        return None
+
+    def _resolve_in_txn(self, node: Node, req: m.Replicate) -> int:
+        if node.num_shards == 1:
+            return self._resolve(node, req.spec)
+        key = (node.model, node.replica_id, req.seq)
+        txn = self.txns.get(key)
+        if txn is None:
+            version = self._resolve(node, req.spec)
+            self.txns[key] = (req.spec, version, {node.shard})
+            # Older rounds of this replica are finished once a newer one starts.
+            for k in [k for k in self.txns if k[:2] == key[:2] and k[2] < req.seq]:
+                del self.txns[k]
+            return version
+        spec, version, consumed = txn
+        if spec != "announced" and spec != req.spec:
+            raise TransactionMismatch(
+                f"{node.model} replica {node.replica_id} round {req.seq}: shard {node.shard} asked {req.spec!r}, "
+                f"another shard asked {spec!r}"
+            )
+        consumed.add(node.shard)
+        if len(consumed) >= node.num_shards:
+            del self.txns[key]
+        return version
+
+    # ------------------------------------------------------------------ unpublish, drain, offload
+
+    def _needs_offload(self, node: Node) -> bool:
+        if node.spot or node.host or node.version not in self.retained(node.model):
+            return False
+        return not any(
+            other != node.id and self.nodes[other].state in VISIBLE_SOURCE and not self.nodes[other].spot
+            for other in self.groups.get(node.key, ())
+        )
+
+    def _begin_unpublish(self, node: Node) -> None:
+        self._drain(node)
+
+    def _drain(self, node: Node) -> None:
+        node.state = S.DRAINING
+        self._touched.add(node.key)
+        if not node.readers:
+            self._finish_drain(node)
+
+    def _finish_drain(self, node: Node) -> None:
+        """No reader is left. Offload first when this is the last non-spot copy of a retained
+        version (checked now, not at unpublish time: the readers just drained are holders now)."""
+        if not node.host and self._needs_offload(node):
+            node.state = S.OFFLOADING
+            log.info("model=%s version=%d shard=%d %s holds the last non-spot copy: offload first",
+                     node.model, node.version, node.shard, node.id)
+            self._deliver(node.id, m.OffloadOrder(version=node.version))
+            return
+        self._complete_unpublish(node)
+
+    def _complete_unpublish(self, node: Node) -> None:
+        version = node.version
+        self._set_version(node, -1, S.IDLE, 0)
+        if node.host:
+            del self.nodes[node.id]
+            if node.owner in self.nodes:
+                self._deliver(node.owner, m.DropHostCopy(version=version))
+            return
+        if node.pending_read is not None:
+            target, resume = node.pending_read
+            node.pending_read = None
+            self._enqueue_read(node, target, resume)
+        else:
+            self._deliver(node.id, m.UnpublishDone(version=version))
+
+    # ------------------------------------------------------------------ reading
+
+    def _enqueue_read(self, node: Node, version: int, resume: int) -> None:
+        self._set_version(node, version, S.WAITING, max(0, min(resume, node.units)))
+        node.suspects.clear()
+        self._stamp += 1
+        node.stamp = self._stamp
+
+    def _wait(self, node: Node) -> None:
+        node.state = S.WAITING
+        node.source = None
+        self._touched.add(node.key)
+
+    def _detach_from_source(self, node: Node) -> None:
+        src = self.nodes.get(node.source) if node.source else None
+        node.source = None
+        if src is not None:
+            src.readers.discard(node.id)
+            self._touched.add(src.key)
+            if src.state is S.DRAINING and not src.readers:
+                self._finish_drain(src)
+
+    def _stop_reading(self, node: Node) -> None:
+        """The node stops receiving (abort, lost version): its own readers lose their source."""
+        self._detach_from_source(node)
+        for r in sorted(node.readers):
+            self._orphan(r)
+        node.readers.clear()
+        self._set_version(node, -1, S.IDLE, 0)
+
+    def _orphan(self, reader_id: str) -> None:
+        reader = self.nodes.get(reader_id)
+        if reader is not None and reader.state is S.READING:
+            reader.source = None
+            self._wait(reader)
+
+    def _assignment(self, node: Node) -> m.Assignment:
+        src = self.nodes[node.source]
+        return m.Assignment(
+            version=node.version, source_id=src.id, source_endpoint=src.endpoint,
+            source_partial=not src.complete, start_unit=node.progress, assign_no=node.assign_no,
+            cross_datacenter=src.datacenter != node.datacenter,
+        )
+
+    def _downstream(self, node: Node) -> set[str]:
+        out: set[str] = set()
+        todo = list(node.readers)
+        while todo:
+            r = todo.pop()
+            if r in out or r not in self.nodes:
+                continue
+            out.add(r)
+            todo.extend(self.nodes[r].readers)
+        return out
+
+    def _settle(self) -> None:
+        """Assign waiting readers of every touched group, FIFO; fail readers of lost versions."""
+        while self._touched:
+            keys = sorted(self._touched)
+            self._touched = set()
+            for key in keys:
+                self._pump(key)
+
+    def _pump(self, key: Key) -> None:
+        ids = self.groups.get(key)
+        if not ids:
+            return
+        members = [self.nodes[i] for i in ids]
+        waiting = sorted((n for n in members if n.state is S.WAITING), key=lambda n: n.stamp)
+        if not waiting and not any(n.state is S.READING for n in members):
+            return
+        if not any(n.state in COMPLETE for n in members):
+            # Every chain of partial holders roots at a complete one; with none left, no
+            # reader of this group can finish.
+            lost = VersionLost(f"{key[0]} version {key[1]} shard {key[2]}: no holder is left")
+            for n in sorted(members, key=lambda n: n.stamp):
+                if n.state in (S.WAITING, S.READING):
+                    self._fail_read(n, lost)
+            return
+        blocked_dcs: set[str] = set()
+        for reader in waiting:
+            src = scheduler.choose_source(
+                reader, members, downstream=self._downstream(reader),
+                readers_per_source_max=self.config.readers_per_source_max,
+                seeding_blocked=reader.datacenter in blocked_dcs,
+            )
+            if src is None:
+                blocked_dcs.add(reader.datacenter)
+                continue
+            reader.state = S.READING
+            reader.source = src.id
+            reader.assign_no += 1
+            src.readers.add(reader.id)
+            self._deliver(reader.id, self._assignment(reader))
+
+    def _fail_read(self, node: Node, err: TensorHubError) -> None:
+        log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)
+        self._stop_reading(node)
+        self._deliver(node.id, m.Failed(code=code_of(err), message=str(err)))
+
+    # ------------------------------------------------------------------ removal
+
+    def _remove_replica(self, model: str, replica_id: str, reason: str) -> None:
+        members = sorted(n.id for n in self.nodes.values() if not n.host and n.model == model and n.replica_id == replica_id)
+        for nid in members:
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            self._deliver(nid, m.Evicted(reason=reason))
+            self._remove(nid)
+        for k in [k for k in self.txns if k[:2] == (model, replica_id)]:
+            del self.txns[k]
+        self._forget_empty_models()
+
+    def _remove(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        for hid in [n.id for n in self.nodes.values() if n.owner == node_id]:
+            self._remove(hid)
+        self._detach_from_source(node)
+        for r in sorted(node.readers):
+            self._orphan(r)
+        node.readers.clear()
+        self._set_version(node, -1, S.IDLE, 0)
+        del self.nodes[node_id]
+        self._effects = [e for e in self._effects if e.client_id != node_id or isinstance(e.event, m.Evicted)]
+
+    def _forget_empty_models(self) -> None:
+        live = {n.model for n in self.nodes.values()}
+        for name in [k for k in self.models if k not in live]:
+            del self.models[name]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _deliver(self, client_id: str, event: m.Event) -> None:
+        self._effects.append(m.Deliver(client_id=client_id, event=event))
+
+    def _describe(self, node: Node) -> str:
+        v = f" version {node.version}" if node.version >= 0 else ""
+        return f"{node.model} replica {node.replica_id} shard {node.shard} is {node.state.value}{v}"
+
+
+def _first_difference(a: m.LayoutInfo, b: m.LayoutInfo) -> str:
+    for i, (x, y) in enumerate(zip(a.tensors, b.tensors)):
+        if x != y:
+            return f"tensor #{i} is {y.name} {y.dtype}{list(y.shape)}, the model has {x.name} {x.dtype}{list(x.shape)}"
+    if len(a.tensors) != len(b.tensors):
+        return f"{len(b.tensors)} tensors, the model has {len(a.tensors)}"
+    if a.unit_count != b.unit_count:
+        return f"{b.unit_count} transfer units, the model has {a.unit_count} (unit_bytes differs?)"
+    return f"layout fingerprint {b.fingerprint[:12]} differs from the model's {a.fingerprint[:12]}"

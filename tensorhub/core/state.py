@@ -1,0 +1,96 @@
+"""Lifecycle of a holder in the reference table, as one visible table.
+
+A *node* is one shard handle of one replica (a client), or a host-memory copy that a client
+serves after a retention offload. Its state says what the server may do with it:
+
+    IDLE        holds nothing visible. May publish, replicate.
+    PUBLISHED   a complete holder of ``version``: a source for readers.
+    DRAINING    asked to unpublish: hidden from new readers; waits until its in-flight readers
+                finish, then IDLE (or OFFLOADING).
+    OFFLOADING  drained, but holds the last non-spot copy of a retained version: it copies the
+                shard to host memory and publishes that copy before it becomes IDLE.
+    WAITING     a reader of ``version`` with no source yet (queued FIFO).
+    READING     a reader of ``version`` with a source: a *partial* holder others may read from.
+
+``LEGAL`` lists in which states each request is accepted; any other pairing is an
+``InvalidState`` error that changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+from tensorhub.core.messages import LayoutInfo
+
+
+class S(enum.Enum):
+    IDLE = "idle"
+    PUBLISHED = "published"
+    OFFLOADING = "offloading"
+    DRAINING = "draining"
+    WAITING = "waiting"
+    READING = "reading"
+
+
+COMPLETE = frozenset({S.PUBLISHED, S.OFFLOADING, S.DRAINING})
+"""States whose node holds every unit of its version."""
+VISIBLE_SOURCE = frozenset({S.PUBLISHED})
+"""Complete states a *new* reader may be assigned to."""
+
+LEGAL: dict[str, frozenset[S]] = {
+    "Publish": frozenset({S.IDLE, S.PUBLISHED}),
+    "Unpublish": frozenset({S.IDLE, S.PUBLISHED, S.OFFLOADING, S.DRAINING}),
+    "Replicate": frozenset({S.IDLE, S.PUBLISHED}),
+    "SourceFailed": frozenset({S.WAITING, S.READING}),
+    "Progress": frozenset({S.WAITING, S.READING}),
+    "ReplicateDone": frozenset({S.READING}),
+    "ReplicateAbort": frozenset({S.WAITING, S.READING}),
+    "OffloadDone": frozenset({S.OFFLOADING}),
+    "Heartbeat": frozenset(S),
+    "Leave": frozenset(S),
+}
+
+
+@dataclasses.dataclass
+class Node:
+    id: str
+    model: str
+    replica_id: str
+    shard: int
+    num_shards: int
+    datacenter: str
+    spot: bool
+    layout: LayoutInfo
+    endpoint: bytes
+    order: int
+    """Registration order: the last tie-breaker, so decisions are deterministic."""
+    last_seen: float = 0.0
+    host: bool = False
+    owner: Optional[str] = None
+    """For a host copy: the client that serves it (it lives and dies with that client)."""
+
+    state: S = S.IDLE
+    version: int = -1
+    progress: int = 0
+    source: Optional[str] = None
+    readers: set[str] = dataclasses.field(default_factory=set)
+    stamp: int = 0
+    """FIFO position of a WAITING reader (kept across reassignments: no starvation)."""
+    assign_no: int = 0
+    suspects: set[str] = dataclasses.field(default_factory=set)
+    pending_read: Optional[tuple[int, int]] = None
+    """update(): (version, resume_units) to read once the drain of the old version ends."""
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.model, self.version, self.shard)
+
+    @property
+    def complete(self) -> bool:
+        return self.state in COMPLETE
+
+    @property
+    def units(self) -> int:
+        return self.layout.unit_count

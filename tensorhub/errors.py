@@ -1,0 +1,108 @@
+"""Every error TensorHub raises on purpose, in one module.
+
+Each class says when it is raised. Errors cross process boundaries by name: the reference
+core returns ``ErrorReply(code=<class name>, message=...)`` and the client re-raises the class
+of that name (:func:`from_code`). All derive from :class:`TensorHubError`.
+"""
+
+from __future__ import annotations
+
+
+class TensorHubError(Exception):
+    """Base of every TensorHub error."""
+
+
+class ConfigError(TensorHubError, ValueError):
+    """A configuration value or a relation between values is invalid."""
+
+
+class LayoutMismatch(TensorHubError, ValueError):
+    """The registered tensors differ from the layout of this model's shard (names, dtypes,
+    shapes), or a tensor cannot be registered (not contiguous, unsupported device)."""
+
+
+class NotRegistered(TensorHubError):
+    """A call that needs registered tensors (publish, replicate, update) came before register()."""
+
+
+class InvalidState(TensorHubError):
+    """The call is not legal in the handle's current state (e.g. publish while another version is
+    published, replicate while already replicating). Nothing was changed."""
+
+
+class ShardTaken(TensorHubError):
+    """Another live client already registered this (model, replica, shard)."""
+
+
+class UnknownModel(TensorHubError, LookupError):
+    """No replica of this model is registered with the server."""
+
+
+class VersionNotFound(TensorHubError, LookupError):
+    """The version spec names no available version (never published, or not yet complete)."""
+
+
+class VersionExpired(TensorHubError, LookupError):
+    """The version is older than the newest ``versions_retained`` versions and was forgotten."""
+
+
+class VersionLost(TensorHubError):
+    """Every holder of the version died or left before the read could finish. Retry with a newer
+    spec; ``update("latest")`` does so by itself."""
+
+
+class BadVersionSpec(TensorHubError, ValueError):
+    """A version spec is not an int >= 0, ``"latest"`` or ``"latest-k"``."""
+
+
+class TransactionMismatch(TensorHubError):
+    """Shards of one replica asked for different version specs in the same replicate round."""
+
+
+class UnknownClient(TensorHubError):
+    """The server does not know this client (it expired, or the server restarted). The client
+    re-registers and re-announces what it holds."""
+
+
+class HandleClosed(TensorHubError):
+    """The handle was closed; open a new one."""
+
+
+class ServerUnavailable(TensorHubError):
+    """The reference server could not be reached within the request timeout."""
+
+
+class TransferError(TensorHubError):
+    """A read failed in the transport (source gone, registration lost, ...)."""
+
+
+class SourceStalled(TransferError):
+    """The source's progress did not advance within ``source_stall_timeout_s``."""
+
+
+class ChecksumMismatch(TensorHubError):
+    """A unit's bytes did not match the checksum its publisher computed."""
+
+
+class MutabilityViolation(TensorHubError):
+    """A published tensor was written before unpublish() returned (detected by checksum)."""
+
+
+class RequestTimeout(TensorHubError, TimeoutError):
+    """A blocking call did not finish within its timeout."""
+
+
+_BY_NAME = {
+    cls.__name__: cls
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, TensorHubError)
+}
+
+
+def from_code(code: str, message: str) -> TensorHubError:
+    """Rebuild the typed error named ``code`` (unknown names become :class:`TensorHubError`)."""
+    return _BY_NAME.get(code, TensorHubError)(message)
+
+
+def code_of(err: TensorHubError) -> str:
+    return type(err).__name__

@@ -1,0 +1,1 @@
+"""Ray Compiled Graph pipelines (see issue: compiled graphs)."""
