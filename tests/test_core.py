@@ -1,0 +1,548 @@
+"""Unit tests of the protocol core: every transition, every typed error, the transaction of
+DESIGN.md's Figure 6, scheduling pipelines, cross-datacenter seeding, retention and leases."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core.reference import ReferenceCore
+
+UNITS = 4
+LAYOUT = m.LayoutInfo("fp-a", UNITS, 400, (m.TensorMeta("w", "float32", (100,), 400),))
+
+
+class World:
+    """A core plus shorthands; every reply/effect is kept for assertions."""
+
+    def __init__(self, **cfg) -> None:
+        self.core = ReferenceCore(Config(**cfg))
+        self.now = 0.0
+        self.events: dict[str, list] = {}
+
+    def send(self, req):
+        reply, effects = self.core.handle(req, self.now)
+        for eff in effects:
+            self.events.setdefault(eff.client_id, []).append(eff.event)
+        return reply
+
+    def tick(self, dt: float):
+        self.now += dt
+        for eff in self.core.tick(self.now):
+            self.events.setdefault(eff.client_id, []).append(eff.event)
+
+    def pop(self, cid: str):
+        evs = self.events.pop(cid, [])
+        return evs
+
+    def reg(self, cid, replica=None, shard=0, num_shards=1, dc="a", spot=False, layout=LAYOUT, model="pol"):
+        reply = self.send(m.Register(cid, model, replica or cid, shard, num_shards, layout, cid.encode(), dc, spot))
+        assert reply == m.Ok(), reply
+        return cid
+
+    def state(self, cid):
+        n = self.core.nodes[cid]
+        return n.state.value, n.version
+
+    def source_of(self, cid):
+        return self.core.nodes[cid].source
+
+
+def err(reply) -> str:
+    assert isinstance(reply, m.ErrorReply), reply
+    return reply.code
+
+
+def test_core_has_no_forbidden_imports():
+    forbidden = {"ray", "torch", "nixl", "time", "random", "asyncio", "cupy", "threading"}
+    root = pathlib.Path(__file__).resolve().parents[1] / "tensorhub" / "core"
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
+
+
+# --------------------------------------------------------------------------- publish / unpublish
+
+
+def test_publish_then_replicate_reads_from_trainer_then_becomes_holder():
+    w = World()
+    w.reg("t"); w.reg("r")
+    assert w.send(m.Publish("t", 1)) == m.Ok()
+    a = w.send(m.Replicate("r", "latest"))
+    assert isinstance(a, m.Assignment) and (a.version, a.source_id, a.source_partial, a.start_unit) == (1, "t", False, 0)
+    assert w.state("r") == ("reading", 1)
+    assert w.send(m.ReplicateDone("r", 1)) == m.Ok()
+    assert w.state("r") == ("published", 1)
+    assert w.core.available("pol") == [1]
+
+
+def test_publish_same_version_twice_is_idempotent_other_version_is_invalid_state():
+    w = World()
+    w.reg("t")
+    assert w.send(m.Publish("t", 3)) == m.Ok()
+    assert w.send(m.Publish("t", 3)) == m.Ok()
+    assert err(w.send(m.Publish("t", 4))) == "InvalidState"
+    assert w.state("t") == ("published", 3)
+
+
+def test_unpublish_without_readers_completes_at_once_and_is_idempotent():
+    w = World(versions_retained=1)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
+    assert w.send(m.Unpublish("t")) == m.UnpublishDone(version=1)
+    assert w.state("t") == ("idle", -1)
+    assert w.send(m.Unpublish("t")) == m.UnpublishDone(version=-1)
+
+
+def test_unpublish_drains_in_flight_reader_and_hides_holder():
+    """trainer -> r1 ; unpublish(trainer) waits for r1; r2 arriving meanwhile is not given the trainer."""
+    w = World()
+    w.reg("t"); w.reg("r1"); w.reg("r2"); w.reg("r0")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r0", 1)); w.send(m.ReplicateDone("r0", 1))
+    assert w.send(m.Replicate("r1", 1)).source_id in ("t", "r0")
+    src = w.source_of("r1")
+    assert w.send(m.Unpublish(src)) == m.Waiting(version=1)
+    assert w.state(src) == ("draining", 1)
+    a2 = w.send(m.Replicate("r2", 1))
+    assert a2.source_id != src
+    w.send(m.ReplicateDone("r1", 1))
+    assert w.pop(src) == [m.UnpublishDone(version=1)]
+    assert w.state(src) == ("idle", -1)
+
+
+def test_retention_offload_when_last_non_spot_holder_unpublishes_and_host_copy_serves():
+    w = World()
+    w.reg("t"); w.reg("spot", spot=True); w.reg("late")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("spot", 1)); w.send(m.ReplicateDone("spot", 1))
+    reply = w.send(m.Unpublish("t"))
+    assert reply == m.OffloadOrder(version=1), "spot holders do not count toward retention"
+    assert w.state("t") == ("offloading", 1)
+    assert w.send(m.Unpublish("t")) == m.OffloadOrder(version=1), "a retry repeats the order"
+    assert w.send(m.OffloadDone("t", 1, b"host-ep")) == m.UnpublishDone(version=1)
+    hosts = [n for n in w.core.nodes.values() if n.host]
+    assert len(hosts) == 1 and hosts[0].version == 1 and hosts[0].owner == "t"
+    w.send(m.Leave("spot"))
+    a = w.send(m.Replicate("late", 1))
+    assert a.source_id == hosts[0].id and a.source_endpoint == b"host-ep"
+
+
+def test_no_offload_when_a_drained_reader_becomes_holder():
+    """trainer -> r ; the trainer unpublishes while r reads: after the drain r holds v, no offload."""
+    w = World()
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1))
+    assert w.send(m.Unpublish("t")) == m.Waiting(version=1)
+    w.send(m.ReplicateDone("r", 1))
+    assert w.pop("t") == [m.UnpublishDone(version=1)]
+
+
+def test_versions_past_retention_are_forgotten_and_host_copies_dropped():
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Unpublish("t")) == m.OffloadOrder(version=1)
+    w.send(m.OffloadDone("t", 1, b"h1"))
+    w.send(m.Publish("t", 2)); w.send(m.Unpublish("t"))
+    w.send(m.OffloadDone("t", 2, b"h2"))
+    assert w.core.available("pol") == [1, 2]
+    w.send(m.Publish("t", 3))
+    assert w.core.available("pol") == [2, 3]
+    assert m.DropHostCopy(version=1) in w.pop("t")
+    assert err(w.send(m.Replicate("r", 1))) == "VersionExpired"
+    assert err(w.send(m.Publish("t", 0))) in ("InvalidState", "VersionExpired")
+
+
+# --------------------------------------------------------------------------- version specs
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("latest", 5), ("latest-0", 5), ("latest-1", 4), (4, 4), (5, 5),
+     ("latest-2", "VersionNotFound"), (9, "VersionNotFound"), (-1, "BadVersionSpec"),
+     ("newest", "BadVersionSpec"), ("latest-x", "BadVersionSpec"), (True, "BadVersionSpec")],
+)
+def test_version_specs_resolve_against_available_versions(spec, expected):
+    w = World(versions_retained=2)
+    w.reg("t4"); w.reg("t5"); w.reg("r")
+    w.send(m.Publish("t4", 4)); w.send(m.Publish("t5", 5))
+    reply = w.send(m.Replicate("r", spec))
+    if isinstance(expected, int):
+        assert reply.version == expected
+    else:
+        assert err(reply) == expected
+        assert w.state("r") == ("idle", -1)
+
+
+def test_unknown_model_and_unknown_client_are_typed_errors():
+    w = World()
+    w.reg("lonely", model="nobody-publishes")
+    assert err(w.send(m.Replicate("lonely", "latest"))) == "UnknownModel"
+    assert err(w.send(m.Publish("ghost", 1))) == "UnknownClient"
+    assert err(w.send(m.Heartbeat("ghost"))) == "UnknownClient"
+
+
+# --------------------------------------------------------------------------- registration errors
+
+
+def test_registration_errors_change_nothing():
+    w = World()
+    w.reg("t", replica="A", shard=0, num_shards=2)
+    other = m.LayoutInfo("fp-b", UNITS, 400, (m.TensorMeta("w", "float16", (200,), 400),))
+    cases = [
+        (m.Register("x", "pol", "B", 0, 2, other, b""), "LayoutMismatch", "float16"),
+        (m.Register("x", "pol", "B", 0, 3, LAYOUT, b""), "LayoutMismatch", "2 shards"),
+        (m.Register("x", "pol", "B", 2, 2, LAYOUT, b""), "LayoutMismatch", "out of range"),
+        (m.Register("x", "pol", "A", 0, 2, LAYOUT, b""), "ShardTaken", "shard 0"),
+        (m.Register("t", "pol", "C", 1, 2, LAYOUT, b""), "InvalidState", "already registered"),
+    ]
+    before = w.core.status()
+    for req, code, text in cases:
+        reply = w.send(req)
+        assert err(reply) == code and text in reply.message, (req, reply)
+    assert w.core.status() == before
+    assert "x" not in w.core.nodes
+
+
+@pytest.mark.parametrize(
+    "setup, request_, code",
+    [
+        ("reading", m.Publish("r", 2), "InvalidState"),
+        ("reading", m.Replicate("r", 1), "InvalidState"),
+        ("reading", m.Unpublish("r"), "InvalidState"),
+        ("idle", m.ReplicateDone("r", 1), "InvalidState"),
+        ("idle", m.SourceFailed("r", "t", 0), "InvalidState"),
+        ("idle", m.OffloadDone("r", 1, b""), "InvalidState"),
+        ("published", m.Replicate("r", 1), "InvalidState"),
+        ("reading", m.ReplicateDone("r", 7), "InvalidState"),
+    ],
+)
+def test_requests_in_wrong_state_are_rejected_and_change_nothing(setup, request_, code):
+    w = World()
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1))
+    if setup in ("reading", "published"):
+        w.send(m.Replicate("r", 1))
+    if setup == "published":
+        w.send(m.ReplicateDone("r", 1))
+    before = w.core.status()
+    assert err(w.send(request_)) == code
+    assert w.core.status() == before
+
+
+# --------------------------------------------------------------------------- transactions
+
+
+def test_transaction_pins_version_for_all_shards_of_a_replica():
+    """DESIGN.md Figure 6: replica 0 shard 0 resolves latest = 12; replica 1 then publishes 13;
+    replica 0 shard 1 must still get 12."""
+    w = World(versions_retained=4)
+    for s in (0, 1):
+        w.reg(f"t{s}", replica="trainer", shard=s, num_shards=2)
+        w.reg(f"r0s{s}", replica="r0", shard=s, num_shards=2)
+        w.reg(f"r1s{s}", replica="r1", shard=s, num_shards=2)
+        w.send(m.Publish(f"t{s}", 12))
+    a0 = w.send(m.Replicate("r0s0", "latest", seq=1))
+    assert a0.version == 12
+    # replica 1 publishes 13 (it already holds those bytes, e.g. a second trainer group)
+    for s in (0, 1):
+        w.send(m.Publish(f"r1s{s}", 13))
+    assert w.core.available("pol")[-1] == 13
+    a1 = w.send(m.Replicate("r0s1", "latest", seq=1))
+    assert a1.version == 12
+    # the next round resolves afresh
+    w.send(m.ReplicateDone("r0s0", 12)); w.send(m.ReplicateDone("r0s1", 12))
+    assert w.send(m.Replicate("r0s0", "latest", seq=2, update=True)).version == 13
+
+
+def test_version_of_sharded_replica_is_visible_only_when_all_shards_published():
+    w = World()
+    w.reg("t0", replica="trainer", shard=0, num_shards=2)
+    w.reg("t1", replica="trainer", shard=1, num_shards=2)
+    w.reg("r", replica="r", shard=0, num_shards=2)
+    w.send(m.Publish("t0", 1))
+    assert w.core.available("pol") == []
+    assert err(w.send(m.Replicate("r", "latest", seq=1))) == "VersionNotFound"
+    w.send(m.Publish("t1", 1))
+    assert w.core.available("pol") == [1]
+
+
+def test_transaction_spec_mismatch_is_rejected():
+    w = World()
+    for s in (0, 1):
+        w.reg(f"t{s}", replica="trainer", shard=s, num_shards=2)
+        w.reg(f"r{s}", replica="r", shard=s, num_shards=2)
+        w.send(m.Publish(f"t{s}", 1))
+    w.send(m.Replicate("r0", "latest", seq=1))
+    assert err(w.send(m.Replicate("r1", 1, seq=1))) == "TransactionMismatch"
+    assert w.state("r1") == ("idle", -1)
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+def test_simultaneous_readers_form_a_pipeline():
+    """trainer -> r1 -> r2 -> r3 : one reader per source, later readers read earlier, partial ones."""
+    w = World()
+    w.reg("t")
+    for r in ("r1", "r2", "r3"):
+        w.reg(r)
+    w.send(m.Publish("t", 1))
+    chain = [w.send(m.Replicate(r, "latest")) for r in ("r1", "r2", "r3")]
+    assert [(a.source_id, a.source_partial) for a in chain] == [("t", False), ("r1", True), ("r2", True)]
+
+
+def test_least_loaded_prefers_idle_partial_holder_over_busy_trainer():
+    """trainer -> r1 -> r2 -> r3 even with readers_per_source_max=2: least loaded goes first."""
+    w = World(readers_per_source_max=2)
+    w.reg("t")
+    for r in ("r1", "r2", "r3"):
+        w.reg(r)
+    w.send(m.Publish("t", 1))
+    got = [w.send(m.Replicate(r, 1)).source_id for r in ("r1", "r2", "r3")]
+    assert got == ["t", "r1", "r2"]
+
+
+def test_readers_per_source_max_caps_concurrent_readers():
+    """trainer -> r1, r2 (both start ahead of any partial holder); r3 waits for a free source."""
+    w = World(readers_per_source_max=2)
+    for c in ("t", "r1", "r2", "r3"):
+        w.reg(c)
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Replicate("r1", 1)).source_id == "t"
+    assert w.send(m.Replicate("r2", 1, resume_version=1, resume_units=2)).source_id == "t"
+    assert w.send(m.Replicate("r3", 1, resume_version=1, resume_units=3)) == m.Waiting(version=1)
+    w.send(m.ReplicateDone("r2", 1))
+    ev = w.pop("r3")
+    assert ev and ev[-1].source_id in ("t", "r2") and ev[-1].start_unit == 3
+
+
+def test_least_loaded_complete_holder_first():
+    """t (busy with r1), h (idle holder) : r2 -> h, not the partial r1."""
+    w = World()
+    w.reg("t"); w.reg("h"); w.reg("r1"); w.reg("r2")
+    w.send(m.Publish("t", 1)); w.send(m.Publish("h", 1))
+    assert w.send(m.Replicate("r1", 1)).source_id == "t"
+    assert w.send(m.Replicate("r2", 1)).source_id == "h"
+
+
+def test_waiting_readers_are_served_fifo():
+    """t busy with r1 (which nobody can follow: all readers resume ahead of it); r2 then r3 wait;
+    when t frees, r2 (the earlier) gets it."""
+    w = World()
+    for c in ("t", "r1", "r2", "r3"):
+        w.reg(c)
+    w.send(m.Publish("t", 1))
+    w.send(m.Replicate("r1", 1))
+    assert w.send(m.Replicate("r2", 1, resume_version=1, resume_units=1)) == m.Waiting(version=1)
+    assert w.send(m.Replicate("r3", 1, resume_version=1, resume_units=1)) == m.Waiting(version=1)
+    w.send(m.ReplicateDone("r1", 1))
+    a2 = w.pop("r2")[-1]
+    assert a2.start_unit == 1
+    a3 = w.pop("r3")[-1]
+    assert {a2.source_id, a3.source_id} == {"t", "r1"} or a3.source_id == "r2"
+
+
+def test_partial_holder_behind_the_reader_is_not_a_source():
+    w = World()
+    w.reg("t"); w.reg("r1"); w.reg("r2")
+    w.send(m.Publish("t", 1))
+    w.send(m.Replicate("r1", 1))  # r1 at progress 0 reading from t
+    reply = w.send(m.Replicate("r2", 1, resume_version=1, resume_units=2))
+    assert reply == m.Waiting(version=1)
+    w.send(m.ReplicateDone("r1", 1))
+    ev = w.pop("r2")
+    assert ev and ev[-1].source_id in ("t", "r1") and ev[-1].start_unit == 2
+
+
+# --------------------------------------------------------------------------- cross datacenter
+
+
+def test_cross_datacenter_one_seeder_then_local_pipeline():
+    """dc-a: trainer ; dc-b: b1 seeds across, b2 -> b1, b3 -> b2 (never a second cross copy)."""
+    w = World()
+    w.reg("t", dc="a")
+    for r in ("b1", "b2", "b3"):
+        w.reg(r, dc="b")
+    w.send(m.Publish("t", 1))
+    a1, a2, a3 = (w.send(m.Replicate(r, 1)) for r in ("b1", "b2", "b3"))
+    assert (a1.source_id, a1.cross_datacenter) == ("t", True)
+    assert (a2.source_id, a2.cross_datacenter) == ("b1", False)
+    assert (a3.source_id, a3.cross_datacenter) == ("b2", False)
+
+
+def test_second_reader_in_datacenter_waits_for_seeder_instead_of_crossing():
+    w = World(readers_per_source_max=1)
+    w.reg("t", dc="a"); w.reg("t2", dc="a")
+    w.reg("b1", dc="b"); w.reg("b2", dc="b")
+    w.send(m.Publish("t", 1)); w.send(m.Publish("t2", 1))
+    assert w.send(m.Replicate("b1", 1)).source_id in ("t", "t2")
+    a2 = w.send(m.Replicate("b2", 1))
+    assert a2.source_id == "b1", "a free remote trainer must not tempt a second cross-DC copy"
+
+
+def test_smart_skipping_resolves_latest_to_local_version_while_seed_in_flight():
+    """dc a: trainer publishes 2 ; dc b: b0, b1 hold 1 ; b1 seeds 2 across ; b0 and b2 asking
+    "latest" get 1 (complete in dc b) instead of queueing behind the seed."""
+    w2 = World(versions_retained=3, smart_skipping=True)
+    for cid, dc in (("t", "a"), ("b0", "b"), ("b1", "b"), ("b2", "b")):
+        w2.reg(cid, dc=dc)
+    w2.send(m.Publish("t", 1))
+    for b in ("b0", "b1"):
+        w2.send(m.Replicate(b, 1))
+    w2.send(m.ReplicateDone("b0", 1)); w2.send(m.ReplicateDone("b1", 1))
+    w2.send(m.Unpublish("t")); w2.send(m.Publish("t", 2))
+    assert w2.send(m.Replicate("b1", "latest", update=True)).version == 2  # seeder
+    assert w2.send(m.Replicate("b0", "latest", update=True)) == m.NoChange(version=1)
+    assert w2.send(m.Replicate("b2", "latest")).version == 1
+    w3 = World(versions_retained=3, smart_skipping=False)
+    for cid, dc in (("t", "a"), ("b0", "b"), ("b1", "b")):
+        w3.reg(cid, dc=dc)
+    w3.send(m.Publish("t", 1)); w3.send(m.Replicate("b0", 1)); w3.send(m.ReplicateDone("b0", 1))
+    w3.send(m.Unpublish("t")); w3.send(m.Publish("t", 2))
+    w3.send(m.Replicate("b1", "latest"))
+    assert w3.send(m.Replicate("b0", "latest", update=True)) == m.OffloadOrder(version=1)
+    assert w3.send(m.OffloadDone("b0", 1, b"h")).version == 2
+
+
+# --------------------------------------------------------------------------- update
+
+
+def test_update_is_noop_when_current_and_otherwise_unpublishes_then_reads():
+    w = World(versions_retained=1)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
+    assert w.send(m.Replicate("r", "latest", update=True)) == m.NoChange(version=1)
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    a = w.send(m.Replicate("r", "latest", update=True))
+    assert isinstance(a, m.Assignment) and a.version == 2 and w.state("r") == ("reading", 2)
+
+
+def test_update_drains_readers_of_the_old_version_first():
+    """r -> x (x reads v1 from r) ; r.update(latest=2) waits for x, then reads 2."""
+    w = World()
+    w.reg("t"); w.reg("r"); w.reg("x")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
+    w.send(m.Replicate("x", 1))
+    assert w.source_of("x") in ("t", "r")
+    if w.source_of("x") == "t":
+        pytest.skip("scheduler picked the trainer")
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    assert w.send(m.Replicate("r", "latest", update=True)) == m.Waiting(version=2)
+    assert w.state("r") == ("draining", 1)
+    w.send(m.ReplicateDone("x", 1))
+    ev = w.pop("r")
+    assert len(ev) == 1 and isinstance(ev[0], m.Assignment) and ev[0].version == 2
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_source_failure_reassigns_and_resumes_from_reader_progress():
+    """t -> r1 -> r2 ; r1 dies: r2 resumes from t at its own progress."""
+    w = World()
+    w.reg("t"); w.reg("r1"); w.reg("r2")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r1", 1)); w.send(m.Replicate("r2", 1))
+    # t is busy with r1 and r1 is suspect for r2: r2 waits, and gets t when r1 finishes.
+    assert w.send(m.SourceFailed("r2", "r1", 2)) == m.Waiting(version=1)
+    assert w.state("r2") == ("waiting", 1)
+    w.send(m.Progress("r1", 4)); w.send(m.ReplicateDone("r1", 1))
+    a = w.pop("r2")[-1]
+    assert (a.start_unit, a.assign_no) == (2, 2) and a.source_id in ("t", "r1")
+
+
+def test_update_with_retained_old_version_offloads_then_reads():
+    """r is the last non-spot holder of version 1 (retained, k=2): update() offloads it first."""
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    assert w.send(m.Replicate("r", "latest", update=True)) == m.OffloadOrder(version=1)
+    a = w.send(m.OffloadDone("r", 1, b"host"))
+    assert isinstance(a, m.Assignment) and a.version == 2
+    assert w.core.available("pol") == [1, 2]
+
+
+def test_source_failed_for_stale_source_repeats_current_assignment():
+    w = World()
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1))
+    a = w.send(m.SourceFailed("r", "someone-else", 1))
+    assert a.source_id == "t" and a.start_unit == 1
+
+
+def test_lease_expiry_removes_whole_replica_and_reassigns_readers():
+    w = World(heartbeat_interval_s=1.0, lease_timeout_s=3.0)
+    w.reg("t"); w.reg("h")
+    w.reg("s0", replica="S", shard=0, num_shards=1)
+    w.send(m.Publish("t", 1)); w.send(m.Publish("h", 1))
+    w.reg("r")
+    w.send(m.Replicate("r", 1))
+    src = w.source_of("r")
+    other = "h" if src == "t" else "t"
+    for _ in range(5):
+        w.tick(1.0)
+        for cid in ("r", other, "s0"):
+            w.send(m.Heartbeat(cid))
+    assert src not in w.core.nodes
+    ev = w.pop("r")
+    assert ev and ev[-1].source_id == other
+    assert err(w.send(m.Heartbeat(src))) == "UnknownClient"
+
+
+def test_dead_shard_evicts_its_siblings():
+    w = World(lease_timeout_s=3.0)
+    w.reg("a0", replica="A", shard=0, num_shards=2)
+    w.reg("a1", replica="A", shard=1, num_shards=2)
+    w.now = 2.0
+    w.send(m.Heartbeat("a1"))
+    w.tick(2.0)
+    assert "a0" not in w.core.nodes and "a1" not in w.core.nodes
+    assert m.Evicted(reason="lease expired") in w.pop("a1")
+
+
+def test_last_holder_dies_readers_get_version_lost():
+    w = World(lease_timeout_s=3.0)
+    w.reg("t"); w.reg("r1"); w.reg("r2")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r1", 1)); w.send(m.Replicate("r2", 1))
+    w.now = 2.5
+    w.send(m.Heartbeat("r1")); w.send(m.Heartbeat("r2"))
+    w.tick(1.0)
+    assert "t" not in w.core.nodes
+    for r in ("r1", "r2"):
+        ev = w.pop(r)
+        assert ev and isinstance(ev[-1], m.Failed) and ev[-1].code == "VersionLost"
+        assert w.state(r) == ("idle", -1)
+
+
+def test_leave_of_source_reassigns_reader():
+    w = World()
+    w.reg("t"); w.reg("h"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Publish("h", 1))
+    src = w.send(m.Replicate("r", 1)).source_id
+    w.send(m.Leave(src))
+    ev = w.pop("r")
+    assert ev[-1].source_id != src and ev[-1].assign_no == 2
+
+
+def test_fresh_core_rebuilds_table_from_announcements():
+    w = World()
+    for cid in ("t", "r"):
+        w.reg(cid)
+    w.send(m.Publish("t", 5)); w.send(m.Replicate("r", 5)); w.send(m.ReplicateDone("r", 5))
+    fresh = World()
+    reg_t = m.Register("t", "pol", "t", 0, 1, LAYOUT, b"t")
+    assert err(fresh.send(m.Publish("t", 5))) == "UnknownClient"
+    assert fresh.send(m.Announce(reg_t, m.Holding(published=5))) == m.Ok()
+    fresh.reg("n")
+    assert fresh.send(m.Replicate("n", "latest")).version == 5
