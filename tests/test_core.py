@@ -430,13 +430,13 @@ def test_update_is_noop_when_current_and_otherwise_unpublishes_then_reads():
 
 def test_update_drains_readers_of_the_old_version_first():
     """r -> x (x reads v1 from r) ; r.update(latest=2) waits for x, then reads 2."""
-    w = World()
-    w.reg("t"); w.reg("r"); w.reg("x")
+    w = World(versions_retained=1)
+    w.reg("t"); w.reg("r"); w.reg("x"); w.reg("y")
     w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
-    w.send(m.Replicate("x", 1))
-    assert w.source_of("x") in ("t", "r")
-    if w.source_of("x") == "t":
-        pytest.skip("scheduler picked the trainer")
+    w.send(m.Replicate("y", 1, resume_version=1, resume_units=1))  # keeps t busy
+    w.send(m.Replicate("x", 1, resume_version=1, resume_units=1))
+    assert (w.source_of("y"), w.source_of("x")) == ("t", "r")
+    w.send(m.ReplicateDone("y", 1))
     w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
     assert w.send(m.Replicate("r", "latest", update=True)) == m.Waiting(version=2)
     assert w.state("r") == ("draining", 1)
