@@ -1,0 +1,50 @@
+"""TensorHub: reference-oriented weight transfer for LLM RL on Ray.
+
+    hub = tensorhub.open("policy")          # one shard of one replica
+    hub.register(model.state_dict())
+    hub.publish(step)       # trainer
+    hub.update("latest")    # rollout
+
+See README.md for the concepts, configuration and limits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tensorhub.client import Hub, HubState, ReadStats
+from tensorhub.config import Config
+from tensorhub.errors import TensorHubError
+
+__all__ = ["Config", "Hub", "HubState", "ReadStats", "TensorHubError", "open"]
+__version__ = "0.1.0"
+
+
+def open(  # noqa: A001 - the paper's name for it
+    model: str,
+    *,
+    shard: int = 0,
+    num_shards: int = 1,
+    replica: Optional[str] = None,
+    datacenter: Optional[str] = None,
+    spot: bool = False,
+    config: Optional[Config] = None,
+    port=None,
+) -> Hub:
+    """Open a handle on one shard of one replica of ``model``.
+
+    Connects to the reference server (a detached named Ray actor, created by the first
+    ``open()`` in the namespace; ``ray.init()`` is called if Ray is not initialised yet). Works
+    from a driver, a task or inside any Ray actor. ``replica`` names the replica (required when
+    ``num_shards > 1``: all shards of one replica pass the same name). ``spot=True`` marks a
+    holder that may vanish at any time (it does not count toward retention). ``config`` defaults
+    to ``Config.from_env()``. ``port`` overrides the server connection (tests:
+    ``tensorhub.port.LocalPort``).
+    """
+    config = config or Config.from_env()
+    if port is None:
+        from tensorhub.actors.server import connect
+
+        port = connect(config)
+    return Hub(model, port, shard=shard, num_shards=num_shards, replica=replica,
+               datacenter=datacenter, spot=spot, config=config)

@@ -1,0 +1,288 @@
+"""One holder, one reader, two Ray actors: TensorHub pull vs memcpy, object store and RDT/NIXL.
+
+    python benchmarks/transfer.py --json [--bytes N] [--reps 5]
+
+Human lines go to stderr; the last stdout line is one JSON object with medians (GB/s), per-path
+min/max and ratios measured in the same run (these machines are noisy: compare ratios).
+Paths:
+  tensorhub     Region + pull between the actors (checksums off; one extra run with checksums on)
+  memcpy        warm one-thread torch ``copy_`` of the same tensors inside the reader actor
+  object_store  holder ``ray.put`` -> reader ``ray.get`` + ``copy_`` into preallocated tensors
+  rdt_nixl      Ray Direct Transport (``tensor_transport="nixl"``), called by the reader,
+                received into its preallocated tensors via ``set_target_for_ref`` when possible
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, _REPO)
+
+import ray
+import torch
+
+from tensorhub.config import Config
+from tensorhub.layout import Layout, checksum_all
+
+log = logging.getLogger("benchmarks.transfer")
+
+
+def make_shapes(total: int) -> list[tuple[str, int]]:
+    """(name, float32 element count): ~2% tiny tensors (4-60 KiB), the rest 12 uneven large ones."""
+    shapes, used, i = [], 0, 0
+    tiny_budget = total // 50
+    while used < tiny_budget:
+        n = (1024 + (i * 2311) % 15000)
+        shapes.append((f"tiny.{i}", n))
+        used += 4 * n
+        i += 1
+    rest = (total - used) // 4
+    weights = [3, 5, 8, 2, 7, 4, 6, 9, 3, 5, 8, 4]
+    for j, w in enumerate(weights):
+        n = rest * w // sum(weights) if j < len(weights) - 1 else rest - sum(s for _, s in shapes[i:])
+        shapes.append((f"layer.{j}.weight", n))
+    return shapes
+
+
+def _tensors(shapes, fill: bool, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _, n in shapes:
+        t = torch.empty(n, dtype=torch.float32)
+        if fill:
+            t.uniform_(-1, 1, generator=g)
+        else:
+            t.fill_(0)  # touch every page now, not inside a timed region
+        out.append(t)
+    return out
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class Holder:
+    def __init__(self, shapes, cfg_kwargs):
+        torch.set_num_threads(1)
+        from tensorhub.transport import Region
+
+        self.cfg = Config(**cfg_kwargs)
+        self.tensors = _tensors(shapes, fill=True)
+        self.layout = Layout.build(list(zip([n for n, _ in shapes], self.tensors)),
+                                   self.cfg.unit_bytes, self.cfg.pack_below_bytes)
+        self.sums = checksum_all(self.tensors, self.layout)
+        self.region = Region.register(self.tensors, self.layout, self.cfg)
+        self.region.publish_complete(1, self.sums)
+        try:
+            from ray.experimental import register_nixl_memory
+            for t in self.tensors:
+                register_nixl_memory(t)
+            self.rdt_registered = True
+        except Exception as e:  # noqa: BLE001 - baseline falls back to per-call registration
+            print(f"holder: RDT pre-registration failed: {e!r}", file=sys.stderr)
+            self.rdt_registered = False
+
+    def endpoint(self) -> bytes:
+        from tensorhub.transport import encode_endpoint
+        return encode_endpoint(self.region.endpoint())
+
+    def checksums(self) -> list[int]:
+        return self.sums
+
+    def put(self):
+        return [ray.put(self.tensors)]
+
+    @ray.method(tensor_transport="nixl")
+    def rdt_tensors(self):
+        return self.tensors
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class Reader:
+    def __init__(self, shapes, cfg_kwargs):
+        torch.set_num_threads(1)
+        from tensorhub.transport import Region
+
+        self.cfg = Config(**cfg_kwargs)
+        self.shapes = shapes
+        self.tensors = _tensors(shapes, fill=False)
+        self.layout = Layout.build(list(zip([n for n, _ in shapes], self.tensors)),
+                                   self.cfg.unit_bytes, self.cfg.pack_below_bytes)
+        self.region = Region.register(self.tensors, self.layout, self.cfg)
+        self.source = None
+        self.memcpy_src = None
+        self.rdt_target_ok = None
+
+    def zero(self) -> None:
+        for t in self.tensors:
+            t.zero_()
+
+    def verify(self, expected: list[int]) -> bool:
+        return checksum_all(self.tensors, self.layout) == expected
+
+    def tensorhub(self, endpoint: bytes, checksums: bool) -> float:
+        from tensorhub.transport import open_source, pull
+
+        if self.source is None:
+            self.source = open_source(endpoint, config=self.cfg)
+        cfg = self.cfg.replace(checksums=checksums)
+        t0 = time.perf_counter()
+        n = pull(self.region, self.source, self.layout, expect_version=1, config=cfg)
+        dt = time.perf_counter() - t0
+        assert n == self.layout.total_bytes
+        return dt
+
+    def memcpy(self) -> float:
+        if self.memcpy_src is None:
+            self.memcpy_src = [t.clone() for t in self.tensors]
+            for s in self.memcpy_src:
+                s.add_(1)  # differ from the destination so the check below means something
+            for d, s in zip(self.tensors, self.memcpy_src):  # warm both sides
+                d.copy_(s)
+            assert all(torch.equal(d, s) for d, s in zip(self.tensors, self.memcpy_src))
+        t0 = time.perf_counter()
+        for d, s in zip(self.tensors, self.memcpy_src):
+            d.copy_(s)
+        return time.perf_counter() - t0
+
+    def drop_memcpy(self) -> None:
+        self.memcpy_src = None
+
+    def object_store(self, holder) -> float:
+        t0 = time.perf_counter()
+        ref = ray.get(holder.put.remote())[0]
+        src = ray.get(ref)
+        for d, s in zip(self.tensors, src):
+            d.copy_(s)
+        dt = time.perf_counter() - t0
+        del src, ref
+        return dt
+
+    def rdt(self, holder) -> float:
+        from ray.experimental import set_target_for_ref
+
+        t0 = time.perf_counter()
+        ref = holder.rdt_tensors.remote()
+        if self.rdt_target_ok is not False:
+            try:
+                set_target_for_ref(ref, self.tensors)
+                got = ray.get(ref)
+                self.rdt_target_ok = True
+                if got[0].data_ptr() != self.tensors[0].data_ptr():
+                    for d, s in zip(self.tensors, got):
+                        d.copy_(s)
+                dt = time.perf_counter() - t0
+                return dt
+            except Exception as e:  # noqa: BLE001
+                print(f"reader: set_target_for_ref failed ({e!r}); copying instead", file=sys.stderr)
+                self.rdt_target_ok = False
+                t0 = time.perf_counter()
+                ref = holder.rdt_tensors.remote()
+        got = ray.get(ref)
+        for d, s in zip(self.tensors, got):
+            d.copy_(s)
+        return time.perf_counter() - t0
+
+
+def _stats(nbytes: int, secs: list[float]) -> dict:
+    gbps = [nbytes / s / 1e9 for s in secs]
+    return {"median": statistics.median(gbps), "min": min(gbps), "max": max(gbps),
+            "runs": [round(g, 3) for g in gbps]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bytes", type=int, default=1 << 30)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--unit-bytes", type=int, default=Config.unit_bytes)
+    ap.add_argument("--reads-in-flight", type=int, default=Config.reads_in_flight)
+    ap.add_argument("--skip", default="", help="comma list of paths to skip: object_store,rdt_nixl")
+    ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    def say(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    shapes = make_shapes(args.bytes)
+    nbytes = 4 * sum(n for _, n in shapes)
+    cfg_kwargs = dict(unit_bytes=args.unit_bytes, reads_in_flight=args.reads_in_flight)
+    skip = set(filter(None, args.skip.split(",")))
+    pythonpath = os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
+    ray.init(include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+             object_store_memory=max(2 * nbytes + (256 << 20), 1 << 30))
+    try:
+        holder = Holder.remote(shapes, cfg_kwargs)
+        reader = Reader.remote(shapes, cfg_kwargs)
+        expected = ray.get(holder.checksums.remote())
+        endpoint = ray.get(holder.endpoint.remote())
+        say(f"{len(shapes)} tensors, {nbytes / 2**30:.2f} GiB, unit {args.unit_bytes >> 20} MiB, "
+            f"{args.reads_in_flight} reads in flight")
+        results: dict[str, dict] = {}
+
+        def run(name, fn, reps, verify=True):
+            ray.get(reader.zero.remote())
+            secs = [ray.get(fn())]  # warm-up, also the one verified run
+            ok = ray.get(reader.verify.remote(expected)) if verify else True
+            if not ok:
+                raise SystemExit(f"{name}: received bytes differ from the holder's")
+            secs = [ray.get(fn()) for _ in range(reps)]
+            results[name] = _stats(nbytes, secs)
+            r = results[name]
+            say(f"{name:>22}: median {r['median']:.2f} GB/s (min {r['min']:.2f}, max {r['max']:.2f}) "
+                + ("bytes verified" if verify else "(verified in-actor)"))
+
+        run("memcpy", lambda: reader.memcpy.remote(), args.reps, verify=False)
+        ray.get(reader.drop_memcpy.remote())
+        run("tensorhub", lambda: reader.tensorhub.remote(endpoint, False), args.reps)
+        run("tensorhub_checksums", lambda: reader.tensorhub.remote(endpoint, True), 1)
+        if "object_store" not in skip:
+            run("object_store", lambda: reader.object_store.remote(holder), args.reps)
+        if "rdt_nixl" not in skip:
+            run("rdt_nixl", lambda: reader.rdt.remote(holder), args.reps)
+        # memcpy again at the end: the machine drifts; report the better of the two medians
+        run("memcpy_end", lambda: reader.memcpy.remote(), args.reps, verify=False)
+        ray.get(reader.drop_memcpy.remote())
+    finally:
+        ray.shutdown()
+
+    def med(k):
+        return results[k]["median"] if k in results else None
+
+    memcpy = max(med("memcpy"), med("memcpy_end"))
+    th = med("tensorhub")
+    out = {
+        "name": "transfer",
+        "bytes": nbytes,
+        "tensors": len(shapes),
+        "unit_bytes": args.unit_bytes,
+        "reads_in_flight": args.reads_in_flight,
+        "reps": args.reps,
+        "tensorhub_gbps": th,
+        "tensorhub_checksums_gbps": med("tensorhub_checksums"),
+        "memcpy_gbps": memcpy,
+        "object_store_gbps": med("object_store"),
+        "rdt_nixl_gbps": med("rdt_nixl"),
+        "tensorhub_vs_memcpy": th / memcpy,
+        "tensorhub_vs_object_store": th / med("object_store") if med("object_store") else None,
+        "tensorhub_vs_rdt": th / med("rdt_nixl") if med("rdt_nixl") else None,
+    }
+    for k, r in results.items():
+        out[f"{k}_min_gbps"] = r["min"]
+        out[f"{k}_max_gbps"] = r["max"]
+        out[f"{k}_runs_gbps"] = r["runs"]
+    say(json.dumps(out, indent=None))
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The reference server: a detached, named, async Ray actor over :class:`ReferenceCore`.
+
+It decodes a msgspec request, hands it to the core with the current time, routes the core's
+effects into per-client mailboxes and replies. It never touches tensor bytes. A timer task
+calls ``core.tick`` every ``server_tick_s`` (lease expiry). ``connect(config)`` finds the
+server by name in the configured namespace, creating it on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Optional
+
+import ray
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core.reference import ReferenceCore
+from tensorhub.errors import ServerUnavailable
+from tensorhub.port import Mailboxes, is_blocking
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class ReferenceServer:
+    """Thin shell: ``call(request_bytes, wait_s) -> reply_bytes`` (see :mod:`tensorhub.port`)."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = Config(**config)
+        self.core = ReferenceCore(self.config)
+        self.mail = Mailboxes()
+        self._cond: Optional[asyncio.Condition] = None
+        self._ticker: Optional[asyncio.Task] = None
+        self._metrics = _Metrics()
+
+    async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
+        cond = self._start()
+        req = m.decode_request(data)
+        client_id = getattr(req, "client_id", None)
+        async with cond:
+            if client_id and is_blocking(req):
+                self.mail.clear_terminal(client_id)
+            reply, effects = self.core.handle(req, time.monotonic())
+            self._route(effects)
+            self._metrics.request(type(req).__name__, reply)
+            if isinstance(req, m.Leave):
+                self.mail.forget(req.client_id)
+            if isinstance(reply, m.Waiting) and wait_s > 0 and client_id:
+                deadline = time.monotonic() + wait_s
+                while (ev := self.mail.pop_terminal(client_id)) is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(cond.wait(), timeout=left)
+                    except asyncio.TimeoutError:
+                        pass
+                if ev is not None:
+                    reply = ev
+        return m.encode(reply)
+
+    async def notes(self, client_id: str) -> list[bytes]:
+        cond = self._start()
+        async with cond:
+            return [m.encode(e) for e in self.mail.pop_background(client_id)]
+
+    async def status(self, model: str = "") -> bytes:
+        return m.encode(self.core.status(model))
+
+    async def ping(self) -> str:
+        self._start()
+        return "ok"
+
+    def _start(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+        return self._cond
+
+    def _route(self, effects: list[m.Deliver]) -> None:
+        if self.mail.route(effects):
+            self._cond.notify_all()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.server_tick_s)
+            async with self._cond:
+                self._route(self.core.tick(time.monotonic()))
+                self._metrics.table(self.core)
+
+
+class _Metrics:
+    """Ray dashboard metrics (Prometheus through the Ray metrics agent)."""
+
+    def __init__(self) -> None:
+        try:
+            from ray.util import metrics
+        except ImportError:  # pragma: no cover
+            self.requests = None
+            return
+        self.requests = metrics.Counter("tensorhub_requests", "requests handled by the reference server", ("type", "outcome"))
+        self.holders = metrics.Gauge("tensorhub_holders", "nodes in the reference table by state", ("model", "state"))
+        self.versions = metrics.Gauge("tensorhub_latest_version", "newest available version", ("model",))
+
+    def request(self, kind: str, reply: object) -> None:
+        if self.requests is not None:
+            outcome = reply.code if isinstance(reply, m.ErrorReply) else "ok"
+            self.requests.inc(1, tags={"type": kind, "outcome": outcome})
+
+    def table(self, core: ReferenceCore) -> None:
+        if self.requests is None:
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for n in core.nodes.values():
+            counts[(n.model, n.state.value)] = counts.get((n.model, n.state.value), 0) + 1
+        for (model, state), c in counts.items():
+            self.holders.set(c, tags={"model": model, "state": state})
+        for model in core.models:
+            avail = core.available(model)
+            if avail:
+                self.versions.set(avail[-1], tags={"model": model})
+
+
+class RayPort:
+    """A :class:`~tensorhub.port.ServerPort` over the ReferenceServer actor."""
+
+    def __init__(self, handle, config: Config) -> None:
+        self.handle = handle
+        self.config = config
+
+    def call(self, request: m.Request, wait_s: float = 0.0) -> object:
+        ref = self.handle.call.remote(m.encode(request), float(wait_s))
+        try:
+            data = ray.get(ref, timeout=wait_s + self.config.request_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise ServerUnavailable(f"reference server did not answer {type(request).__name__}") from e
+        except ray.exceptions.RayActorError as e:
+            raise ServerUnavailable(f"reference server is gone: {e}") from e
+        return m.decode_reply(data)
+
+    def notes(self, client_id: str) -> list:
+        try:
+            return [m.decode_reply(b) for b in ray.get(self.handle.notes.remote(client_id), timeout=self.config.request_timeout_s)]
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+            raise ServerUnavailable(str(e)) from e
+
+    def status(self, model: str = "") -> m.Status:
+        return m.decode_reply(ray.get(self.handle.status.remote(model)))
+
+
+def server_handle(config: Config):
+    """The server actor, created on first use (detached, named, get-if-exists)."""
+    if not ray.is_initialized():
+        ray.init(namespace=config.namespace, log_to_driver=False)
+    handle = ReferenceServer.options(
+        name=config.server_name, namespace=config.namespace, lifetime="detached", get_if_exists=True,
+    ).remote(dataclasses.asdict(config))
+    ray.get(handle.ping.remote())
+    return handle
+
+
+def connect(config: Config) -> RayPort:
+    return RayPort(server_handle(config), config)

@@ -1,0 +1,418 @@
+"""The handle users program against: one shard of one replica of one model.
+
+    hub = tensorhub.open("policy", shard=rank, num_shards=tp, replica="trainer")
+    hub.register(model.state_dict())   # the tensors this shard holds (ordered, fixed layout)
+    hub.publish(step)                  # trainer: the tensors hold version `step`; I won't write them
+    hub.unpublish()                    # returns once no reader reads them any more
+    hub.replicate("latest")            # rollout: fetch into the registered tensors; now a holder
+    hub.update("latest")               # no-op if current, else unpublish + replicate
+    hub.close()
+
+Every method blocks until done and raises a typed :mod:`tensorhub.errors` error. Each has an
+asyncio twin with an ``a`` prefix (``await hub.aupdate("latest")``) that runs the blocking call
+in a worker thread. One handle is not meant to be used by two threads at once.
+
+The handle talks to the reference server through a :class:`~tensorhub.port.ServerPort` and
+moves bytes with the NIXL transport; it imports no actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import threading
+import time
+import uuid
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from tensorhub import errors
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.layout import Layout, checksum_all, checksum_unit
+from tensorhub.port import ServerPort
+from tensorhub.transport import nixl as tx
+
+log = logging.getLogger(__name__)
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
+
+
+class HubState(enum.Enum):
+    OPEN = "open"  # not registered yet
+    IDLE = "idle"  # registered, holds nothing visible
+    PUBLISHED = "published"
+    CLOSED = "closed"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """What one replicate/update did."""
+
+    action: str
+    """``"replicated"`` (bytes moved) or ``"noop"`` (update: already current)."""
+    version: int
+    seconds: float = 0.0
+    bytes: int = 0
+    sources: tuple[str, ...] = ()
+    """Source client ids in order (more than one after a failover)."""
+    partial_source: bool = False
+    """The first source was itself still receiving (pipeline replication)."""
+    cross_datacenter: bool = False
+    failovers: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class Hub:
+    """One shard handle. Build with :func:`tensorhub.open`."""
+
+    def __init__(self, model: str, port: ServerPort, *, shard: int = 0, num_shards: int = 1,
+                 replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
+                 config: Optional[Config] = None) -> None:
+        if not isinstance(model, str) or not model:
+            raise errors.ConfigError("model must be a non-empty string")
+        if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
+            raise errors.ConfigError(f"shard {shard!r} of {num_shards!r} is out of range")
+        if num_shards > 1 and not replica:
+            raise errors.ConfigError("a sharded replica needs replica=<name shared by its shards>")
+        self.model = model
+        self.shard = shard
+        self.num_shards = num_shards
+        self.replica = replica or f"replica-{uuid.uuid4().hex[:8]}"
+        self.datacenter = datacenter or "default"
+        self.spot = bool(spot)
+        self.config = config or Config()
+        self.client_id = f"{model}/{self.replica}/{shard}/{uuid.uuid4().hex[:6]}"
+        self._port = port
+        self._state = HubState.OPEN
+        self._layout: Optional[Layout] = None
+        self._tensors: list[torch.Tensor] = []
+        self._region: Optional[tx.Region] = None
+        self._register_msg: Optional[m.Register] = None
+        self._published: Optional[int] = None
+        self._checksums: list[int] = []
+        self._host: dict[int, tuple[tx.Region, list[torch.Tensor]]] = {}
+        self._seq = 0
+        self._progress_units = 0
+        self._reading = False
+        self._hb_stop = threading.Event()
+        self._hb_thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()  # one blocking call at a time
+        self._host_lock = threading.Lock()  # host copies are freed from the heartbeat thread
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def state(self) -> HubState:
+        return self._state
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version this handle currently publishes, or None."""
+        return self._published
+
+    def register(self, tensors: NamedTensors) -> None:
+        """Declare the tensors this shard holds, in order (a state dict works). Registers their
+        memory with the transport once. The layout must match the model's layout for this shard
+        index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle."""
+        with self._lock:
+            self._check_open()
+            if self._state is not HubState.OPEN:
+                raise errors.InvalidState("register() was already called on this handle")
+            layout = Layout.build(tensors, self.config.unit_bytes, self.config.pack_below_bytes)
+            items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+            ts = [t for _, t in items]
+            region = tx.Region.register(ts, layout, self.config)
+            msg = m.Register(
+                client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
+                num_shards=self.num_shards, layout=_layout_info(layout),
+                endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
+            )
+            try:
+                self._expect(self._port.call(msg), m.Ok)
+            except BaseException:
+                region.close()
+                raise
+            self._layout, self._tensors, self._region, self._register_msg = layout, ts, region, msg
+            self._state = HubState.IDLE
+            self._start_heartbeat()
+            log.info("model=%s replica=%s shard=%d registered %d tensors, %d bytes, %d units",
+                     self.model, self.replica, self.shard, len(ts), layout.total_bytes, layout.unit_count)
+
+    def publish(self, version: int) -> None:
+        """Declare that the registered tensors hold ``version``; from now until ``unpublish()``
+        returns the caller must not write them. Idempotent for the same version. Raises
+        ``InvalidState`` if another version is published (unpublish first)."""
+        with self._lock:
+            self._check_registered()
+            if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+                raise errors.BadVersionSpec(f"publish() needs an int version >= 0, got {version!r}")
+            if self._published == version:
+                return
+            if self._published is not None:
+                raise errors.InvalidState(f"version {self._published} is published: unpublish() first")
+            sums = checksum_all(self._tensors, self._layout) if self.config.checksums else []
+            self._region.publish_complete(version, sums or None)
+            try:
+                self._expect(self._call(m.Publish(self.client_id, version)), m.Ok)
+            except BaseException:
+                self._region.set_progress(0)
+                self._region.set_version(-1)
+                raise
+            self._checksums = sums
+            self._published = version
+            self._state = HubState.PUBLISHED
+            log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
+
+    def unpublish(self) -> None:
+        """Hide this holder from new readers and wait until its in-flight readers finish (and,
+        for the last non-spot copy of a retained version, until a host copy is published).
+        After it returns the caller may write the tensors. Idempotent."""
+        with self._lock:
+            self._check_registered()
+            if self._published is None:
+                return
+            reply = self._call(m.Unpublish(self.client_id), wait=True)
+            self._finish_unpublish(reply)
+
+    def replicate(self, spec: m.VersionSpec = "latest") -> ReadStats:
+        """Fetch version ``spec`` (an int, ``"latest"``, ``"latest-k"``) into the registered
+        tensors, then serve it as a holder. Raises ``InvalidState`` while a version is published
+        (use ``update()``), ``VersionNotFound`` / ``VersionExpired`` / ``VersionLost``."""
+        with self._lock:
+            self._check_registered()
+            if self._published is not None:
+                raise errors.InvalidState(f"version {self._published} is published: unpublish() first, or update()")
+            return self._replicate(spec, update=False)
+
+    def update(self, spec: m.VersionSpec = "latest") -> ReadStats:
+        """Atomically move to ``spec``: a no-op (``action="noop"``) when this handle already
+        publishes that version; otherwise drain and unpublish the current version, then
+        replicate the new one. If the version is lost mid-read and ``spec`` is relative,
+        retries once with the newest available version."""
+        with self._lock:
+            self._check_registered()
+            try:
+                return self._replicate(spec, update=True)
+            except errors.VersionLost:
+                if isinstance(spec, int):
+                    raise
+                log.info("model=%s shard=%d update(%r): version lost, retrying", self.model, self.shard, spec)
+                return self._replicate(spec, update=True)
+
+    def close(self) -> None:
+        """Unpublish (draining readers), leave the server, release registrations. A second
+        close raises ``HandleClosed``."""
+        with self._lock:
+            if self._state is HubState.CLOSED:
+                raise errors.HandleClosed("handle already closed")
+            try:
+                if self._published is not None:
+                    self._finish_unpublish(self._call(m.Unpublish(self.client_id), wait=True))
+            finally:
+                self._state = HubState.CLOSED
+                self._hb_stop.set()
+                try:
+                    if self._register_msg is not None:
+                        self._port.call(m.Leave(self.client_id))
+                except errors.TensorHubError:
+                    pass
+                finally:
+                    self._release()
+
+    # asyncio twins
+    async def aregister(self, tensors: NamedTensors) -> None:
+        await asyncio.to_thread(self.register, tensors)
+
+    async def apublish(self, version: int) -> None:
+        await asyncio.to_thread(self.publish, version)
+
+    async def aunpublish(self) -> None:
+        await asyncio.to_thread(self.unpublish)
+
+    async def areplicate(self, spec: m.VersionSpec = "latest") -> ReadStats:
+        return await asyncio.to_thread(self.replicate, spec)
+
+    async def aupdate(self, spec: m.VersionSpec = "latest") -> ReadStats:
+        return await asyncio.to_thread(self.update, spec)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> "Hub":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._state is not HubState.CLOSED:
+            self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _replicate(self, spec: m.VersionSpec, update: bool) -> ReadStats:
+        self._seq += 1
+        req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,
+                          resume_version=self._region.version, resume_units=self._partial_units())
+        t0 = time.perf_counter()
+        reply = self._call(req, wait=True)
+        if isinstance(reply, m.NoChange):
+            return ReadStats(action="noop", version=reply.version)
+        if isinstance(reply, m.OffloadOrder):
+            reply = self._call(self._offload(reply.version), wait=True)
+        if update and self._published is not None:
+            # The server drained and unpublished the old version before answering.
+            self._published = None
+            self._state = HubState.IDLE
+        return self._read(reply, t0)
+
+    def _resume_point(self, version: int) -> int:
+        """Units of ``version`` already in place: a read after a failover refetches nothing."""
+        return self._region.progress if self._region.version == version else 0
+
+    def _partial_units(self) -> int:
+        """Units of the region's version already in place (kept across a failed read)."""
+        return 0 if self._published is not None else self._region.progress
+
+    def _read(self, reply: object, t0: float) -> ReadStats:
+        a = self._expect(reply, m.Assignment)
+        version = a.version
+        first = a
+        sources: list[str] = []
+        nbytes = 0
+        failovers = 0
+        stuck, last_progress = 0, -1
+        self._reading = True
+        try:
+            while True:
+                sources.append(a.source_id)
+                try:
+                    source = tx.open_source(a.source_endpoint, config=self.config)
+                    try:
+                        nbytes += tx.pull(
+                            self._region, source, self._layout, expect_version=version,
+                            config=self.config, start_unit=self._resume_point(version),
+                        )
+                    finally:
+                        source.close()
+                    break
+                except (errors.TransferError, errors.ChecksumMismatch) as err:
+                    failovers += 1
+                    stuck = stuck + 1 if self._region.progress == last_progress else 1
+                    last_progress = self._region.progress
+                    if stuck > self.config.failovers_max:
+                        self._call(m.ReplicateAbort(self.client_id))
+                        raise errors.TransferError(
+                            f"{self.model} version {version} shard {self.shard}: {stuck} sources failed "
+                            f"without progress at unit {last_progress}; last error: {err}") from err
+                    time.sleep(min(0.05 * 2 ** (stuck - 1), 1.0))
+                    log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
+                                self.model, version, self.shard, a.source_id, self._region.progress, err)
+                    nxt = self._call(m.SourceFailed(self.client_id, a.source_id, self._region.progress), wait=True)
+                    a = self._expect(nxt, m.Assignment)
+                    if a.version != version:
+                        raise errors.InvalidState(f"server reassigned version {a.version} during read of {version}")
+            self._expect(self._call(m.ReplicateDone(self.client_id, version)), m.Ok)
+        except BaseException:
+            self._reading = False
+            raise
+        self._reading = False
+        self._checksums = self._region.checksums() if self.config.checksums else []
+        self._published = version
+        self._state = HubState.PUBLISHED
+        dt = time.perf_counter() - t0
+        log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
+                 self.model, version, self.shard, nbytes, dt, " -> ".join(sources))
+        return ReadStats(action="replicated", version=version, seconds=dt, bytes=nbytes,
+                         sources=tuple(sources), partial_source=first.source_partial,
+                         cross_datacenter=first.cross_datacenter, failovers=failovers)
+
+    def _finish_unpublish(self, reply: object) -> None:
+        if isinstance(reply, m.OffloadOrder):
+            reply = self._call(self._offload(reply.version), wait=True)
+        self._expect(reply, m.UnpublishDone)
+        self._region.set_progress(0)
+        self._region.set_version(-1)
+        self._published = None
+        self._state = HubState.IDLE
+
+    def _offload(self, version: int) -> m.OffloadDone:
+        """Copy the published tensors to host memory and register that copy as a holder."""
+        copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in self._tensors]
+        for dst, src in zip(copies, self._tensors):
+            dst.copy_(src)
+        region = tx.Region.register(copies, self._layout, self.config)
+        region.publish_complete(version, self._region.checksums() if self.config.checksums else None)
+        with self._host_lock:
+            self._host[version] = (region, copies)
+        log.info("model=%s version=%d shard=%d offloaded to host (%d bytes)",
+                 self.model, version, self.shard, self._layout.total_bytes)
+        return m.OffloadDone(self.client_id, version, tx.encode_endpoint(region.endpoint()))
+
+    def _drop_host_copy(self, version: int) -> None:
+        with self._host_lock:
+            entry = self._host.pop(version, None)
+        if entry is not None:
+            entry[0].close()
+            log.info("model=%s version=%d shard=%d host copy freed", self.model, version, self.shard)
+
+    def _call(self, request: m.Request, wait: bool = False) -> object:
+        reply = self._port.call(request, self.config.request_timeout_s if wait else 0.0)
+        if isinstance(reply, m.Waiting) and wait:
+            raise errors.RequestTimeout(f"{type(request).__name__} did not finish within {self.config.request_timeout_s}s")
+        return reply
+
+    def _expect(self, reply: object, kind: type):
+        if isinstance(reply, kind):
+            return reply
+        if isinstance(reply, (m.ErrorReply, m.Failed)):
+            raise errors.from_code(reply.code, reply.message)
+        if isinstance(reply, m.Evicted):
+            raise errors.UnknownClient(f"evicted by the server: {reply.reason}")
+        raise errors.TensorHubError(f"unexpected reply {reply!r}, wanted {kind.__name__}")
+
+    def _check_open(self) -> None:
+        if self._state is HubState.CLOSED:
+            raise errors.HandleClosed("handle is closed")
+
+    def _check_registered(self) -> None:
+        self._check_open()
+        if self._state is HubState.OPEN:
+            raise errors.NotRegistered("register() the tensors first")
+
+    def _start_heartbeat(self) -> None:
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"tensorhub-hb-{self.client_id}", daemon=True)
+        self._hb_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.config.heartbeat_interval_s):
+            try:
+                if self._reading:
+                    self._port.call(m.Progress(self.client_id, self._region.progress))
+                else:
+                    self._port.call(m.Heartbeat(self.client_id))
+                for note in self._port.notes(self.client_id):
+                    if isinstance(note, m.DropHostCopy):
+                        self._drop_host_copy(note.version)
+            except Exception:  # noqa: BLE001 - the heartbeat must survive a flaky server
+                log.debug("heartbeat failed", exc_info=True)
+
+    def _release(self) -> None:
+        for v in list(self._host):
+            self._drop_host_copy(v)
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+
+def _layout_info(layout: Layout) -> m.LayoutInfo:
+    return m.LayoutInfo(
+        fingerprint=layout.fingerprint + ":" + layout.unit_signature[:16],
+        unit_count=layout.unit_count,
+        total_bytes=layout.total_bytes,
+        tensors=tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in layout.metas),
+    )

@@ -1,0 +1,121 @@
+"""How a client talks to the reference server: a small port with two implementations.
+
+``ServerPort.call(request, wait_s)`` sends one request and returns the reply; when the reply is
+``Waiting`` and ``wait_s`` > 0 it instead returns the next *terminal* event for this client
+(an Assignment, UnpublishDone, OffloadOrder or Failed) that arrives within ``wait_s``, or the
+``Waiting`` reply itself on timeout. ``notes(client_id)`` returns background events
+(DropHostCopy, Evicted) queued for the client.
+
+- :class:`LocalPort` runs a :class:`ReferenceCore` in this process (tests, single-process use).
+- ``tensorhub.actors.server.RayPort`` talks to the detached ``ReferenceServer`` actor.
+
+The mailbox logic is shared by both (:class:`Mailboxes`), so the Ray actor stays a thin shell.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Optional, Protocol
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core.reference import ReferenceCore
+
+TERMINAL = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed, m.Evicted)
+BACKGROUND = (m.DropHostCopy, m.Evicted)
+
+
+class ServerPort(Protocol):
+    def call(self, request: m.Request, wait_s: float = 0.0) -> object: ...
+
+    def notes(self, client_id: str) -> list: ...
+
+
+class Mailboxes:
+    """Per-client queues of events produced by the core's effects."""
+
+    def __init__(self) -> None:
+        self.terminal: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self.background: dict[str, list] = collections.defaultdict(list)
+
+    def route(self, effects: list[m.Deliver]) -> set[str]:
+        """Queue each event; returns the client ids that got something."""
+        woken = set()
+        for eff in effects:
+            if isinstance(eff.event, TERMINAL):
+                self.terminal[eff.client_id].append(eff.event)
+            if isinstance(eff.event, BACKGROUND):
+                self.background[eff.client_id].append(eff.event)
+            woken.add(eff.client_id)
+        return woken
+
+    def clear_terminal(self, client_id: str) -> None:
+        """A new blocking request supersedes events left from the previous one."""
+        self.terminal.pop(client_id, None)
+
+    def pop_terminal(self, client_id: str) -> Optional[object]:
+        q = self.terminal.get(client_id)
+        if q:
+            ev = q.popleft()
+            if not q:
+                del self.terminal[client_id]
+            return ev
+        return None
+
+    def pop_background(self, client_id: str) -> list:
+        return self.background.pop(client_id, [])
+
+    def forget(self, client_id: str) -> None:
+        self.terminal.pop(client_id, None)
+        self.background.pop(client_id, None)
+
+
+def is_blocking(request: m.Request) -> bool:
+    return isinstance(request, (m.Unpublish, m.Replicate, m.SourceFailed, m.OffloadDone))
+
+
+class LocalPort:
+    """The core in this process, guarded by a lock; ticks on every call and from ``tick()``."""
+
+    def __init__(self, config: Optional[Config] = None, core: Optional[ReferenceCore] = None) -> None:
+        self.config = config or Config()
+        self.core = core or ReferenceCore(self.config)
+        self.mail = Mailboxes()
+        self._cv = threading.Condition()
+
+    def _apply(self, effects: list[m.Deliver]) -> None:
+        if self.mail.route(effects):
+            self._cv.notify_all()
+
+    def tick(self) -> None:
+        with self._cv:
+            self._apply(self.core.tick(time.monotonic()))
+
+    def call(self, request: m.Request, wait_s: float = 0.0) -> object:
+        with self._cv:
+            client_id = getattr(request, "client_id", None)
+            if client_id and is_blocking(request):
+                self.mail.clear_terminal(client_id)
+            self._apply(self.core.tick(time.monotonic()))
+            reply, effects = self.core.handle(request, time.monotonic())
+            self._apply(effects)
+            if isinstance(request, m.Leave):
+                self.mail.forget(request.client_id)
+            if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
+                return reply
+            deadline = time.monotonic() + wait_s
+            while True:
+                ev = self.mail.pop_terminal(client_id)
+                if ev is not None:
+                    return ev
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return reply
+                self._cv.wait(min(left, self.config.server_tick_s))
+                self._apply(self.core.tick(time.monotonic()))
+
+    def notes(self, client_id: str) -> list:
+        with self._cv:
+            return self.mail.pop_background(client_id)

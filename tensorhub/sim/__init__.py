@@ -1,0 +1,21 @@
+"""Deterministic simulation of the TensorHub protocol (FoundationDB / TigerBeetle VOPR style).
+
+One thread, virtual time that jumps to the next event, one seed that forks per-subsystem RNGs,
+named bounded fault knobs, invariant checkers kept apart from the system, and a trace digest
+so that the same seed provably gives the same run.
+
+- :mod:`tensorhub.sim.loop`      event queue, virtual clock, seeded RNGs, trace digest
+- :mod:`tensorhub.sim.network`   NICs (TX/RX), inter-datacenter links, control-message channels
+- :mod:`tensorhub.sim.server`    the reference server: a ReferenceCore driven in virtual time
+- :mod:`tensorhub.sim.client`    a simulated shard handle following the client protocol
+- :mod:`tensorhub.sim.workloads` trainers, rollout fleets, spot churn
+- :mod:`tensorhub.sim.faults`    named fault kinds and their bounded knobs
+- :mod:`tensorhub.sim.checkers`  invariants (observers only)
+- :mod:`tensorhub.sim.scenario`  one seeded scenario end to end: :func:`run_scenario`
+- :mod:`tensorhub.sim.whatif`    benchmark-scale what-if runs (pipeline vs no pipeline)
+- :mod:`tensorhub.sim.cli`       ``tensorhub simulate``
+"""
+
+from tensorhub.sim.scenario import WORKLOADS, ScenarioResult, run_scenario
+
+__all__ = ["WORKLOADS", "ScenarioResult", "run_scenario"]

@@ -1,0 +1,198 @@
+"""Invariant checkers. They observe; they never steer the system.
+
+What they see: every request the server applied with its reply and effects (as a network tap
+would), every physical memory write of a client, every finished operation, and the server's
+``status`` (the same view a ``Query`` gives). Invariants:
+
+(a) ``torn``       a replicate that returned done/no-change has every unit tagged with the
+                   version the server gave (no shard holds bytes of two versions).
+(b) ``mutate``     no holder's memory is written while a *live* read from it is in flight. A
+                   read is live while the server still has the reader assigned to that source
+                   in the same server epoch: an assignment is revoked by a newer one, by
+                   ``Failed``/``Evicted`` to the reader, by the reader's own done/abort/
+                   source-failed, by the source's eviction, leave or failure, and by a server
+                   restart. (Revoked reads may see junk; the reader's checksum catches it.)
+                   A write of the same version to a different unit is pipelining, not a violation.
+(c) ``txn``        all shards of a replica that finished one replicate round got one version.
+(d) ``hang``       every operation ends (ok or a typed error) within ``bound_s`` after
+                   max(its start, the end of the last fault); none is open at the end.
+(e) ``retention``  while no holder was lost (no crash, preemption, eviction or server
+                   restart so far), every retained (committed) version is available whenever
+                   no holder of the model is draining or offloading (drains hide a holder by
+                   design): checked at each UnpublishDone and at the end.
+(f) ``bytes``      a replica that finished a round (all shards ok), and every replica at the
+                   end, holds exactly the units the trainer wrote for that version.
+(g) ``cross_dc``   without faults, at most one cross-datacenter read per (version, shard, dc).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tensorhub.core import messages as m
+
+
+class Checker:
+    def __init__(self, world) -> None:
+        self.world = world
+        self.violations: list[tuple[str, float, str]] = []
+        self.assign: dict[str, tuple[int, int, str]] = {}  # reader -> (epoch, assign_no, source)
+        self.open_ops: dict[int, object] = {}
+        self.completed = 0
+        self.failed: dict[str, int] = {}
+        self.loss_at: Optional[float] = None
+        self.trainer_versions: set[tuple[int, int]] = set()
+        self.cross: dict[tuple[int, int, str], set] = {}
+        self.source_failed_versions: set[int] = set()
+        self.bound_s = 0.0
+        self.fault_end_s = 0.0
+
+    def violate(self, kind: str, msg: str) -> None:
+        now = self.world.sim.now
+        self.violations.append((kind, now, msg))
+        self.world.sim.trace(f"VIOLATION {kind}: {msg}")
+
+    def note_loss(self, why: str) -> None:
+        if self.loss_at is None:
+            self.loss_at = self.world.sim.now
+
+    # ------------------------------------------------------------------ server tap
+
+    def on_server(self, cid, req, reply, effects, epoch: int) -> None:
+        if req is not None and not isinstance(reply, m.ErrorReply):
+            if isinstance(req, (m.ReplicateDone, m.ReplicateAbort, m.Replicate, m.SourceFailed, m.Leave)):
+                self.assign.pop(cid, None)
+            if isinstance(req, m.Leave):
+                self._revoke_source(cid)
+            if isinstance(req, m.SourceFailed):
+                self.source_failed_versions.add(-1)
+        if isinstance(reply, m.Assignment):
+            self._assigned(cid, reply, epoch)
+        retention_check = isinstance(reply, m.UnpublishDone)
+        for eff in effects:
+            ev = eff.event
+            if isinstance(ev, m.Assignment):
+                self._assigned(eff.client_id, ev, epoch)
+            elif isinstance(ev, m.Failed):
+                self.assign.pop(eff.client_id, None)
+                self._revoke_source(eff.client_id)  # its own readers were orphaned
+            elif isinstance(ev, m.Evicted):
+                self.assign.pop(eff.client_id, None)
+                self._revoke_source(eff.client_id)
+            elif isinstance(ev, m.UnpublishDone):
+                retention_check = True
+        if retention_check:
+            self.check_retention("unpublish")
+
+    def _assigned(self, cid: str, a: m.Assignment, epoch: int) -> None:
+        self.assign[cid] = (epoch, a.assign_no, a.source_id)
+        if a.cross_datacenter:
+            reader = self.world.clients.get(cid)
+            if reader is not None:
+                key = (a.version, reader.shard, reader.dc)
+                self.cross.setdefault(key, set()).add((cid, epoch, a.assign_no))
+
+    def _revoke_source(self, cid: str) -> None:
+        prefix = cid + "#host"
+        for reader in [r for r, (_, _, s) in self.assign.items() if s == cid or s.startswith(prefix)]:
+            del self.assign[reader]
+
+    def live(self, rd) -> bool:
+        return rd.epoch == self.world.server.epoch and self.assign.get(rd.reader) == (rd.epoch, rd.assign_no, rd.source)
+
+    # ------------------------------------------------------------------ physical memory
+
+    def on_write(self, key: str, unit: Optional[int], version: int) -> None:
+        """(b): ``key`` (a client or one of its host copies) writes ``unit`` (None: all units)."""
+        for rd in self.world.net.reads_from(key):
+            if rd.dead and not self.live(rd):
+                continue
+            if not self.live(rd):
+                continue
+            if unit is None or rd.unit == unit or rd.version != version:
+                self.violate("mutate", f"{key} writes unit {unit} (version {version}) while "
+                             f"{rd.reader} reads unit {rd.unit} of version {rd.version} from it")
+                return
+
+    def trainer_wrote(self, shard: int, version: int) -> None:
+        self.trainer_versions.add((shard, version))
+
+    def check_memory(self, client, version: int, kind: str) -> bool:
+        want = [(version, client.shard, k) for k in range(client.units)]
+        if client.mem != want:
+            bad = [k for k in range(client.units) if client.mem[k] != want[k]]
+            self.violate(kind, f"{client.cid} holds version {version} but units {bad[:4]} are "
+                               f"{[client.mem[k] for k in bad[:4]]}")
+            return False
+        if (client.shard, version) not in self.trainer_versions:
+            self.violate("bytes", f"{client.cid} holds version {version} that no trainer wrote")
+            return False
+        return True
+
+    def on_replicated(self, client, version: int) -> None:
+        self.check_memory(client, version, "torn")
+
+    def on_round(self, driver, results: dict[int, tuple[str, int]]) -> None:
+        """(c) and (f) after one replicate round of a replica."""
+        ok = {i: v for i, (code, v) in results.items() if code == "ok"}
+        if len(set(ok.values())) > 1:
+            self.violate("txn", f"replica {driver.replica_id} round {driver.seq}: shards got versions {ok}")
+            return
+        if len(ok) == driver.num_shards:
+            for i, v in ok.items():
+                c = driver.members[i]
+                if c.alive and c.published == v:
+                    self.check_memory(c, v, "bytes")
+
+    # ------------------------------------------------------------------ operations
+
+    def op_start(self, op) -> None:
+        self.open_ops[id(op)] = op
+
+    def op_end(self, op, code: str) -> None:
+        self.open_ops.pop(id(op), None)
+        if code == "ok":
+            self.completed += 1
+        else:
+            self.failed[code] = self.failed.get(code, 0) + 1
+        now = self.world.sim.now
+        if now - max(op.start, self.fault_end_s) > self.bound_s:
+            self.violate("hang", f"{op.cid} {op.kind} took {now - op.start:.1f}s (bound {self.bound_s:.1f}s)")
+
+    def op_abandon(self, op) -> None:
+        self.open_ops.pop(id(op), None)
+
+    # ------------------------------------------------------------------ state checks
+
+    def check_retention(self, where: str) -> None:
+        if self.loss_at is not None:
+            return
+        st = self.world.server.status(self.world.params.model)
+        if st is None or not st.models:
+            return
+        mv = st.models[0]
+        if any(h.state in ("draining", "offloading") for h in mv.holders):
+            return
+        missing = sorted(set(mv.committed) - set(mv.available))
+        if missing:
+            self.violate("retention", f"at {where}: retained versions {missing} are not available "
+                                      f"(committed {list(mv.committed)}, available {list(mv.available)})")
+
+    def final(self, quiesced: bool) -> None:
+        w = self.world
+        for op in self.open_ops.values():
+            self.violate("hang", f"{op.cid} {op.kind} (started {op.start:.1f}s) never finished")
+        if not quiesced:
+            self.violate("hang", "the workload did not quiesce before the deadline")
+        self.check_retention("end")
+        for d in w.rollouts:
+            alive = [c for c in d.members if c.alive]
+            if len(alive) == d.num_shards and alive[0].published is not None:
+                vs = {c.published for c in alive}
+                if len(vs) == 1:
+                    for c in alive:
+                        self.check_memory(c, c.published, "bytes")
+        if not w.faults_injected:
+            for key, reads in sorted(self.cross.items()):
+                if len(reads) > 1:
+                    self.violate("cross_dc", f"version {key[0]} shard {key[1]} entered {key[2]} {len(reads)} times")

@@ -1,0 +1,140 @@
+"""Named fault kinds with bounded knobs. The scenario seed picks which kinds run and their
+parameters; every injection is traced and counted.
+
+- ``worker_crash``     a rollout process dies (preferably mid-transfer); restarts fresh later.
+- ``source_crash``     a process that is serving reads right now dies; restarts fresh later.
+- ``server_restart``   the reference server dies (all state and in-flight messages lost) and a
+                       fresh one starts after ``down_s``; clients re-announce.
+- ``spot_preemption``  a wave of spot processes dies at once (no restart).
+- ``slow_link``        a NIC or an inter-datacenter link runs ``factor`` times slower for a while.
+- ``msg_delay``        control messages get up to ``max_s`` extra delay for a while (reorders
+                       messages across channels).
+"""
+
+from __future__ import annotations
+
+import random
+
+FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay")
+
+BOUNDS = {
+    "server_restart.down_s": (0.2, 3.0),
+    "slow_link.factor": (4.0, 20.0),
+    "slow_link.duration_s": (1.0, 8.0),
+    "msg_delay.max_s": (0.05, 0.8),
+    "msg_delay.duration_s": (1.0, 8.0),
+    "spot_preemption.max_nodes": (1, 3),
+}
+
+
+def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
+    """Choose faults for this scenario: (time, kind, knobs). Returns the plan (also scheduled)."""
+    p = world.params
+    kinds = [k for k in FAULT_KINDS if k != "spot_preemption" or p.workload == "elastic"]
+    plan: list[tuple[float, str, dict]] = []
+    if rng.random() < 0.12:
+        return plan  # a clean run now and then: checks that need "no fault" get exercised
+    lo, hi = 2.0, max(3.0, world.active_end - 3.0)
+    for kind in kinds:
+        if rng.random() >= 0.35:
+            continue
+        for _ in range(1 if rng.random() < 0.7 else 2):
+            t = rng.uniform(lo, hi)
+            knobs: dict = {}
+            if kind == "server_restart":
+                knobs["down_s"] = rng.uniform(*BOUNDS["server_restart.down_s"])
+            elif kind == "slow_link":
+                knobs["factor"] = rng.uniform(*BOUNDS["slow_link.factor"])
+                knobs["duration_s"] = rng.uniform(*BOUNDS["slow_link.duration_s"])
+                knobs["pick"] = rng.random()
+            elif kind == "msg_delay":
+                knobs["max_s"] = min(rng.uniform(*BOUNDS["msg_delay.max_s"]), world.config.lease_timeout_s / 4)
+                knobs["duration_s"] = rng.uniform(*BOUNDS["msg_delay.duration_s"])
+            elif kind == "spot_preemption":
+                knobs["nodes"] = rng.randint(*BOUNDS["spot_preemption.max_nodes"])
+            knobs["pick"] = knobs.get("pick", rng.random())
+            plan.append((t, kind, knobs))
+    plan.sort(key=lambda x: (x[0], x[1]))
+    for t, kind, knobs in plan:
+        world.sim.at(t, inject, world, kind, knobs)
+    return plan
+
+
+def fault_end(plan: list[tuple[float, str, dict]], world) -> float:
+    """When the last fault's effects may still start (crash restarts, windows closing, leases)."""
+    end = 0.0
+    p = world.params
+    for t, kind, knobs in plan:
+        e = t + knobs.get("duration_s", 0.0) + knobs.get("down_s", 0.0)
+        if kind in ("worker_crash", "source_crash", "spot_preemption"):
+            e += p.restart_delay_s + world.config.lease_timeout_s
+        end = max(end, e)
+    return end
+
+
+def _pick(items: list, u: float):
+    return items[min(int(u * len(items)), len(items) - 1)] if items else None
+
+
+def inject(world, kind: str, knobs: dict) -> None:
+    sim = world.sim
+    done = False
+    if kind == "worker_crash":
+        alive = [c for c in world.clients_alive() if c.role == "rollout"]
+        busy = [c for c in alive if c.reading is not None and c.reading.inflight]
+        c = _pick(busy or alive, knobs["pick"])
+        if c is not None:
+            world.crash(c, restart=True)
+            done = True
+    elif kind == "source_crash":
+        owners = sorted({k.split("#")[0] for k, reads in world.net.reads_by_source.items() if reads})
+        cands = [world.clients[o] for o in owners if world.clients[o].alive]
+        if not cands:
+            cands = [c for c in world.clients_alive() if c.published is not None]
+        c = _pick(cands, knobs["pick"])
+        if c is not None:
+            world.crash(c, restart=True)
+            done = True
+    elif kind == "server_restart":
+        if world.server.up:
+            world.server.crash()
+            world.checker.note_loss("server restart")
+            sim.after(knobs["down_s"], world.server.restart)
+            done = True
+    elif kind == "spot_preemption":
+        spots = [c for c in world.clients_alive() if c.spot]
+        rng = random.Random(knobs["pick"])
+        rng.shuffle(spots)
+        for c in spots[: knobs["nodes"]]:
+            world.crash(c, restart=False)
+            done = True
+    elif kind == "slow_link":
+        res = []
+        for name in sorted(world.net.hosts):
+            h = world.net.hosts[name]
+            res.append((h.tx, h.rx))
+        for key in sorted(world.net.links):
+            res.append((world.net.links[key][0],))
+        target = _pick(res, knobs["pick"])
+        for r in target:
+            r.factor *= knobs["factor"]
+        sim.after(knobs["duration_s"], _unslow, target, knobs["factor"])
+        sim.trace(f"fault slow_link {[r.name for r in target]} x{knobs['factor']:.1f}")
+        done = True
+    elif kind == "msg_delay":
+        world.net.extra_delay_max_s = knobs["max_s"]
+        sim.after(knobs["duration_s"], _undelay, world)
+        done = True
+    if done:
+        world.faults[kind] = world.faults.get(kind, 0) + 1
+        world.faults_injected = True
+        sim.trace(f"fault {kind} {sorted(knobs.items())}")
+
+
+def _unslow(target, factor: float) -> None:
+    for r in target:
+        r.factor /= factor
+
+
+def _undelay(world) -> None:
+    world.net.extra_delay_max_s = 0.0

@@ -1,0 +1,281 @@
+"""One seeded scenario end to end: build the world, run it, check it.
+
+``run_scenario(seed)`` is a pure function of its arguments: the seed picks the workload (unless
+one is forced), its sizes and timings, the protocol config, and the faults. The result carries
+a digest of the trace so that replays can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Optional
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.sim import faults as faults_mod
+from tensorhub.sim.checkers import Checker
+from tensorhub.sim.client import FREED, TORN, SimClient
+from tensorhub.sim.loop import Sim
+from tensorhub.sim.network import Network
+from tensorhub.sim.server import CoreFactory, SimServer
+from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
+
+WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    workload: str
+    model: str = "policy"
+    units: int = 8
+    unit_bytes: int = GiB
+    nic_bw: float = 10e9
+    dc_bw: float = 2e9
+    dc_latency_s: float = 0.02
+    host_bw: float = 10e9
+    num_shards: int = 1
+    detect_delay_s: float = 0.5
+    poll_s: float = 0.001
+    restart_delay_s: float = 2.0
+    shard_skew_s: float = 0.2
+    hold_s: tuple = (0.5, 3.0)
+    train_s: tuple = (0.5, 2.5)
+    generate_s: tuple = (0.2, 2.0)
+    active_s: float = 20.0
+    max_versions: int = 4
+    max_clients: int = 12
+
+
+def make_params(rng: random.Random, workload: Optional[str]) -> Params:
+    wl = workload or WORKLOADS[rng.randrange(len(WORKLOADS))]
+    shards = {"sharded": rng.randint(2, 4), "colocated": rng.choice([1, 1, 2])}.get(wl, 1)
+    return Params(
+        workload=wl,
+        units=rng.randint(4, 8) if wl == "crossdc" else rng.randint(4, 16),
+        nic_bw=rng.uniform(5e9, 25e9),
+        dc_bw=rng.uniform(2e9, 6e9),
+        dc_latency_s=rng.uniform(0.005, 0.05),
+        num_shards=shards,
+        detect_delay_s=rng.uniform(0.2, 1.5),
+        restart_delay_s=rng.uniform(1.0, 4.0),
+        shard_skew_s=rng.uniform(0.0, 1.5) if shards > 1 else 0.0,
+        active_s=rng.uniform(12.0, 30.0),
+        max_versions=rng.randint(3, 6),
+    )
+
+
+def make_config(rng: random.Random) -> Config:
+    return Config(
+        heartbeat_interval_s=1.0,
+        lease_timeout_s=rng.choice([4.0, 6.0]),
+        server_tick_s=0.5,
+        source_stall_timeout_s=rng.uniform(4.0, 8.0),
+        versions_retained=rng.choice([1, 2, 2, 3]),
+        readers_per_source_max=rng.choice([1, 1, 1, 2]),
+        reads_in_flight=rng.choice([1, 2, 4]),
+    )
+
+
+@dataclasses.dataclass
+class ScenarioResult:
+    seed: int
+    workload: str
+    digest: str
+    violations: list
+    faults: dict
+    completed: int
+    failed: dict
+    events: int
+    sim_seconds: float
+    lines: Optional[list] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class World:
+    """Everything one scenario owns; components reach each other through it."""
+
+    def __init__(self, seed: int, workload: Optional[str] = None, core_factory: Optional[CoreFactory] = None,
+                 keep_trace: bool = False, params: Optional[Params] = None, config: Optional[Config] = None,
+                 faults: bool = True) -> None:
+        self.sim = Sim(seed, keep_trace=keep_trace)
+        rng = self.sim.rng("scenario")
+        self.params = params or make_params(rng, workload)
+        self.config = config or make_config(rng)
+        self.net = Network(self.sim, self.sim.rng("net"))
+        self.rng_client = self.sim.rng("clients")
+        self.clients: dict[str, SimClient] = {}
+        self.trainers: list[TrainerDriver] = []
+        self.rollouts: list[RolloutDriver] = []
+        self.dcs: list[str] = ["dc0"]
+        self.faults: dict[str, int] = {}
+        self.faults_injected = False
+        self.active_end = self.params.active_s
+        self.stats_recoveries = self.stats_stalls = self.stats_bad_units = 0
+        self._layouts: dict[int, m.LayoutInfo] = {}
+        self._hosts = 0
+        self.checker = Checker(self)
+        self.server = SimServer(self, core_factory)
+        self.sim.trace(f"scenario {self.params!r} {self.config!r}")
+        if self.params.workload != "whatif":
+            build_workload(self, self.sim.rng("workload"))
+            plan = faults_mod.plan_faults(self, self.sim.rng("faults")) if faults else []
+            self.checker.fault_end_s = faults_mod.fault_end(plan, self)
+        self.checker.bound_s = self._op_bound()
+
+    def _op_bound(self) -> float:
+        p, c = self.params, self.config
+        slowest_bw = min(p.nic_bw, p.dc_bw, p.host_bw) / faults_mod.BOUNDS["slow_link.factor"][1]
+        data_s = p.units * p.unit_bytes / slowest_bw
+        return 10 * c.lease_timeout_s + 2 * data_s + p.max_clients * p.units * p.unit_bytes / min(p.nic_bw, p.dc_bw)
+
+    # ------------------------------------------------------------------ building
+
+    def layout(self, shard: int) -> m.LayoutInfo:
+        lay = self._layouts.get(shard)
+        if lay is None:
+            p = self.params
+            lay = self._layouts[shard] = m.LayoutInfo(
+                fingerprint=f"sim-{p.model}-{shard}-{p.units}", unit_count=p.units, total_bytes=p.units * p.unit_bytes)
+        return lay
+
+    def add_host(self, dc: str) -> str:
+        self._hosts += 1
+        name = f"h{self._hosts}"
+        self.net.add_host(name, dc, self.params.nic_bw)
+        return name
+
+    def add_client(self, cid: str, **kw) -> SimClient:
+        c = SimClient(self, cid, **kw)
+        self.clients[cid] = c
+        return c
+
+    def clients_alive(self) -> list[SimClient]:
+        return [c for _, c in sorted(self.clients.items()) if c.alive]
+
+    # ------------------------------------------------------------------ physical world
+
+    def source_client(self, source_id: str) -> Optional[SimClient]:
+        return self.clients.get(source_id.split("#", 1)[0])
+
+    def read_tag(self, rd):
+        """What a unit read copies: the source's tag at the end of the read (TORN if the
+        source wrote that unit while the read was in flight)."""
+        owner = self.source_client(rd.source)
+        if owner is None or not owner.alive:
+            return TORN
+        if "#host" in rd.source:
+            copy = owner.host_copies.get(int(rd.source.rsplit("#host", 1)[1]))
+            return FREED if copy is None else copy[rd.unit]
+        if owner.mem_wtime[rd.unit] > rd.t0:
+            return TORN
+        return owner.mem[rd.unit]
+
+    def crash(self, c: SimClient, restart: bool) -> None:
+        if not c.alive:
+            return
+        self.sim.trace(f"crash {c.cid}")
+        self.checker.note_loss("crash")
+        keys = set(c.serves())
+        c.alive = False
+        c.abandon()
+        for k in sorted(keys):
+            for rd in self.net.reads_from(k):
+                rd.dead = True
+                self.net.unregister(rd)
+        for x in self.clients_alive():
+            if x.reading is not None and x.reading.source in keys:
+                x.source_died()
+        if c.reading is not None:
+            for rd in c.reading.inflight.values():
+                rd.dead = True
+                self.net.unregister(rd)
+            c.reading = None
+        c.host_copies = {}
+        c.published = None
+        if c.driver is not None:
+            c.driver.on_crash(c, restart)
+
+    # ------------------------------------------------------------------ running
+
+    def drivers(self):
+        return self.trainers + self.rollouts
+
+    def quiet(self) -> bool:
+        return (self.server.up and not any(d.busy for d in self.drivers())
+                and all(c.op is None for c in self.clients.values() if c.alive))
+
+    def _watch(self) -> None:
+        if self.sim.now >= max(self.active_end, self.checker.fault_end_s) and self.quiet():
+            self.quiesced = True
+            self.sim.stopped = True
+            return
+        self.sim.after(1.0, self._watch)
+
+    def run(self) -> None:
+        self.quiesced = False
+        for d in self.trainers:
+            d.start()
+        for d in self.rollouts:
+            d.start()
+        self.sim.at(self.active_end, self._watch)
+        deadline = max(self.active_end, self.checker.fault_end_s) + self.checker.bound_s + 5.0
+        self.sim.run(deadline)
+        self.checker.final(self.quiesced)
+
+
+def build_workload(w: World, rng: random.Random) -> None:
+    p = w.params
+    wl = p.workload
+    S = p.num_shards
+    if wl == "crossdc":
+        w.dcs = [f"dc{i}" for i in range(rng.randint(2, 3))]
+        for i, a in enumerate(w.dcs):
+            for b in w.dcs[i + 1:]:
+                w.net.add_dc_link(a, b, p.dc_bw, p.dc_latency_s)
+    trainer_hosts = [w.add_host("dc0") for _ in range(S)]
+    w.trainers.append(TrainerDriver(w, "trainer", trainer_hosts, "dc0", False, w.sim.rng("trainer"),
+                                    max_versions=p.max_versions))
+
+    def rollout(name: str, hosts: list[str], dc: str, spot: bool = False) -> None:
+        w.rollouts.append(RolloutDriver(w, name, hosts, dc, spot, w.sim.rng(name)))
+
+    if wl == "standalone":
+        for i in range(rng.randint(3, 9)):
+            rollout(f"r{i}", [w.add_host("dc0")], "dc0")
+    elif wl == "colocated":
+        rollout("r0", trainer_hosts, "dc0")  # shares the trainer's GPUs: a local copy
+        for i in range(1, 1 + rng.randint(1, max(1, (p.max_clients - 2 * S) // S))):
+            rollout(f"r{i}", [w.add_host("dc0") for _ in range(S)], "dc0")
+    elif wl == "elastic":
+        for i in range(rng.randint(1, 3)):
+            rollout(f"r{i}", [w.add_host("dc0")], "dc0")
+        for i in range(rng.randint(2, 5)):
+            rollout(f"spot{i}", [w.add_host("dc0")], "dc0", spot=True)
+        SpotChurn(w, w.sim.rng("churn"), rng.randint(2, 6))
+    elif wl == "crossdc":
+        for dc in w.dcs:
+            for i in range(rng.randint(2, 3)):
+                rollout(f"r{dc}-{i}", [w.add_host(dc)], dc)
+    elif wl == "sharded":
+        for i in range(rng.randint(1, max(1, min(3, (p.max_clients - S) // S)))):
+            rollout(f"r{i}", [w.add_host("dc0") for _ in range(S)], "dc0")
+    else:
+        raise ValueError(f"unknown workload {wl!r}; known: {', '.join(WORKLOADS)}")
+
+
+def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Optional[CoreFactory] = None,
+                 keep_trace: bool = False, faults: bool = True) -> ScenarioResult:
+    """Run one seeded scenario and check every invariant. Deterministic in its arguments."""
+    w = World(seed, workload, core_factory, keep_trace=keep_trace, faults=faults)
+    w.run()
+    w.sim.trace(f"end violations={len(w.checker.violations)} ops={w.checker.completed} failed={sorted(w.checker.failed.items())}")
+    return ScenarioResult(
+        seed=seed, workload=w.params.workload, digest=w.sim.digest(), violations=list(w.checker.violations),
+        faults=dict(w.faults), completed=w.checker.completed, failed=dict(w.checker.failed),
+        events=w.sim.events, sim_seconds=w.sim.now, lines=w.sim.lines,
+    )

@@ -1,0 +1,256 @@
+"""Workload drivers: trainer replicas, rollout replicas, spot churn.
+
+A driver owns the shard clients of one replica and runs them in lock step (a tensor-parallel
+group does collectives, so its shards start each round together, with a random skew). A
+member that crashes is replaced after a restart delay by a fresh process (new client id, empty
+memory) unless the driver is spot (a preempted spot replica is gone).
+
+Builders at the bottom turn a seeded RNG into one of the named workloads.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Optional
+
+from tensorhub.sim.client import SimClient
+
+
+class Barrier:
+    def __init__(self, sim, n: int, then: Callable[[], None]) -> None:
+        self.sim, self.left, self.then, self.fired = sim, set(range(n)), then, False
+
+    def done(self, i: int) -> None:
+        if i in self.left:
+            self.left.discard(i)
+            if not self.left and not self.fired:
+                self.fired = True
+                self.sim.after(0.0, self.then)
+
+
+class ReplicaDriver:
+    role = "replica"
+
+    def __init__(self, world, replica_id: str, hosts: list[str], dc: str, spot: bool, rng: random.Random) -> None:
+        self.world = world
+        self.replica_id = replica_id
+        self.num_shards = len(hosts)
+        self.hosts = hosts
+        self.dc = dc
+        self.spot = spot
+        self.rng = rng
+        self.gen = 0
+        self.members: list[SimClient] = [self._spawn(i) for i in range(self.num_shards)]
+        self.barrier: Optional[Barrier] = None
+        self.idle = False
+        self.restarting = 0
+        self.gone = False
+
+    def _spawn(self, i: int) -> SimClient:
+        suffix = f".{self.gen}" if self.gen else ""
+        c = self.world.add_client(
+            f"{self.replica_id}/s{i}{suffix}", replica_id=self.replica_id, shard=i,
+            num_shards=self.num_shards, host=self.hosts[i], dc=self.dc, spot=self.spot, role=self.role,
+        )
+        c.driver, c.index = self, i
+        return c
+
+    @property
+    def busy(self) -> bool:
+        return not self.idle or self.restarting > 0
+
+    def on_crash(self, c: SimClient, restart: bool) -> None:
+        if self.barrier is not None:
+            self.barrier.done(c.index)
+        if restart and not self.spot:
+            self.restarting += 1
+            self.world.sim.after(self.world.params.restart_delay_s, self._restart, c.index)
+        else:
+            self.gone = True
+
+    def _restart(self, i: int) -> None:
+        self.gen += 1
+        self.members[i] = self._spawn(i)
+        self.restarting -= 1
+
+    def ensure_registered(self, c: SimClient, go: Callable[[], None], done: Callable[[], None]) -> None:
+        if not c.alive:
+            done()
+        elif c.registered:
+            go()
+        else:
+            def registered(code: str, _v: int) -> None:
+                if code == "ok":
+                    go()
+                elif code == "ShardTaken" and c.alive:  # the dead predecessor has not expired yet
+                    self.world.sim.after(1.0, self.ensure_registered, c, go, done)
+                else:
+                    done()
+            c.register(registered)
+
+    def each(self, fn: Callable[[SimClient, Callable[[], None]], None], then: Callable[[], None], skew_s: float) -> None:
+        b = self.barrier = Barrier(self.world.sim, self.num_shards, then)
+        for i, c in enumerate(self.members):
+            if not c.alive:
+                b.done(i)
+                continue
+            self.world.sim.after(self.rng.uniform(0, skew_s), self._each_one, fn, c, b, i)
+
+    def _each_one(self, fn, c: SimClient, b: Barrier, i: int) -> None:
+        if not c.alive or c is not self.members[i]:
+            b.done(i)
+            return
+        fn(c, lambda: b.done(i))
+
+
+class TrainerDriver(ReplicaDriver):
+    """publish(v) on every shard (random order) -> hold -> unpublish everywhere -> train -> v+1."""
+
+    role = "trainer"
+
+    def __init__(self, *a, max_versions: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.max_versions = max_versions
+        self.version = 0
+
+    def start(self) -> None:
+        self.world.sim.after(self.rng.uniform(0, 0.3), self._step)
+
+    def _step(self) -> None:
+        w = self.world
+        if self.restarting:
+            w.sim.after(0.5, self._step)
+            return
+        if w.sim.now >= w.active_end or self.version >= self.max_versions:
+            self.idle = True
+            return
+        self.version += 1
+        v = self.version
+        self.each(lambda c, done: self.ensure_registered(c, lambda: self._publish(c, v, done), done),
+                  self._published, w.params.shard_skew_s)
+
+    def _publish(self, c: SimClient, v: int, done) -> None:
+        def write_and_publish() -> None:
+            c.write_version(v)
+            c.publish(v, lambda code, _v: done())
+
+        if c.published is not None:
+            self._unpublish(c, write_and_publish)
+        else:
+            if c.mem[0] is not None and c.mem[0][0] != "dirty":
+                c.mutate()  # after an eviction or a restart: the server no longer lists us
+            write_and_publish()
+
+    def _unpublish(self, c: SimClient, then) -> None:
+        def unpublished(code: str, _v: int) -> None:
+            if code in ("ok", "Evicted"):
+                c.mutate()
+            then()
+        c.unpublish(unpublished)
+
+    def _published(self) -> None:
+        p = self.world.params
+        self.world.sim.after(self.rng.uniform(*p.hold_s), self._unpublish_all)
+
+    def _unpublish_all(self) -> None:
+        def one(c: SimClient, done) -> None:
+            if c.registered and c.published is not None:
+                self._unpublish(c, done)
+            else:
+                done()
+        p = self.world.params
+        self.each(one, lambda: self.world.sim.after(self.rng.uniform(*p.train_s), self._step), p.shard_skew_s)
+
+
+class RolloutDriver(ReplicaDriver):
+    """Rounds of update("latest") on every shard (one transaction), then generate, repeat."""
+
+    role = "rollout"
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.seq = 0
+        self.leaving = False
+
+    def start(self, delay: float = 0.0) -> None:
+        self.world.sim.after(delay + self.rng.uniform(0, 0.5), self._round)
+
+    def _round(self) -> None:
+        w = self.world
+        if self.gone:
+            self.idle = True
+            return
+        if self.restarting:
+            w.sim.after(0.5, self._round)
+            return
+        if self.leaving:
+            self._leave()
+            return
+        if w.sim.now >= w.active_end:
+            self.idle = True
+            return
+        self.seq += 1
+        seq = self.seq
+        results: dict[int, tuple[str, int]] = {}
+
+        def one(c: SimClient, done) -> None:
+            def replicated(code: str, v: int) -> None:
+                results[c.index] = (code, v)
+                done()
+            self.ensure_registered(c, lambda: c.replicate("latest", seq, True, replicated), done)
+
+        self.each(one, lambda: self._round_done(results), w.params.shard_skew_s)
+
+    def _round_done(self, results: dict[int, tuple[str, int]]) -> None:
+        w = self.world
+        w.checker.on_round(self, results)
+        ok = len(results) == self.num_shards and all(code == "ok" for code, _ in results.values())
+        p = w.params
+        delay = self.rng.uniform(*p.generate_s) if ok else self.rng.uniform(0.3, 1.0)
+        w.sim.after(delay, self._round)
+
+    def _leave(self) -> None:
+        def one(c: SimClient, done) -> None:
+            def left(code: str, _v: int) -> None:
+                c.retire()
+                done()
+
+            def unpublished(code: str, _v: int) -> None:
+                if c.alive and c.registered:
+                    c.leave(left)
+                else:
+                    left(code, _v)
+            if c.registered:
+                c.unpublish(unpublished)
+            else:
+                left("ok", -1)
+
+        def finished() -> None:
+            self.gone = True
+            self.idle = True
+        self.each(one, finished, 0.0)
+
+
+class SpotChurn:
+    """Elastic fleet: spot replicas join and leave at random times during the active phase."""
+
+    def __init__(self, world, rng: random.Random, events: int) -> None:
+        self.world, self.rng, self.n = world, rng, 0
+        for _ in range(events):
+            world.sim.at(rng.uniform(1.0, max(1.5, world.active_end - 4.0)), self._churn)
+
+    def _churn(self) -> None:
+        w = self.world
+        spots = [d for d in w.rollouts if d.spot and not d.leaving and not d.gone]
+        if spots and (self.rng.random() < 0.5 or len(w.clients_alive()) >= w.params.max_clients):
+            d = spots[self.rng.randrange(len(spots))]
+            d.leaving = True
+            w.sim.trace(f"churn leave {d.replica_id}")
+        elif len(w.clients_alive()) < w.params.max_clients:
+            self.n += 1
+            dc = w.dcs[self.rng.randrange(len(w.dcs))]
+            host = w.add_host(dc)
+            d = RolloutDriver(w, f"spot-j{self.n}", [host], dc, True, w.sim.rng(f"spot-j{self.n}"))
+            w.rollouts.append(d)
+            w.sim.trace(f"churn join {d.replica_id}")
+            d.start()

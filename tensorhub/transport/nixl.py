@@ -1,0 +1,653 @@
+"""The NIXL data path: registered regions, one-sided reads, progress counters.
+
+A *holder* registers its tensors once (:meth:`Region.register`) and exposes an
+:class:`Endpoint`. Next to the tensors each region owns a registered host **control block**,
+an int64 tensor ``[version, progress_units, checksum_0, ..., checksum_{U-1}]``. A reader never
+calls into the holder's Python: it READs the holder's control block to learn which version is
+there and how many units are final, then READs those units straight into its own registered
+tensors (:func:`pull`). While receiving, the reader advances its *own* control block, so a third
+process can read from it at the same time (pipeline replication: ``holder -> r1 -> r2``).
+
+Ordering rule for writers of a control block: write a unit's bytes, then its checksum, then the
+progress counter. Readers only read units below the progress they saw.
+
+One NIXL agent per process (:func:`get_agent`); a NIXL agent is not thread-safe, so transfers on
+one :class:`Agent` are serialised by its ``xfer_lock`` (:func:`pull`, :meth:`Source.read_control`).
+Updating a control block (``set_progress`` etc.) is a plain memory write and may happen from any
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import msgspec
+import torch
+
+from tensorhub.config import Config
+from tensorhub.errors import (
+    ChecksumMismatch,
+    InvalidState,
+    LayoutMismatch,
+    SourceStalled,
+    TransferError,
+)
+from tensorhub.layout import Layout, checksum_unit, dtype_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Agent",
+    "Endpoint",
+    "MemRegion",
+    "Region",
+    "Source",
+    "decode_endpoint",
+    "encode_endpoint",
+    "get_agent",
+    "open_source",
+    "pull",
+]
+
+_HEADER = 2  # control block: [version, progress, checksums...]
+_NO_VERSION = -1
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 2e-3
+
+
+def _to_i64(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def _to_u64(s: int) -> int:
+    return s + (1 << 64) if s < 0 else s
+
+
+# --------------------------------------------------------------------------- wire types
+
+
+class MemRegion(msgspec.Struct, frozen=True):
+    """One registered memory range: address, length, ``"DRAM"`` or ``"VRAM"``, device id."""
+
+    addr: int
+    nbytes: int
+    mem_type: str = "DRAM"
+    dev_id: int = 0
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    """Everything a remote reader needs to read a :class:`Region`: the holder's NIXL agent name
+    and metadata, one :class:`MemRegion` per tensor (layout order; zero-byte tensors have
+    ``addr == 0``), the control block, and the layout's fingerprint/unit signature/unit count."""
+
+    agent_name: str
+    agent_metadata: bytes
+    tensors: tuple[MemRegion, ...]
+    control: MemRegion
+    fingerprint: str
+    unit_signature: str
+    unit_count: int
+
+
+def encode_endpoint(ep: Endpoint) -> bytes:
+    """msgpack bytes of ``ep`` (for any channel: a Ray call, the reference server, ...)."""
+    return msgspec.msgpack.encode(ep)
+
+
+def decode_endpoint(data: bytes) -> Endpoint:
+    """Inverse of :func:`encode_endpoint`; raises ``msgspec.ValidationError`` on garbage."""
+    return msgspec.msgpack.decode(data, type=Endpoint)
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class Agent:
+    """A NIXL agent plus the set of remote peers already added to it. Not thread-safe for
+    transfers (see module docstring). Use :func:`get_agent` for the process-wide one; tests may
+    build more with ``Agent(config)`` (several agents in one process work)."""
+
+    def __init__(self, config: Config, name: Optional[str] = None):
+        from nixl._api import nixl_agent, nixl_agent_config  # heavy import, keep it lazy
+
+        self.name = name or f"tensorhub-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.backend = config.backend
+        self.nixl = nixl_agent(self.name, nixl_agent_config(backends=[config.backend]))
+        if config.backend not in self.nixl.backends:
+            raise TransferError(f"NIXL backend {config.backend!r} could not be created")
+        self._remotes: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self.xfer_lock = threading.RLock()
+        """Held by :func:`pull` and control reads: NIXL agents are not thread-safe for transfers."""
+        logger.info("nixl agent %s up (backend %s)", self.name, config.backend)
+
+    def metadata(self) -> bytes:
+        return self.nixl.get_agent_metadata()
+
+    def ensure_remote(self, name: str, metadata: bytes) -> None:
+        """Add peer ``name`` once; re-add it if its metadata changed (a peer that restarted)."""
+        if name == self.name:
+            return  # reads from a region of this very process: NIXL handles them locally
+        with self._lock:
+            known = self._remotes.get(name)
+            if known == metadata:
+                return
+            if known is not None:
+                try:
+                    self.nixl.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001 - best effort, re-adding is what matters
+                    logger.debug("remove_remote_agent(%s) failed", name, exc_info=True)
+            try:
+                self.nixl.add_remote_agent(metadata)
+            except Exception as e:
+                raise TransferError(f"cannot add remote agent {name}: {e}") from e
+            self._remotes[name] = metadata
+
+    def forget_remote(self, name: str) -> None:
+        """Drop a peer (e.g. one reported dead). Idempotent."""
+        with self._lock:
+            if self._remotes.pop(name, None) is not None:
+                try:
+                    self.nixl.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001
+                    logger.debug("remove_remote_agent(%s) failed", name, exc_info=True)
+
+
+_agent: Optional[Agent] = None
+_agent_lock = threading.Lock()
+
+
+def get_agent(config: Config) -> Agent:
+    """The process-wide :class:`Agent`, created on first call (unique name
+    ``tensorhub-<pid>-<uuid8>``). Later calls return the same agent whatever their config."""
+    global _agent
+    with _agent_lock:
+        if _agent is None:
+            _agent = Agent(config)
+        elif _agent.backend != config.backend:
+            logger.warning("agent %s uses backend %s, not %s", _agent.name, _agent.backend, config.backend)
+        return _agent
+
+
+# --------------------------------------------------------------------------- holder side
+
+
+def _mem_of(t: torch.Tensor) -> tuple[str, int]:
+    if t.device.type == "cpu":
+        return "DRAM", 0
+    if t.device.type == "cuda":
+        return "VRAM", int(t.device.index or 0)  # untested: no GPU here
+    raise LayoutMismatch(f"unsupported device {t.device}")
+
+
+class Region:
+    """A set of tensors registered with NIXL once, plus their control block.
+
+    Used by holders (they publish: ``set_checksums``, ``set_progress``, ``set_version``) and by
+    receivers (:func:`pull` writes into the tensors and advances the control block). The
+    registration lives until :meth:`close`; the caller must keep the tensors alive and must not
+    reallocate them until then. Not thread-safe except for the ``set_*`` writers.
+    """
+
+    def __init__(self, agent: Agent, tensors: list[torch.Tensor], layout: Layout,
+                 regs: list[Any], control: torch.Tensor, mems: tuple[MemRegion, ...],
+                 mem_type: str):
+        self.agent = agent
+        self.tensors = tensors
+        self.layout = layout
+        self.control = control
+        self._regs = regs
+        self._mems = mems
+        self.mem_type = mem_type
+        self._local_dlist: Any = None
+        self._closed = False
+
+    @classmethod
+    def register(cls, tensors: Sequence[torch.Tensor], layout: Layout, config: Config,
+                 agent: Optional[Agent] = None) -> "Region":
+        """Register ``tensors`` (layout order; all on one device) with NIXL and allocate the
+        control block (version -1, progress 0, checksums 0). CPU tensors are registered as DRAM,
+        CUDA tensors as VRAM with their device id (the VRAM path is untested). Raises
+        :class:`LayoutMismatch` if the tensors do not match ``layout``, are non-contiguous or span
+        devices; :class:`TransferError` if NIXL refuses the registration."""
+        agent = agent or get_agent(config)
+        tensors = list(tensors)
+        metas = layout.metas
+        if len(tensors) != len(metas):
+            raise LayoutMismatch(f"{len(tensors)} tensors for a layout of {len(metas)}")
+        devices = set()
+        for m, t in zip(metas, tensors):
+            if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+                raise LayoutMismatch(f"tensor {m.name!r}: not a contiguous tensor")
+            if dtype_name(t.dtype) != m.dtype or tuple(t.shape) != m.shape:
+                raise LayoutMismatch(
+                    f"tensor {m.name!r}: {t.dtype}{list(t.shape)} does not match {m.dtype}{list(m.shape)}")
+            devices.add(t.device)
+        if len(devices) != 1:
+            raise LayoutMismatch(f"tensors span several devices: {sorted(map(str, devices))}")
+        mem_type, dev_id = _mem_of(tensors[0])
+        mems = tuple(
+            MemRegion(t.data_ptr(), m.nbytes, mem_type, dev_id) if m.nbytes else MemRegion(0, 0, mem_type, dev_id)
+            for m, t in zip(metas, tensors)
+        )
+        regs = []
+        # Tensors that share storage (views) must be registered once per distinct range.
+        ranges = sorted({(r.addr, r.nbytes) for r in mems if r.nbytes})
+        control = torch.zeros(_HEADER + layout.unit_count, dtype=torch.int64)
+        control[0] = _NO_VERSION
+        try:
+            if ranges:
+                regs.append(agent.nixl.register_memory(
+                    [(a, n, dev_id, "") for a, n in ranges], mem_type))
+            regs.append(agent.nixl.register_memory(control))
+        except Exception as e:
+            for r in regs:
+                agent.nixl.deregister_memory(r)
+            raise TransferError(f"NIXL registration failed: {e}") from e
+        logger.debug("registered %d tensors (%d bytes, %s) on %s",
+                     len(tensors), layout.total_bytes, mem_type, agent.name)
+        return cls(agent, tensors, layout, regs, control, mems, mem_type)
+
+    # ---- control block -------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Version the tensors hold or are receiving; -1 before any."""
+        return int(self.control[0])
+
+    @property
+    def progress(self) -> int:
+        """Number of leading units that are final (a complete region: ``unit_count``)."""
+        return int(self.control[1])
+
+    def set_version(self, version: int) -> None:
+        """Publish ``version`` in the control block. To start holding a new version write
+        ``set_progress(0)`` first (readers then see no final units of the new version)."""
+        self.control[0] = int(version)
+
+    def set_progress(self, units: int) -> None:
+        """Publish that units ``[0, units)`` are final; write their bytes and checksums first."""
+        if not 0 <= units <= self.layout.unit_count:
+            raise ValueError(f"progress {units} outside [0, {self.layout.unit_count}]")
+        self.control[1] = int(units)
+
+    def set_checksums(self, checksums: Sequence[int], start: int = 0) -> None:
+        """Store unsigned 64-bit checksums for units ``start, start+1, ...``."""
+        if start + len(checksums) > self.layout.unit_count:
+            raise ValueError("more checksums than units")
+        if len(checksums):
+            self.control[_HEADER + start:_HEADER + start + len(checksums)] = torch.tensor(
+                [_to_i64(int(c)) for c in checksums], dtype=torch.int64)
+
+    def checksums(self) -> list[int]:
+        """The unsigned checksums currently in the control block."""
+        return [_to_u64(int(x)) for x in self.control[_HEADER:].tolist()]
+
+    def publish_complete(self, version: int, checksums: Optional[Sequence[int]] = None) -> None:
+        """Convenience for a holder whose tensors are complete: checksums, progress = all, version."""
+        self.set_progress(0)
+        if checksums is not None:
+            self.set_checksums(checksums)
+        self.set_version(version)
+        self.set_progress(self.layout.unit_count)
+
+    def endpoint(self) -> Endpoint:
+        """The :class:`Endpoint` readers need; cheap, may be called repeatedly."""
+        self._check_open()
+        return Endpoint(
+            agent_name=self.agent.name,
+            agent_metadata=self.agent.metadata(),
+            tensors=self._mems,
+            control=MemRegion(self.control.data_ptr(), self.control.numel() * 8, "DRAM", 0),
+            fingerprint=self.layout.fingerprint,
+            unit_signature=self.layout.unit_signature,
+            unit_count=self.layout.unit_count,
+        )
+
+    def _local_descs(self) -> Any:
+        """Prepared local descriptor list: every piece of every unit, in order (cached)."""
+        if self._local_dlist is None:
+            self._local_dlist = self.agent.nixl.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _piece_descs(self._mems, self.layout), self.mem_type)
+        return self._local_dlist
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("region is closed")
+
+    def close(self) -> None:
+        """Deregister everything. Idempotent. Readers of this region fail afterwards (their
+        reads error out); callers must drain readers first (the unpublish contract)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._local_dlist is not None:
+            self._local_dlist.release()
+            self._local_dlist = None
+        for r in self._regs:
+            try:
+                self.agent.nixl.deregister_memory(r)
+            except Exception:  # noqa: BLE001 - closing must not raise
+                logger.warning("deregister failed on %s", self.agent.name, exc_info=True)
+        self._regs = []
+
+
+def _piece_descs(mems: Sequence[MemRegion], layout: Layout) -> list[tuple[int, int, int]]:
+    out = []
+    for unit in layout.units:
+        for p in unit:
+            m = mems[p.tensor_index]
+            out.append((m.addr + p.offset, p.nbytes, m.dev_id))
+    return out
+
+
+def _unit_desc_index(layout: Layout) -> list[list[int]]:
+    idx, i = [], 0
+    for unit in layout.units:
+        idx.append(list(range(i, i + len(unit))))
+        i += len(unit)
+    return idx
+
+
+# --------------------------------------------------------------------------- reader side
+
+
+class Source:
+    """A remote region seen from this process: peer added, remote descriptors prepared, and a
+    local registered scratch block to READ the remote control block into. Build with
+    :func:`open_source`; release with :meth:`close` (idempotent)."""
+
+    def __init__(self, agent: Agent, endpoint: Endpoint):
+        self.agent = agent
+        self.endpoint = endpoint
+        agent.ensure_remote(endpoint.agent_name, endpoint.agent_metadata)
+        self._scratch = torch.zeros(endpoint.control.nbytes // 8, dtype=torch.int64)
+        self._scratch_reg = agent.nixl.register_memory(self._scratch)
+        try:
+            local = agent.nixl.get_xfer_descs(self._scratch)
+            remote = agent.nixl.get_xfer_descs(
+                [(endpoint.control.addr, endpoint.control.nbytes, 0)], "DRAM")
+            self._ctl_handle = agent.nixl.initialize_xfer("READ", local, remote, endpoint.agent_name)
+        except Exception as e:
+            agent.nixl.deregister_memory(self._scratch_reg)
+            raise TransferError(f"cannot prepare reads from {endpoint.agent_name}: {e}") from e
+        self._remote_dlist: Any = None
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.agent_name
+
+    def read_control(self, timeout_s: float = 10.0) -> tuple[int, int, list[int]]:
+        """One-sided READ of the remote control block: ``(version, progress, checksums)``
+        (checksums unsigned). Blocks at most ``timeout_s``; raises :class:`SourceStalled` past
+        it and :class:`TransferError` if the read fails (remote gone, deregistered)."""
+        with self.agent.xfer_lock:
+            raw = self._read_control_raw(timeout_s)
+        return int(raw[0]), int(raw[1]), [_to_u64(int(x)) for x in raw[_HEADER:].tolist()]
+
+    def _read_control_raw(self, timeout_s: float) -> torch.Tensor:
+        if self._closed:
+            raise TransferError("source is closed")
+        nx = self.agent.nixl
+        try:
+            state = nx.transfer(self._ctl_handle)
+            deadline = time.monotonic() + timeout_s
+            delay = 10e-6
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise SourceStalled(f"control read from {self.name} took over {timeout_s}s")
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+                state = nx.check_xfer_state(self._ctl_handle)
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(f"control read from {self.name} failed: {e}") from e
+        if state != "DONE":
+            raise TransferError(f"control read from {self.name} failed ({state})")
+        return self._scratch
+
+    def _remote_descs(self, layout: Layout) -> Any:
+        if self._remote_dlist is None:
+            ep = self.endpoint
+            mem_types = {m.mem_type for m in ep.tensors if m.nbytes}
+            if len(mem_types) > 1:
+                raise LayoutMismatch(f"source {self.name} spans memory types {sorted(mem_types)}")
+            self._remote_dlist = self.agent.nixl.prep_xfer_dlist(
+                ep.agent_name, _piece_descs(ep.tensors, layout), mem_types.pop() if mem_types else "DRAM")
+        return self._remote_dlist
+
+    def close(self) -> None:
+        """Release handles and the scratch registration. Idempotent; the peer stays added."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in (self._ctl_handle, self._remote_dlist):
+            if h is not None:
+                try:
+                    h.release()
+                except Exception:  # noqa: BLE001
+                    logger.debug("release failed", exc_info=True)
+        self._remote_dlist = None
+        try:
+            self.agent.nixl.deregister_memory(self._scratch_reg)
+        except Exception:  # noqa: BLE001
+            logger.debug("deregister scratch failed", exc_info=True)
+
+
+def open_source(endpoint: Endpoint | bytes, *, config: Optional[Config] = None,
+                agent: Optional[Agent] = None) -> Source:
+    """A :class:`Source` for a remote region. ``endpoint`` may be encoded bytes. Adds the peer
+    to the agent once per name (cached). Pass ``agent`` or ``config`` (for :func:`get_agent`)."""
+    if isinstance(endpoint, (bytes, bytearray, memoryview)):
+        endpoint = decode_endpoint(bytes(endpoint))
+    if agent is None:
+        agent = get_agent(config or Config())
+    return Source(agent, endpoint)
+
+
+# --------------------------------------------------------------------------- the reader loop
+
+
+def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
+         config: Config, start_unit: int = 0,
+         on_unit: Optional[Callable[[int], None]] = None,
+         should_stop: Optional[Callable[[], bool]] = None) -> int:
+    """Read units ``[start_unit, unit_count)`` of version ``expect_version`` from ``source``
+    straight into ``region``'s registered tensors. Blocks until done, stopped or failed.
+
+    - Keeps up to ``config.reads_in_flight`` unit reads posted; only reads units below the
+      source's published progress and polls the source's control block for more, so the source
+      may itself still be receiving.
+    - After each unit completes, in unit order, copies the source's checksum for it into the
+      region's control block and advances ``region.progress`` to the completed prefix, so another
+      reader can follow this one. ``on_unit(u)`` is called at that point.
+    - ``start_unit == 0`` resets the region to (``expect_version``, progress 0). ``start_unit > 0``
+      resumes: the region must already hold ``expect_version`` with ``progress >= start_unit``
+      (else :class:`InvalidState`); progress is set to ``start_unit``.
+    - ``should_stop()`` (polled between completions) makes pull wait for posted reads and return
+      early; the region's progress is the completed prefix.
+
+    Raises :class:`TransferError` (NIXL error, remote gone, or the source's version is not
+    ``expect_version``: the source moved on), :class:`SourceStalled` (the source's progress did not
+    advance for ``config.source_stall_timeout_s`` while units were still needed),
+    :class:`ChecksumMismatch` naming the unit (only when ``config.checksums``), or
+    :class:`LayoutMismatch`. On every error ``region.progress`` is the completed prefix, so
+    ``pull(..., start_unit=region.progress)`` from another source resumes without refetching.
+    Returns the number of bytes read.
+    """
+    ep = source.endpoint
+    if region.layout.unit_signature != layout.unit_signature:
+        region.layout.check_same(layout)
+    if ep.unit_signature != layout.unit_signature:
+        raise LayoutMismatch(
+            f"source {source.name} has a different layout (fingerprint {ep.fingerprint[:12]} vs "
+            f"{layout.fingerprint[:12]}, or different unit settings)")
+    if region.agent is not source.agent:
+        raise TransferError("region and source must use the same agent")
+    n_units = layout.unit_count
+    if start_unit == 0:
+        region.set_progress(0)
+        region.set_version(expect_version)
+    else:
+        if region.version != expect_version or not 0 < start_unit <= region.progress:
+            raise InvalidState(
+                f"cannot resume at unit {start_unit}: region holds version {region.version} "
+                f"with progress {region.progress}, want version {expect_version}")
+        region.set_progress(start_unit)
+    if start_unit >= n_units:
+        return 0
+    with region.agent.xfer_lock:
+        return _Puller(region, source, layout, expect_version, config, start_unit,
+                       on_unit, should_stop).run()
+
+
+class _Puller:
+    """State of one pull; exists so the loop fits on a screen."""
+
+    def __init__(self, region: Region, source: Source, layout: Layout, version: int,
+                 config: Config, start: int, on_unit: Optional[Callable[[int], None]],
+                 should_stop: Optional[Callable[[], bool]]):
+        self.region, self.source, self.layout = region, source, layout
+        self.version, self.config, self.on_unit, self.should_stop = version, config, on_unit, should_stop
+        self.nx = region.agent.nixl
+        self.n_units = layout.unit_count
+        self.next_post = start
+        self.prefix = start
+        self.done: set[int] = set()
+        self.inflight: dict[int, Any] = {}
+        self.bytes_read = 0
+        self.remote_progress = 0
+        self.seen_version = False
+        self.remote_sums: list[int] = []
+        self.last_advance = time.monotonic()
+        self.unit_descs = _unit_desc_index(layout)
+        self.local = region._local_descs()
+        self.remote = source._remote_descs(layout)
+
+    def run(self) -> int:
+        try:
+            self._refresh_control()
+            delay = _POLL_MIN_S
+            while self.prefix < self.n_units:
+                if self.should_stop is not None and self.should_stop():
+                    logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
+                    break
+                self._post_more()
+                progressed = self._reap()
+                if self.next_post >= self.remote_progress and self.prefix < self.n_units \
+                        and len(self.inflight) < self.config.reads_in_flight:
+                    # Starved for units: look at the source's counter again.
+                    before = self.remote_progress
+                    self._refresh_control()
+                    progressed = progressed or self.remote_progress > before
+                    if not self.inflight and self.remote_progress == before:
+                        if time.monotonic() - self.last_advance > self.config.source_stall_timeout_s:
+                            raise SourceStalled(
+                                f"source {self.source.name} stuck at {self.remote_progress}/"
+                                f"{self.n_units} units for {self.config.source_stall_timeout_s}s")
+                if progressed:
+                    delay = _POLL_MIN_S
+                elif self.inflight:
+                    # Reads are posted: poll hard. Sleeping here measurably slows the reads
+                    # (completions are noticed late); sleep(0) only yields the GIL.
+                    time.sleep(0)
+                else:
+                    time.sleep(delay)  # waiting for the source to publish more units
+                    delay = min(delay * 2, _POLL_MAX_S)
+            return self.bytes_read
+        finally:
+            self._drain()
+
+    def _refresh_control(self) -> None:
+        raw = self.source._read_control_raw(self.config.source_stall_timeout_s)
+        v, p = int(raw[0]), int(raw[1])
+        if v != self.version:
+            if self.seen_version or v > self.version:
+                raise TransferError(
+                    f"source {self.source.name} holds version {v}, expected {self.version}")
+            # An older version: the server may assign a partial source a moment before that
+            # source starts receiving; until it shows our version it has nothing for us (the
+            # stall timeout bounds the wait). A newer one means it moved on for good.
+            return
+        self.seen_version = True
+        if p > self.remote_progress:
+            self.remote_progress = p
+            self.remote_sums = raw[_HEADER:_HEADER + p].tolist()
+            self.last_advance = time.monotonic()
+
+    def _post_more(self) -> None:
+        limit = min(self.remote_progress, self.n_units)
+        while self.next_post < limit and len(self.inflight) < self.config.reads_in_flight:
+            u = self.next_post
+            idx = self.unit_descs[u]
+            try:
+                h = self.nx.make_prepped_xfer("READ", self.local, idx, self.remote, idx)
+                state = self.nx.transfer(h)
+            except Exception as e:
+                raise TransferError(f"posting unit {u} from {self.source.name} failed: {e}") from e
+            self.inflight[u] = h
+            self.next_post += 1
+            if state == "ERR":
+                raise TransferError(f"read of unit {u} from {self.source.name} failed")
+
+    def _reap(self) -> bool:
+        progressed = False
+        for u in list(self.inflight):
+            h = self.inflight[u]
+            try:
+                state = self.nx.check_xfer_state(h)
+            except Exception as e:
+                raise TransferError(f"read of unit {u} from {self.source.name} failed: {e}") from e
+            if state == "PROC":
+                continue
+            if state != "DONE":
+                raise TransferError(f"read of unit {u} from {self.source.name} failed ({state})")
+            del self.inflight[u]
+            h.release()
+            self.done.add(u)
+            progressed = True
+        if progressed:
+            # Seqlock-style: a unit counts only if the source still holds our version after
+            # its bytes arrived. One small READ per batch of completions; also refreshes progress.
+            self._refresh_control()
+            self._advance_prefix()
+        return progressed
+
+    def _advance_prefix(self) -> None:
+        region = self.region
+        while self.prefix in self.done:
+            u = self.prefix
+            expected = self.remote_sums[u]
+            if self.config.checksums:
+                got = checksum_unit(region.tensors, self.layout.units[u])
+                if _to_i64(got) != expected:
+                    raise ChecksumMismatch(
+                        f"unit {u} from {self.source.name}: checksum {got:#018x}, "
+                        f"source published {_to_u64(expected):#018x}")
+            region.control[_HEADER + u] = expected
+            self.done.discard(u)
+            self.bytes_read += self.layout.unit_nbytes(u)
+            self.prefix = u + 1
+            region.set_progress(self.prefix)  # after the checksum: followers rely on the order
+            if self.on_unit is not None:
+                self.on_unit(u)
+
+    def _drain(self) -> None:
+        """Wait (bounded) for posted reads, then release them; never raises."""
+        deadline = time.monotonic() + max(1.0, self.config.source_stall_timeout_s)
+        for u, h in list(self.inflight.items()):
+            try:
+                while self.nx.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
+                    time.sleep(_POLL_MIN_S)
+                h.release()
+            except Exception:  # noqa: BLE001 - already failing; a leaked handle is logged by nixl
+                logger.warning("could not release read of unit %d from %s", u,
+                               self.source.name, exc_info=True)
+        self.inflight.clear()

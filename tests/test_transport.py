@@ -1,0 +1,277 @@
+"""NIXL data path end to end, two or three agents in one process (UCX over shared memory).
+
+Every test compares the received bytes with the source's bytes.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tensorhub.config import Config
+from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch, SourceStalled, TransferError
+from tensorhub.layout import Layout, checksum_all, checksum_unit
+from tensorhub.transport import (
+    Agent,
+    Region,
+    decode_endpoint,
+    encode_endpoint,
+    open_source,
+    pull,
+)
+
+CFG = Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10, reads_in_flight=4,
+             source_stall_timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def agents():
+    return [Agent(CFG, name=f"test-agent-{i}") for i in range(3)]
+
+
+def _model(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    named = [(f"tiny{i}", torch.randn(100 + 13 * i, generator=g)) for i in range(30)]
+    named += [
+        ("big", torch.randn(400_000, generator=g)),
+        ("empty", torch.empty(0)),
+        ("bf16", torch.randn(30_000, generator=g).to(torch.bfloat16)),
+        ("i8", torch.randint(-100, 100, (70_001,), dtype=torch.int8, generator=g)),
+        ("last_tiny", torch.randn(5, generator=g)),
+    ]
+    return named
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _assert_same(src, dst):
+    for (name, a), b in zip(src, dst):
+        assert _bytes(a) == _bytes(b), name
+
+
+@pytest.fixture
+def setup(agents):
+    """holder (agent 0) with a complete version 7, empty receiver tensors on agent 1."""
+    named = _model()
+    layout = Layout.build(named, CFG.unit_bytes, CFG.pack_below_bytes)
+    src = [t for _, t in named]
+    holder = Region.register(src, layout, CFG, agent=agents[0])
+    holder.publish_complete(7, checksum_all(src, layout))
+    dst = [torch.zeros_like(t) for t in src]
+    recv = Region.register(dst, layout, CFG, agent=agents[1])
+    source = open_source(encode_endpoint(holder.endpoint()), agent=agents[1])
+    yield named, layout, holder, recv, source
+    source.close()
+    recv.close()
+    holder.close()
+
+
+def test_endpoint_roundtrips_through_msgpack(setup):
+    _, layout, holder, _, _ = setup
+    ep = holder.endpoint()
+    assert decode_endpoint(encode_endpoint(ep)) == ep
+    assert ep.unit_count == layout.unit_count and ep.fingerprint == layout.fingerprint
+
+
+def test_read_control_sees_version_progress_and_checksums(setup):
+    named, layout, holder, _, source = setup
+    version, progress, sums = source.read_control()
+    assert (version, progress) == (7, layout.unit_count)
+    assert sums == checksum_all([t for _, t in named], layout)
+    holder.set_progress(3)
+    assert source.read_control()[1] == 3
+
+
+def test_full_pull_is_byte_exact_and_publishes_reader_progress(setup):
+    named, layout, holder, recv, source = setup
+    assert layout.unit_count > 10 and any(len(u) > 1 for u in layout.units)
+    seen = []
+    n = pull(recv, source, layout, expect_version=7, config=CFG, on_unit=seen.append)
+    assert n == layout.total_bytes
+    assert seen == list(range(layout.unit_count))
+    _assert_same(named, recv.tensors)
+    assert (recv.version, recv.progress) == (7, layout.unit_count)
+    assert recv.checksums() == holder.checksums()
+
+
+def test_pull_with_checksums_off_still_copies_source_checksums(setup):
+    named, layout, holder, recv, source = setup
+    pull(recv, source, layout, expect_version=7, config=CFG.replace(checksums=False, reads_in_flight=1))
+    _assert_same(named, recv.tensors)
+    assert recv.checksums() == holder.checksums()
+
+
+def test_follows_a_partial_holder_whose_progress_advances(agents):
+    """trainer -> r1 -> r2: r1 receives from a holder that is still being written unit by unit,
+    r2 follows r1 while r1 is still receiving."""
+    named = _model(1)
+    layout = Layout.build(named, CFG.unit_bytes, CFG.pack_below_bytes)
+    truth = [t for _, t in named]
+    live = [torch.zeros_like(t) for t in truth]
+    holder = Region.register(live, layout, CFG, agent=agents[0])
+    holder.set_version(5)
+    r1 = Region.register([torch.zeros_like(t) for t in truth], layout, CFG, agent=agents[1])
+    r2 = Region.register([torch.zeros_like(t) for t in truth], layout, CFG, agent=agents[2])
+    s1 = open_source(holder.endpoint(), agent=agents[1])
+    s2 = open_source(r1.endpoint(), agent=agents[2])
+    r2_saw_r1_partial = []
+
+    def writer():
+        for u, unit in enumerate(layout.units):
+            for p in unit:
+                dst = live[p.tensor_index].reshape(-1).view(torch.uint8)
+                src = truth[p.tensor_index].reshape(-1).view(torch.uint8)
+                dst[p.offset:p.offset + p.nbytes] = src[p.offset:p.offset + p.nbytes]
+            holder.set_checksums([checksum_unit(live, unit)], start=u)
+            holder.set_progress(u + 1)
+            time.sleep(0.01)
+
+    errors = []
+
+    def first_reader():
+        try:
+            pull(r1, s1, layout, expect_version=5, config=CFG)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    r1.set_progress(0)
+    r1.set_version(5)  # so r2 does not see a stale version before r1's pull starts
+    threads = [threading.Thread(target=writer), threading.Thread(target=first_reader)]
+    for t in threads:
+        t.start()
+    pull(r2, s2, layout, expect_version=5, config=CFG,
+         on_unit=lambda u: r2_saw_r1_partial.append(r1.progress < layout.unit_count))
+    for t in threads:
+        t.join()
+    assert not errors
+    _assert_same(named, r1.tensors)
+    _assert_same(named, r2.tensors)
+    assert any(r2_saw_r1_partial), "r2 never overlapped with r1"
+    for x in (s2, s1, r2, r1, holder):
+        x.close()
+
+
+def test_resume_from_another_source_after_a_stall_refetches_nothing(agents):
+    named = _model(2)
+    layout = Layout.build(named, CFG.unit_bytes, CFG.pack_below_bytes)
+    src = [t for _, t in named]
+    sums = checksum_all(src, layout)
+    partial = Region.register([t.clone() for t in src], layout, CFG, agent=agents[0])
+    partial.set_checksums(sums)
+    partial.set_version(9)
+    partial.set_progress(4)  # this source dies with 4 units
+    full = Region.register(src, layout, CFG, agent=agents[2])
+    full.publish_complete(9, sums)
+    recv = Region.register([torch.zeros_like(t) for t in src], layout, CFG, agent=agents[1])
+    cfg = CFG.replace(source_stall_timeout_s=0.2)
+    s_partial = open_source(partial.endpoint(), agent=agents[1])
+    with pytest.raises(SourceStalled):
+        pull(recv, s_partial, layout, expect_version=9, config=cfg)
+    assert recv.progress == 4 and recv.version == 9
+    s_full = open_source(full.endpoint(), agent=agents[1])
+    seen = []
+    n = pull(recv, s_full, layout, expect_version=9, config=cfg, start_unit=recv.progress,
+             on_unit=seen.append)
+    assert seen == list(range(4, layout.unit_count))
+    assert n == sum(layout.unit_nbytes(u) for u in range(4, layout.unit_count))
+    _assert_same(named, recv.tensors)
+    with pytest.raises(InvalidState):
+        pull(recv, s_full, layout, expect_version=10, config=cfg, start_unit=2)
+    for x in (s_full, s_partial, recv, full, partial):
+        x.close()
+
+
+
+
+def test_checksum_mismatch_names_the_unit_and_keeps_the_prefix(setup):
+    named, layout, holder, recv, source = setup
+    bad_unit = 3
+    p = layout.units[bad_unit][0]
+    holder.tensors[p.tensor_index].reshape(-1).view(torch.uint8)[p.offset] ^= 0xFF
+    with pytest.raises(ChecksumMismatch, match=f"unit {bad_unit}"):
+        pull(recv, source, layout, expect_version=7, config=CFG)
+    assert recv.progress == bad_unit
+
+
+def test_source_with_newer_version_is_a_transfer_error(setup):
+    _, layout, _, recv, source = setup
+    with pytest.raises(TransferError, match="version 7, expected 6"):
+        pull(recv, source, layout, expect_version=6, config=CFG)
+    assert recv.progress == 0
+
+
+def test_source_not_yet_at_our_version_is_awaited_then_stalls(setup):
+    """A partial source assigned before it started receiving shows an older version: wait."""
+    _, layout, _, recv, source = setup
+    t0 = time.monotonic()
+    with pytest.raises(SourceStalled):
+        pull(recv, source, layout, expect_version=8, config=CFG.replace(source_stall_timeout_s=0.2))
+    assert time.monotonic() - t0 < 3
+    assert recv.progress == 0
+
+
+def test_source_that_starts_late_is_followed(setup):
+    tensors, layout, holder, recv, source = setup
+    holder.set_progress(0)
+    holder.set_version(3)
+
+    def start_later():
+        time.sleep(0.2)
+        holder.set_version(7)
+        holder.set_progress(layout.unit_count)
+
+    th = threading.Thread(target=start_later)
+    th.start()
+    pull(recv, source, layout, expect_version=7, config=CFG.replace(source_stall_timeout_s=5))
+    th.join()
+    assert recv.progress == layout.unit_count
+
+
+def test_source_moving_on_mid_read_is_detected(setup):
+    _, layout, holder, recv, source = setup
+
+    def bump(u):
+        if u == 2:
+            holder.set_version(8)
+
+    with pytest.raises(TransferError, match="version 8"):
+        pull(recv, source, layout, expect_version=7, config=CFG.replace(reads_in_flight=1),
+             on_unit=bump)
+    assert recv.progress == 3  # unit 3 landed after the source moved on: not counted
+
+
+def test_stall_is_detected_within_the_timeout(setup):
+    _, layout, holder, recv, source = setup
+    holder.set_progress(0)
+    t0 = time.monotonic()
+    with pytest.raises(SourceStalled):
+        pull(recv, source, layout, expect_version=7, config=CFG.replace(source_stall_timeout_s=0.2))
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert recv.progress == 0
+
+
+def test_should_stop_returns_early_with_the_prefix(setup):
+    named, layout, _, recv, source = setup
+    n = pull(recv, source, layout, expect_version=7, config=CFG.replace(reads_in_flight=1),
+             should_stop=lambda: recv.progress >= 2)
+    assert recv.progress == 2 and n == layout.unit_nbytes(0) + layout.unit_nbytes(1)
+
+
+def test_layout_mismatch_between_source_and_reader(agents, setup):
+    named, layout, holder, _, source = setup
+    other = Layout.build(named, CFG.unit_bytes * 2, CFG.pack_below_bytes)
+    dst = Region.register([torch.zeros_like(t) for _, t in named], other, CFG, agent=agents[1])
+    with pytest.raises(LayoutMismatch):
+        pull(dst, source, other, expect_version=7, config=CFG)
+    dst.close()
+
+
+def test_register_rejects_tensors_that_do_not_match_the_layout(agents):
+    layout = Layout.build([("a", torch.zeros(10)), ("b", torch.zeros(5))], 4096, 0)
+    with pytest.raises(LayoutMismatch, match="'b'"):
+        Region.register([torch.zeros(10), torch.zeros(6)], layout, CFG, agent=agents[0])
+    with pytest.raises(LayoutMismatch):
+        Region.register([torch.zeros(10)], layout, CFG, agent=agents[0])
