@@ -1,4 +1,4 @@
-"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate``, ``status``."""
+"""The ``tensorhub`` command: ``demo`` (the main job) and ``simulate``."""
 
 from __future__ import annotations
 
@@ -13,16 +13,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from tensorhub import demo
     from tensorhub.sim import cli as sim_cli
 
+    demo.add_arguments(sub.add_parser("demo", help="trainer + rollouts on a local Ray cluster (the main job)"))
     sim_cli.add_arguments(sub.add_parser("simulate", help="run seeded deterministic simulations of the protocol"))
-
-    try:
-        from tensorhub import demo
-    except ImportError:  # the data path is optional for the simulator
-        demo = None
-    if demo is not None:
-        demo.add_arguments(sub.add_parser("demo", help="trainer + rollouts on a local Ray cluster"))
 
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -56,6 +56,9 @@ class ReadStats:
     """``"replicated"`` (bytes moved) or ``"noop"`` (update: already current)."""
     version: int
     seconds: float = 0.0
+    """Wall time of the whole call (queueing, drain of the old version, offload, transfer)."""
+    transfer_s: float = 0.0
+    """Time from the first assignment to the last byte."""
     bytes: int = 0
     sources: tuple[str, ...] = ()
     """Source client ids in order (more than one after a failover)."""
@@ -66,7 +69,8 @@ class ReadStats:
 
     @property
     def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Transfer rate (bytes over ``transfer_s``)."""
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
 
 
 class Hub:
@@ -98,6 +102,7 @@ class Hub:
         self._published: Optional[int] = None
         self._checksums: list[int] = []
         self._host: dict[int, tuple[tx.Region, list[torch.Tensor]]] = {}
+        self._host_pool: list[tuple[tx.Region, list[torch.Tensor]]] = []
         self._seq = 0
         self._progress_units = 0
         self._reading = False
@@ -280,6 +285,7 @@ class Hub:
 
     def _read(self, reply: object, t0: float) -> ReadStats:
         a = self._expect(reply, m.Assignment)
+        t_assigned = time.perf_counter()
         version = a.version
         first = a
         sources: list[str] = []
@@ -324,10 +330,11 @@ class Hub:
         self._checksums = self._region.checksums() if self.config.checksums else []
         self._published = version
         self._state = HubState.PUBLISHED
-        dt = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        dt = t_end - t0
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  self.model, version, self.shard, nbytes, dt, " -> ".join(sources))
-        return ReadStats(action="replicated", version=version, seconds=dt, bytes=nbytes,
+        return ReadStats(action="replicated", version=version, seconds=dt, transfer_s=t_end - t_assigned, bytes=nbytes,
                          sources=tuple(sources), partial_source=first.source_partial,
                          cross_datacenter=first.cross_datacenter, failovers=failovers)
 
@@ -342,10 +349,15 @@ class Hub:
 
     def _offload(self, version: int) -> m.OffloadDone:
         """Copy the published tensors to host memory and register that copy as a holder."""
-        copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in self._tensors]
+        with self._host_lock:
+            pooled = self._host_pool.pop() if self._host_pool else None
+        if pooled is None:
+            copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in self._tensors]
+            region = tx.Region.register(copies, self._layout, self.config)
+        else:
+            region, copies = pooled
         for dst, src in zip(copies, self._tensors):
             dst.copy_(src)
-        region = tx.Region.register(copies, self._layout, self.config)
         region.publish_complete(version, self._region.checksums() if self.config.checksums else None)
         with self._host_lock:
             self._host[version] = (region, copies)
@@ -356,8 +368,19 @@ class Hub:
     def _drop_host_copy(self, version: int) -> None:
         with self._host_lock:
             entry = self._host.pop(version, None)
+            if entry is not None and len(self._host_pool) < self.config.host_copies_pooled:
+                # Keep the buffer registered for the next offload: fresh host memory is slow to
+                # touch and registration is not free.
+                entry[0].set_progress(0)
+                entry[0].set_version(-1)
+                self._host_pool.append(entry)
+                entry = None
+                pooled = True
+            else:
+                pooled = False
         if entry is not None:
             entry[0].close()
+        if entry is not None or pooled:
             log.info("model=%s version=%d shard=%d host copy freed", self.model, version, self.shard)
 
     def _call(self, request: m.Request, wait: bool = False) -> object:
@@ -402,8 +425,12 @@ class Hub:
                 log.debug("heartbeat failed", exc_info=True)
 
     def _release(self) -> None:
-        for v in list(self._host):
-            self._drop_host_copy(v)
+        with self._host_lock:
+            entries = list(self._host.values()) + self._host_pool
+            self._host.clear()
+            self._host_pool.clear()
+        for region, _ in entries:
+            region.close()
         if self._region is not None:
             self._region.close()
             self._region = None

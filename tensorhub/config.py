@@ -32,6 +32,8 @@ class Config:
     heartbeat_interval_s: float = 1.0
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
+    host_copies_pooled: int = 1
+    """Freed host copies (retention offload buffers) kept registered for reuse, per handle."""
     smart_skipping: bool = True
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version."""
 
@@ -68,6 +70,7 @@ class Config:
         )
         need(self.reads_in_flight >= 1, "reads_in_flight must be >= 1")
         need(self.source_stall_timeout_s > 0, "source_stall_timeout_s must be > 0")
+        need(self.host_copies_pooled >= 0, "host_copies_pooled must be >= 0")
         need(self.failovers_max >= 0, "failovers_max must be >= 0")
         need(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         need(self.server_tick_s > 0, "server_tick_s must be > 0")

@@ -157,3 +157,29 @@ def test_bad_inputs_raise_typed_errors_and_change_nothing(ray_cluster, model_nam
     assert ray.get(trainer.digest.remote()) == d
     assert ray.get(trainer.version.remote()) == 1
     ray.get(trainer.close.remote())
+
+
+def test_handles_work_from_a_task_and_from_the_driver(ray_cluster, model_name):
+    import tensorhub
+
+    ray = ray_cluster
+    (trainer,) = spawn_many(model_name, SPEC, ["trainer"], config=CFG)
+    d = ray.get(trainer.publish.remote(4))
+
+    @ray.remote(num_cpus=0)
+    def rollout_task(model: str) -> tuple[int, str]:
+        hub = tensorhub.open(model, config=tensorhub.Config(**CFG))
+        named = workload.allocate(SPEC)
+        hub.register(named)
+        st = hub.replicate("latest")
+        hub.close()
+        return st.version, workload.digest([t for _, t in named])
+
+    assert ray.get(rollout_task.remote(model_name)) == (4, d)
+    hub = tensorhub.open(model_name, config=tensorhub.Config(**CFG))
+    named = workload.allocate(SPEC)
+    hub.register(named)
+    assert hub.replicate("latest").version == 4
+    assert workload.digest([t for _, t in named]) == d
+    hub.close()
+    ray.get(trainer.close.remote())

@@ -365,6 +365,8 @@ class SimClient:
 
     def _evicted(self) -> None:
         self.world.checker.note_loss("evicted")
+        if self.driver is not None:
+            self.driver.broken = True
         self.session += 1
         self.outstanding = None
         self.queue = []

@@ -45,6 +45,7 @@ class ReplicaDriver:
         self.idle = False
         self.restarting = 0
         self.gone = False
+        self.broken = False  # a member crashed or was evicted: the current round is void
 
     def _spawn(self, i: int) -> SimClient:
         suffix = f".{self.gen}" if self.gen else ""
@@ -60,6 +61,7 @@ class ReplicaDriver:
         return not self.idle or self.restarting > 0
 
     def on_crash(self, c: SimClient, restart: bool) -> None:
+        self.broken = True
         if self.barrier is not None:
             self.barrier.done(c.index)
         if restart and not self.spot:
@@ -191,6 +193,7 @@ class RolloutDriver(ReplicaDriver):
             return
         self.seq += 1
         seq = self.seq
+        self.broken = False
         results: dict[int, tuple[str, int]] = {}
 
         def one(c: SimClient, done) -> None:

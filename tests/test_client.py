@@ -1,0 +1,124 @@
+"""The client handle against an in-process server (LocalPort): no Ray needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tensorhub
+from tensorhub import errors, workload
+from tensorhub.config import Config
+from tensorhub.port import LocalPort
+
+CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0)
+SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
+
+
+@pytest.fixture
+def port():
+    return LocalPort(CFG)
+
+
+def _hub(port, model="m", **kw):
+    named = workload.allocate(SPEC)
+    hub = tensorhub.open(model, port=port, config=CFG, **kw)
+    hub.register(named)
+    return hub, [t for _, t in named]
+
+
+def test_public_surface_is_pinned():
+    assert sorted(tensorhub.__all__) == ["Config", "Hub", "HubState", "ReadStats", "TensorHubError", "open"]
+
+
+def test_config_from_env_and_relations():
+    cfg = Config.from_env({"TENSORHUB_UNIT_BYTES": "8192", "TENSORHUB_CHECKSUMS": "off"})
+    assert (cfg.unit_bytes, cfg.checksums) == (8192, False)
+    with pytest.raises(errors.ConfigError):
+        Config.from_env({"TENSORHUB_CHECKSUMS": "maybe"})
+    with pytest.raises(errors.ConfigError, match="lease_timeout_s"):
+        Config(heartbeat_interval_s=5.0, lease_timeout_s=6.0)
+
+
+def test_in_process_publish_replicate_update_byte_exact(port):
+    trainer, tt = _hub(port, replica="trainer")
+    reader, rt = _hub(port, replica="r")
+    workload.fill_version(tt, 1)
+    trainer.publish(1)
+    st = reader.replicate("latest")
+    assert (st.action, st.version, st.bytes) == ("replicated", 1, sum(t.numel() * t.element_size() for t in tt))
+    assert workload.digest(rt) == workload.digest(tt)
+    assert reader.update("latest").action == "noop"
+    trainer.unpublish()
+    workload.fill_version(tt, 2)
+    trainer.publish(2)
+    st = reader.update("latest")
+    assert st.version == 2 and workload.digest(rt) == workload.digest(tt)
+    assert reader.version == 2 and reader.state is tensorhub.HubState.PUBLISHED
+    reader.close(); trainer.close()
+
+
+def test_publish_rollback_when_server_rejects(port):
+    a, at = _hub(port, replica="a")
+    workload.fill_version(at, 5)
+    a.publish(5)
+    a.unpublish()
+    # versions 6 and 7 commit, so 5 falls out of retention: publishing it again is rejected
+    b, bt = _hub(port, replica="b")
+    b.publish(6); b.unpublish(); b.publish(7)
+    with pytest.raises(errors.VersionExpired):
+        a.publish(5)
+    assert a.version is None and a.state is tensorhub.HubState.IDLE
+    a.close(); b.close()
+
+
+def test_asyncio_twins(port):
+    import asyncio
+
+    async def go():
+        t, tt = _hub(port, replica="t")
+        r, rt = _hub(port, replica="r")
+        workload.fill_version(tt, 3)
+        await t.apublish(3)
+        st = await r.aupdate("latest")
+        await r.aclose(); await t.aclose()
+        return st, workload.digest(tt) == workload.digest(rt)
+
+    st, same = asyncio.run(go())
+    assert st.version == 3 and same
+
+
+def test_sharded_replica_requires_replica_name(port):
+    with pytest.raises(errors.ConfigError):
+        tensorhub.open("m", port=port, shard=0, num_shards=2)
+    with pytest.raises(errors.ConfigError):
+        tensorhub.open("m", port=port, shard=2, num_shards=2, replica="x")
+
+
+def test_reader_fails_over_when_its_source_disappears(port):
+    """h, t both hold version 1; h (registered first) is picked, but its memory is gone:
+    r reports it, gets t, and finishes with exact bytes."""
+    h, ht = _hub(port, replica="h")
+    t, tt = _hub(port, replica="t")
+    r, rt = _hub(port, replica="r")
+    for hub, ts in ((h, ht), (t, tt)):
+        workload.fill_version(ts, 1)
+        hub.publish(1)
+    h._region.close()  # alive to the server, unreadable to readers
+    st = r.replicate(1)
+    assert st.sources == (h.client_id, t.client_id) and st.failovers == 1
+    assert workload.digest(rt) == workload.digest(tt)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_round_trip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    port = LocalPort(CFG)
+    named_t = [(n, t.cuda()) for n, t in workload.allocate(SPEC)]
+    named_r = [(n, t.cuda()) for n, t in workload.allocate(SPEC)]
+    workload.fill_version([t for _, t in named_t], 4)
+    t = tensorhub.open("gpu", port=port, config=CFG, replica="t"); t.register(named_t); t.publish(4)
+    r = tensorhub.open("gpu", port=port, config=CFG, replica="r"); r.register(named_r)
+    r.replicate(4)
+    assert workload.digest([x for _, x in named_r]) == workload.digest([x for _, x in named_t])
+    r.close(); t.close()
