@@ -106,6 +106,7 @@ class Hub:
         self._seq = 0
         self._progress_units = 0
         self._reading = False
+        self._current_source = ""
         self._hb_stop = threading.Event()
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()  # one blocking call at a time
@@ -260,20 +261,38 @@ class Hub:
     # ------------------------------------------------------------------ internals
 
     def _replicate(self, spec: m.VersionSpec, update: bool) -> ReadStats:
+        t0 = time.perf_counter()
+        reply = self._begin_read(spec, update)
+        if isinstance(reply, m.NoChange):
+            return ReadStats(action="noop", version=reply.version)
+        return self._read(reply, t0)
+
+    def _begin_read(self, spec: m.VersionSpec, update: bool) -> Union[m.Assignment, m.NoChange]:
+        """Phase 1 of a read: resolve, drain the old version if updating, get a source."""
         self._seq += 1
         req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,
                           resume_version=self._region.version, resume_units=self._partial_units())
-        t0 = time.perf_counter()
         reply = self._call(req, wait=True)
         if isinstance(reply, m.NoChange):
-            return ReadStats(action="noop", version=reply.version)
+            return reply
         if isinstance(reply, m.OffloadOrder):
             reply = self._call(self._offload(reply.version), wait=True)
         if update and self._published is not None:
             # The server drained and unpublished the old version before answering.
             self._published = None
             self._state = HubState.IDLE
-        return self._read(reply, t0)
+        return self._expect(reply, m.Assignment)
+
+    def _pull_range(self, a: m.Assignment, end_unit: int) -> int:
+        """Read units [own progress, end_unit) of ``a.version`` from ``a``'s source, without
+        failover (a caller that coordinates the pipeline itself, e.g. a compiled graph, falls
+        back to :meth:`_read` on error, which resumes from the same progress)."""
+        source = tx.open_source(a.source_endpoint, config=self.config)
+        try:
+            return tx.pull(self._region, source, self._layout, expect_version=a.version, config=self.config,
+                           start_unit=self._resume_point(a.version), end_unit=end_unit)
+        finally:
+            source.close()
 
     def _resume_point(self, version: int) -> int:
         """Units of ``version`` already in place: a read after a failover refetches nothing."""
@@ -297,14 +316,8 @@ class Hub:
             while True:
                 sources.append(a.source_id)
                 try:
-                    source = tx.open_source(a.source_endpoint, config=self.config)
-                    try:
-                        nbytes += tx.pull(
-                            self._region, source, self._layout, expect_version=version,
-                            config=self.config, start_unit=self._resume_point(version),
-                        )
-                    finally:
-                        source.close()
+                    self._current_source = a.source_id
+                    nbytes += self._pull_range(a, self._layout.unit_count)
                     break
                 except (errors.TransferError, errors.ChecksumMismatch) as err:
                     failovers += 1
@@ -384,10 +397,55 @@ class Hub:
             log.info("model=%s version=%d shard=%d host copy freed", self.model, version, self.shard)
 
     def _call(self, request: m.Request, wait: bool = False) -> object:
-        reply = self._port.call(request, self.config.request_timeout_s if wait else 0.0)
+        """One request; survives a server restart: on ``ServerUnavailable`` it reconnects (a
+        new server is created under the same name), on ``UnknownClient`` it re-announces what
+        this handle holds, then retries once per attempt."""
+        timeout = self.config.request_timeout_s if wait else 0.0
+        attempts = self.config.reconnects_max + 1
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                reply = self._port.call(request, timeout)
+            except errors.ServerUnavailable:
+                if last:
+                    raise
+                log.warning("model=%s shard=%d: reference server unavailable, reconnecting", self.model, self.shard)
+                time.sleep(min(0.2 * 2 ** attempt, 2.0))
+                self._port.reconnect()
+                reply = m.ErrorReply(code="UnknownClient", message="reconnected")
+            if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient" and not last
+                    and self._register_msg is not None and not isinstance(request, (m.Register, m.Announce, m.Leave))):
+                done = self._announce(request)
+                if done is not None:
+                    return done
+                continue
+            break
         if isinstance(reply, m.Waiting) and wait:
             raise errors.RequestTimeout(f"{type(request).__name__} did not finish within {self.config.request_timeout_s}s")
         return reply
+
+    def _holding(self, request: Optional[m.Request] = None) -> m.Holding:
+        """What this handle holds, for a (re-)announcement to a fresh server."""
+        with self._host_lock:
+            hosts = tuple((v, tx.encode_endpoint(r.endpoint())) for v, (r, _) in sorted(self._host.items()))
+        if isinstance(request, m.ReplicateDone):
+            return m.Holding(published=request.version, host_copies=hosts)
+        if self._reading and self._region is not None:
+            src = "" if isinstance(request, m.SourceFailed) else self._current_source
+            return m.Holding(host_copies=hosts, reading_version=self._region.version,
+                             reading_source=src, reading_units=self._region.progress,
+                             txn_seq=self._seq, txn_version=self._region.version)
+        return m.Holding(published=self._published, host_copies=hosts)
+
+    def _announce(self, request: Optional[m.Request] = None) -> Optional[object]:
+        """Re-announce; returns a reply that makes retrying ``request`` unnecessary, or None."""
+        reply = self._port.call(m.Announce(self._register_msg, self._holding(request)))
+        if isinstance(reply, m.ErrorReply):
+            raise errors.from_code(reply.code, reply.message)
+        log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)
+        if isinstance(request, m.ReplicateDone):
+            return m.Ok()  # announced as a complete holder already
+        return None
 
     def _expect(self, reply: object, kind: type):
         if isinstance(reply, kind):
@@ -414,10 +472,24 @@ class Hub:
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):
             try:
-                if self._reading:
-                    self._port.call(m.Progress(self.client_id, self._region.progress))
-                else:
-                    self._port.call(m.Heartbeat(self.client_id))
+                reading = self._reading
+                try:
+                    reply = self._port.call(m.Progress(self.client_id, self._region.progress) if reading
+                                            else m.Heartbeat(self.client_id))
+                except errors.ServerUnavailable:
+                    self._port.reconnect()
+                    reply = m.ErrorReply(code="UnknownClient", message="reconnected")
+                if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
+                    # A reader announces its edge at once (the holder's drain waits for it); an
+                    # idle handle only when no call is in flight (that call re-announces itself).
+                    if reading:
+                        self._announce()
+                    elif self._lock.acquire(blocking=False):
+                        try:
+                            if self._state not in (HubState.CLOSED, HubState.OPEN):
+                                self._announce()
+                        finally:
+                            self._lock.release()
                 for note in self._port.notes(self.client_id):
                     if isinstance(note, m.DropHostCopy):
                         self._drop_host_copy(note.version)

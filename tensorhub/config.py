@@ -44,6 +44,8 @@ class Config:
     """A source whose progress does not advance for this long is reported as failed."""
     failovers_max: int = 6
     """A read gives up (TransferError) after this many failed sources in a row without progress."""
+    reconnects_max: int = 3
+    """Times one call reconnects / re-announces after the server vanished before it gives up."""
     request_timeout_s: float = 300.0
     """Upper bound on any blocking client call (waiting for a source, a drain, ...)."""
 
@@ -71,6 +73,7 @@ class Config:
         need(self.reads_in_flight >= 1, "reads_in_flight must be >= 1")
         need(self.source_stall_timeout_s > 0, "source_stall_timeout_s must be > 0")
         need(self.host_copies_pooled >= 0, "host_copies_pooled must be >= 0")
+        need(self.reconnects_max >= 0, "reconnects_max must be >= 0")
         need(self.failovers_max >= 0, "failovers_max must be >= 0")
         need(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         need(self.server_tick_s > 0, "server_tick_s must be > 0")

@@ -32,6 +32,8 @@ class ServerPort(Protocol):
 
     def notes(self, client_id: str) -> list: ...
 
+    def reconnect(self) -> None: ...
+
 
 class Mailboxes:
     """Per-client queues of events produced by the core's effects."""
@@ -119,3 +121,14 @@ class LocalPort:
     def notes(self, client_id: str) -> list:
         with self._cv:
             return self.mail.pop_background(client_id)
+
+    def reconnect(self) -> None:
+        """Nothing to do in process (see :meth:`restart`)."""
+
+    def restart(self) -> None:
+        """Replace the core by a fresh one, as if the server died and a new one started:
+        every client is unknown until it re-announces."""
+        with self._cv:
+            self.core = ReferenceCore(self.config)
+            self.mail = Mailboxes()
+            self._cv.notify_all()

@@ -122,3 +122,26 @@ def test_cuda_tensors_round_trip():
     r.replicate(4)
     assert workload.digest([x for _, x in named_r]) == workload.digest([x for _, x in named_t])
     r.close(); t.close()
+
+
+def test_server_restart_clients_reannounce_and_carry_on(port):
+    """The server forgets everything; the trainer's next publish and the readers' next calls
+    re-announce what they hold, and the version published during the outage is readable."""
+    t, tt = _hub(port, replica="t")
+    r1, r1t = _hub(port, replica="r1")
+    r2, r2t = _hub(port, replica="r2")
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    r1.replicate(1)
+    port.restart()
+    t.unpublish()  # re-announces as holder of 1, then drains (deferred by the recovery window)
+    workload.fill_version(tt, 2)
+    t.publish(2)
+    st = r2.replicate("latest")
+    assert st.version == 2 and workload.digest(r2t) == workload.digest(tt)
+    st1 = r1.update("latest")  # r1 re-announced holding 1, moves on to 2
+    assert st1.version == 2 and workload.digest(r1t) == workload.digest(tt)
+    status = port.core.status("m").models[0]
+    assert {h.client_id for h in status.holders} >= {t.client_id, r1.client_id, r2.client_id}
+    for h in (r1, r2, t):
+        h.close()

@@ -546,3 +546,32 @@ def test_fresh_core_rebuilds_table_from_announcements():
     assert fresh.send(m.Announce(reg_t, m.Holding(published=5))) == m.Ok()
     fresh.reg("n")
     assert fresh.send(m.Replicate("n", "latest")).version == 5
+
+
+def test_restart_recovery_window_keeps_drain_until_reader_announces_its_edge():
+    """Old server: t -> r (r mid-read). Fresh server: t announces and unpublishes at once; the
+    drain must not complete before r announces that it reads from t (or the window ends)."""
+    w = World(lease_timeout_s=5.0)
+    reg_t = m.Register("t", "pol", "t", 0, 1, LAYOUT, b"t")
+    reg_r = m.Register("r", "pol", "r", 0, 1, LAYOUT, b"r")
+    assert w.send(m.Announce(reg_t, m.Holding(published=1))) == m.Ok()
+    assert w.send(m.Unpublish("t")) == m.Waiting(version=1), "drain deferred in the recovery window"
+    w.now = 1.0
+    assert w.send(m.Announce(reg_r, m.Holding(reading_version=1, reading_source="t", reading_units=2))) == m.Ok()
+    assert w.source_of("r") == "t" and w.state("r") == ("reading", 1)
+    w.now = 5.5
+    w.send(m.Heartbeat("t")); w.send(m.Heartbeat("r"))
+    w.tick(0.5)  # window over, but r still reads from t: still draining
+    assert w.state("t") == ("draining", 1)
+    w.send(m.ReplicateDone("r", 1))
+    assert w.pop("t")[-1] == m.UnpublishDone(version=1)
+
+
+def test_restart_reader_announced_before_its_source_is_attached_when_source_announces():
+    w = World(lease_timeout_s=5.0)
+    reg_t = m.Register("t", "pol", "t", 0, 1, LAYOUT, b"t")
+    reg_r = m.Register("r", "pol", "r", 0, 1, LAYOUT, b"r")
+    w.send(m.Announce(reg_r, m.Holding(reading_version=1, reading_source="t", reading_units=1)))
+    assert w.state("r") == ("waiting", 1) and not w.pop("r"), "no new source, no VersionLost in the window"
+    w.send(m.Announce(reg_t, m.Holding(published=1)))
+    assert w.source_of("r") == "t"

@@ -148,6 +148,20 @@ class RayPort:
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
             raise ServerUnavailable(str(e)) from e
 
+    def reconnect(self) -> None:
+        """Find (or create) the server under the configured name again."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                self.handle = server_handle(self.config)
+                return
+            except Exception as e:  # noqa: BLE001 - the old actor's name may still be held
+                if time.monotonic() > deadline:
+                    raise ServerUnavailable(f"cannot reach or recreate the reference server: {e}") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     def status(self, model: str = "") -> m.Status:
         return m.decode_reply(ray.get(self.handle.status.remote(model)))
 

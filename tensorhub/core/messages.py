@@ -48,6 +48,10 @@ class Holding(msgspec.Struct, frozen=True):
     """(version, endpoint) of host-memory copies this client serves."""
     txn_seq: int = -1
     txn_version: int = -1
+    reading_version: int = -1
+    """A read in progress: the version being received, from whom, and how far it got."""
+    reading_source: str = ""
+    reading_units: int = 0
 
 
 # --------------------------------------------------------------------------- requests

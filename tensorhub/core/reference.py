@@ -72,6 +72,11 @@ class ReferenceCore:
         self._stamp = 0
         self._effects: list[m.Deliver] = []
         self._touched: set[Key] = set()
+        self._now = 0.0
+        self._born: Optional[float] = None
+        self._recovering_until = float("-inf")
+        self._pending_edges: dict[str, set[str]] = {}
+        """After a restart: announced readers whose source has not announced itself yet."""
 
     # ------------------------------------------------------------------ driver interface
 
@@ -80,6 +85,9 @@ class ReferenceCore:
         nothing (every handler validates before it mutates)."""
         self._effects = []
         self._touched = set()
+        self._now = now
+        if self._born is None:
+            self._born = now
         name = type(req).__name__
         try:
             client_id = None if isinstance(req, m.Register) else getattr(req, "client_id", None)
@@ -110,6 +118,9 @@ class ReferenceCore:
         """Expire clients whose lease ran out; returns the effects of their removal."""
         self._effects = []
         self._touched = set()
+        self._now = now
+        if self._born is None:
+            self._born = now
         lease = self.config.lease_timeout_s
         dead_replicas = {
             (n.model, n.replica_id)
@@ -119,6 +130,14 @@ class ReferenceCore:
         for model, replica in sorted(dead_replicas):
             log.info("model=%s replica=%s lease expired: removing the replica", model, replica)
             self._remove_replica(model, replica, reason="lease expired")
+        if now >= self._recovering_until:
+            for node in sorted(self.nodes.values(), key=lambda n: n.order):
+                if node.awaiting_source is not None:
+                    node.awaiting_source = None  # its source never came back: schedule it anew
+                    self._pending_edges.clear()
+                    self._touched.add(node.key)
+                if node.state is S.DRAINING and not node.readers:
+                    self._finish_drain(node)
         self._settle()
         effects, self._effects = self._effects, []
         return effects
@@ -179,15 +198,36 @@ class ReferenceCore:
         return m.Ok()
 
     def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
+        """A client re-registers after a server restart (or an eviction) with what it holds.
+        The first announcement opens a recovery window of one lease: drains do not complete
+        before it ends, so a reader that is still copying from a holder under the old server
+        has time to announce that edge before the holder may write its tensors."""
         reg, hold = req.register, req.holding
         if reg.client_id not in self.nodes:
             self._check_registration(reg)
             self._add_node(reg, now)
+            self._recovering_until = max(self._recovering_until, self._born + self.config.lease_timeout_s)
         node = self.nodes[reg.client_id]
         node.last_seen = now
         if hold.published is not None and node.state is S.IDLE:
             self._set_version(node, hold.published, S.PUBLISHED, node.units)
             self._maybe_commit(node)
+        elif hold.reading_version >= 0 and node.state is S.IDLE:
+            self._set_version(node, hold.reading_version, S.WAITING, max(0, min(hold.reading_units, node.units)))
+            self._stamp += 1
+            node.stamp = self._stamp
+            src = self.nodes.get(hold.reading_source)
+            if src is not None and src.version == hold.reading_version and src.state is not S.IDLE:
+                self._attach(node, src)
+            elif hold.reading_source:
+                node.awaiting_source = hold.reading_source
+                self._pending_edges.setdefault(hold.reading_source, set()).add(node.id)
+        for rid in sorted(self._pending_edges.pop(node.id, ())):
+            reader = self.nodes.get(rid)
+            if reader is not None and reader.state is S.WAITING and reader.awaiting_source == node.id:
+                reader.awaiting_source = None
+                if reader.version == node.version:
+                    self._attach(reader, node)
         for version, endpoint in hold.host_copies:
             self._add_host_copy(node, version, endpoint)
         if hold.txn_seq >= 0 and node.num_shards > 1:
@@ -474,6 +514,11 @@ class ReferenceCore:
             self._finish_drain(node)
 
     def _finish_drain(self, node: Node) -> None:
+        if self._now < self._recovering_until and not node.host:
+            return  # completed by tick() once the recovery window is over
+        self._finish_drain_now(node)
+
+    def _finish_drain_now(self, node: Node) -> None:
         """No reader is left. Offload first when this is the last non-spot copy of a retained
         version (checked now, not at unpublish time: the readers just drained are holders now)."""
         if not node.host and self._needs_offload(node):
@@ -570,7 +615,8 @@ class ReferenceCore:
         waiting = sorted((n for n in members if n.state is S.WAITING), key=lambda n: n.stamp)
         if not waiting and not any(n.state is S.READING for n in members):
             return
-        if not any(n.state in COMPLETE for n in members):
+        recovering = self._now < self._recovering_until
+        if not recovering and not any(n.state in COMPLETE for n in members):
             # Every chain of partial holders roots at a complete one; with none left, no
             # reader of this group can finish.
             lost = VersionLost(f"{key[0]} version {key[1]} shard {key[2]}: no holder is left")
@@ -580,6 +626,8 @@ class ReferenceCore:
             return
         blocked_dcs: set[str] = set()
         for reader in waiting:
+            if reader.awaiting_source is not None:
+                continue
             src = scheduler.choose_source(
                 reader, members, downstream=self._downstream(reader),
                 readers_per_source_max=self.config.readers_per_source_max,
@@ -588,11 +636,14 @@ class ReferenceCore:
             if src is None:
                 blocked_dcs.add(reader.datacenter)
                 continue
-            reader.state = S.READING
-            reader.source = src.id
-            reader.assign_no += 1
-            src.readers.add(reader.id)
+            self._attach(reader, src)
             self._deliver(reader.id, self._assignment(reader))
+
+    def _attach(self, reader: Node, src: Node) -> None:
+        reader.state = S.READING
+        reader.source = src.id
+        reader.assign_no += 1
+        src.readers.add(reader.id)
 
     def _fail_read(self, node: Node, err: TensorHubError) -> None:
         log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)

@@ -80,6 +80,8 @@ class Node:
     """FIFO position of a WAITING reader (kept across reassignments: no starvation)."""
     assign_no: int = 0
     suspects: set[str] = dataclasses.field(default_factory=set)
+    awaiting_source: Optional[str] = None
+    """Announced after a restart as reading from this source, which has not announced yet."""
     pending_read: Optional[tuple[int, int]] = None
     """update(): (version, resume_units) to read once the drain of the old version ends."""
 

@@ -456,10 +456,11 @@ def open_source(endpoint: Endpoint | bytes, *, config: Optional[Config] = None,
 
 
 def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
-         config: Config, start_unit: int = 0,
+         config: Config, start_unit: int = 0, end_unit: Optional[int] = None,
          on_unit: Optional[Callable[[int], None]] = None,
          should_stop: Optional[Callable[[], bool]] = None) -> int:
-    """Read units ``[start_unit, unit_count)`` of version ``expect_version`` from ``source``
+    """Read units ``[start_unit, end_unit)`` (``end_unit`` defaults to all) of version
+    ``expect_version`` from ``source``
     straight into ``region``'s registered tensors. Blocks until done, stopped or failed.
 
     - Keeps up to ``config.reads_in_flight`` unit reads posted; only reads units below the
@@ -491,7 +492,7 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
             f"{layout.fingerprint[:12]}, or different unit settings)")
     if region.agent is not source.agent:
         raise TransferError("region and source must use the same agent")
-    n_units = layout.unit_count
+    n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
     if start_unit == 0:
         region.set_progress(0)
         region.set_version(expect_version)
@@ -505,7 +506,7 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
         return 0
     with region.agent.xfer_lock:
         return _Puller(region, source, layout, expect_version, config, start_unit,
-                       on_unit, should_stop).run()
+                       on_unit, should_stop, n_units).run()
 
 
 class _Puller:
@@ -513,11 +514,11 @@ class _Puller:
 
     def __init__(self, region: Region, source: Source, layout: Layout, version: int,
                  config: Config, start: int, on_unit: Optional[Callable[[int], None]],
-                 should_stop: Optional[Callable[[], bool]]):
+                 should_stop: Optional[Callable[[], bool]], end_unit: int):
         self.region, self.source, self.layout = region, source, layout
         self.version, self.config, self.on_unit, self.should_stop = version, config, on_unit, should_stop
         self.nx = region.agent.nixl
-        self.n_units = layout.unit_count
+        self.n_units = end_unit
         self.next_post = start
         self.prefix = start
         self.done: set[int] = set()
