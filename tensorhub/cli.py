@@ -1,4 +1,4 @@
-"""The ``tensorhub`` command: ``demo`` (the main job) and ``simulate``."""
+"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate`` and ``chaos``."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tensorhub import demo
+    from tensorhub import chaos, demo
     from tensorhub.sim import cli as sim_cli
 
     demo.add_arguments(sub.add_parser("demo", help="trainer + rollouts on a local Ray cluster (the main job)"))
     sim_cli.add_arguments(sub.add_parser("simulate", help="run seeded deterministic simulations of the protocol"))
+    chaos.add_arguments(sub.add_parser("chaos", help="randomized fault rounds on a local Ray cluster"))
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -29,6 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return sim_cli.run(args)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "chaos":
+        return chaos.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

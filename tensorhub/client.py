@@ -163,7 +163,8 @@ class Hub:
                 return
             if self._published is not None:
                 raise errors.InvalidState(f"version {self._published} is published: unpublish() first")
-            sums = checksum_all(self._tensors, self._layout) if self.config.checksums else []
+            need_sums = self.config.checksums or self.config.verify_mutability
+            sums = checksum_all(self._tensors, self._layout) if need_sums else []
             self._region.publish_complete(version, sums or None)
             try:
                 self._expect(self._call(m.Publish(self.client_id, version)), m.Ok)
@@ -272,7 +273,12 @@ class Hub:
         self._seq += 1
         req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,
                           resume_version=self._region.version, resume_units=self._partial_units())
+        deadline = time.monotonic() + self.config.request_timeout_s
         reply = self._call(req, wait=True)
+        while (isinstance(reply, m.ErrorReply) and reply.code == "ReplicaIncomplete"
+               and time.monotonic() < deadline):
+            time.sleep(0.1)  # sibling shards are still registering / re-announcing
+            reply = self._call(req, wait=True)
         if isinstance(reply, m.NoChange):
             return reply
         if isinstance(reply, m.OffloadOrder):
@@ -340,7 +346,8 @@ class Hub:
             self._reading = False
             raise
         self._reading = False
-        self._checksums = self._region.checksums() if self.config.checksums else []
+        if self.config.checksums or self.config.verify_mutability:
+            self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
         self._published = version
         self._state = HubState.PUBLISHED
         t_end = time.perf_counter()
@@ -355,10 +362,24 @@ class Hub:
         if isinstance(reply, m.OffloadOrder):
             reply = self._call(self._offload(reply.version), wait=True)
         self._expect(reply, m.UnpublishDone)
+        version = self._published
         self._region.set_progress(0)
         self._region.set_version(-1)
         self._published = None
         self._state = HubState.IDLE
+        if self.config.verify_mutability:
+            self._verify_unchanged(version)
+
+    def _verify_unchanged(self, version: Optional[int]) -> None:
+        """Verify mode: the bytes must still be what was published (or replicated)."""
+        if not self._checksums:
+            return
+        for u, unit in enumerate(self._layout.units):
+            if checksum_unit(self._tensors, unit) != self._checksums[u]:
+                names = sorted({self._layout.metas[p.tensor_index].name for p in unit})
+                raise errors.MutabilityViolation(
+                    f"{self.model} version {version} shard {self.shard}: unit {u} ({', '.join(names)}) "
+                    f"was written while published")
 
     def _offload(self, version: int) -> m.OffloadDone:
         """Copy the published tensors to host memory and register that copy as a holder."""

@@ -21,6 +21,9 @@ class Config:
     """Largest transfer unit; bigger tensors are cut into chunks of at most this size."""
     pack_below_bytes: int = 2 << 20
     """Tensors smaller than this (and than unit_bytes) share units (tiny-tensor compaction)."""
+    verify_mutability: bool = False
+    """Verify mode: at unpublish, re-checksum every unit and raise MutabilityViolation (naming
+    the tensor) if the registered tensors were written while published."""
     checksums: bool = True
     """Compute per-unit checksums at publish and verify them at the reader."""
 

@@ -30,6 +30,12 @@ class InvalidState(TensorHubError):
     published, replicate while already replicating). Nothing was changed."""
 
 
+class ReplicaIncomplete(InvalidState):
+    """A sharded replica asked to replicate before all its shards registered (at startup, or
+    after a server restart before every sibling re-announced). The client retries by itself
+    until ``request_timeout_s``."""
+
+
 class ShardTaken(TensorHubError):
     """Another live client already registered this (model, replica, shard)."""
 
@@ -49,6 +55,10 @@ class VersionExpired(TensorHubError, LookupError):
 class VersionLost(TensorHubError):
     """Every holder of the version died or left before the read could finish. Retry with a newer
     spec; ``update("latest")`` does so by itself."""
+
+
+VersionLostError = VersionLost
+"""Alias of :class:`VersionLost`."""
 
 
 class BadVersionSpec(TensorHubError, ValueError):

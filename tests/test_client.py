@@ -145,3 +145,20 @@ def test_server_restart_clients_reannounce_and_carry_on(port):
     assert {h.client_id for h in status.holders} >= {t.client_id, r1.client_id, r2.client_id}
     for h in (r1, r2, t):
         h.close()
+
+
+def test_verify_mode_detects_write_while_published_naming_the_tensor():
+    cfg = CFG.replace(verify_mutability=True)
+    port = LocalPort(cfg)
+    named = workload.allocate(SPEC)
+    hub = tensorhub.open("m", port=port, config=cfg, replica="t")
+    hub.register(named)
+    workload.fill_version([t for _, t in named], 1)
+    hub.publish(1)
+    hub.unpublish()  # untouched: fine
+    hub.publish(2)
+    named[5][1][3] += 1.0  # a tiny tensor written while published
+    with pytest.raises(errors.MutabilityViolation, match=named[5][0].replace(".", r"\.")):
+        hub.unpublish()
+    assert hub.version is None  # the unpublish itself completed
+    hub.close()

@@ -270,6 +270,7 @@ def test_version_of_sharded_replica_is_visible_only_when_all_shards_published():
     w.reg("t0", replica="trainer", shard=0, num_shards=2)
     w.reg("t1", replica="trainer", shard=1, num_shards=2)
     w.reg("r", replica="r", shard=0, num_shards=2)
+    w.reg("r1", replica="r", shard=1, num_shards=2)
     w.send(m.Publish("t0", 1))
     assert w.core.available("pol") == []
     assert err(w.send(m.Replicate("r", "latest", seq=1))) == "VersionNotFound"
@@ -575,3 +576,34 @@ def test_restart_reader_announced_before_its_source_is_attached_when_source_anno
     assert w.state("r") == ("waiting", 1) and not w.pop("r"), "no new source, no VersionLost in the window"
     w.send(m.Announce(reg_t, m.Holding(published=1)))
     assert w.source_of("r") == "t"
+
+
+def test_follow_up_of_a_failed_read_gets_the_failure():
+    """The reader's read failed (VersionLost) while it was busy; its late SourceFailed gets that error."""
+    w = World(lease_timeout_s=3.0)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1))
+    w.now = 2.5
+    w.send(m.Heartbeat("r"))
+    w.tick(1.0)
+    assert err(w.send(m.SourceFailed("r", "t", 1))) == "VersionLost"
+    assert err(w.send(m.Replicate("r", 1))) == "VersionNotFound", "a new read clears the failure"
+
+
+def test_replicate_done_accepted_while_waiting_for_a_new_source():
+    w = World()
+    w.reg("t"); w.reg("h"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Publish("h", 1))
+    src = w.send(m.Replicate("r", 1)).source_id
+    w.send(m.Leave(src))  # reassigned to the other holder...
+    assert w.send(m.ReplicateDone("r", 1)) == m.Ok()  # ...but the last unit had already arrived
+    assert w.state("r") == ("published", 1)
+
+
+def test_sharded_round_waits_until_every_shard_registered():
+    w = World()
+    for s in (0, 1):
+        w.reg(f"t{s}", replica="trainer", shard=s, num_shards=2)
+        w.send(m.Publish(f"t{s}", 1))
+    w.reg("r0", replica="r", shard=0, num_shards=2)
+    assert err(w.send(m.Replicate("r0", "latest", seq=1))) == "ReplicaIncomplete"

@@ -35,6 +35,7 @@ from tensorhub.core.state import COMPLETE, LEGAL, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import (
     InvalidState,
     LayoutMismatch,
+    ReplicaIncomplete,
     ShardTaken,
     TensorHubError,
     TransactionMismatch,
@@ -48,6 +49,7 @@ from tensorhub.errors import (
 log = logging.getLogger(__name__)
 
 Key = tuple[str, int, int]
+_READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
 
 
 class _Model:
@@ -75,6 +77,7 @@ class ReferenceCore:
         self._now = 0.0
         self._born: Optional[float] = None
         self._recovering_until = float("-inf")
+        self._window_closed = True
         self._pending_edges: dict[str, set[str]] = {}
         """After a restart: announced readers whose source has not announced itself yet."""
 
@@ -96,6 +99,11 @@ class ReferenceCore:
                 if node is None or node.host:
                     raise UnknownClient(f"client {client_id} is not registered (expired, or the server restarted)")
                 node.last_seen = now
+                if node.state is S.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
+                    # The read already failed (the event may not have reached the reader).
+                    return m.ErrorReply(code=node.failure.code, message=node.failure.message), []
+                if name in ("Publish", "Replicate"):
+                    node.failure = None
                 if node.state not in LEGAL[name]:
                     raise InvalidState(f"{name} is not allowed while {self._describe(node)}")
             reply = getattr(self, f"_on_{name}")(req, now)
@@ -131,6 +139,10 @@ class ReferenceCore:
             log.info("model=%s replica=%s lease expired: removing the replica", model, replica)
             self._remove_replica(model, replica, reason="lease expired")
         if now >= self._recovering_until:
+            if not self._window_closed:
+                # VersionLost was held back during the window: re-check every read group once.
+                self._window_closed = True
+                self._touched.update(n.key for n in self.nodes.values() if n.state in (S.WAITING, S.READING))
             for node in sorted(self.nodes.values(), key=lambda n: n.order):
                 if node.awaiting_source is not None:
                     node.awaiting_source = None  # its source never came back: schedule it anew
@@ -207,11 +219,14 @@ class ReferenceCore:
             self._check_registration(reg)
             self._add_node(reg, now)
             self._recovering_until = max(self._recovering_until, self._born + self.config.lease_timeout_s)
+            self._window_closed = False
         node = self.nodes[reg.client_id]
         node.last_seen = now
         if hold.published is not None and node.state is S.IDLE:
             self._set_version(node, hold.published, S.PUBLISHED, node.units)
             self._maybe_commit(node)
+        elif hold.published is not None and node.state in (S.WAITING, S.READING) and node.version == hold.published:
+            self._complete_read(node)  # an earlier announcement saw the read still in progress
         elif hold.reading_version >= 0 and node.state is S.IDLE:
             self._set_version(node, hold.reading_version, S.WAITING, max(0, min(hold.reading_units, node.units)))
             self._stamp += 1
@@ -301,13 +316,19 @@ class ReferenceCore:
         node = self.nodes[req.client_id]
         if node.version != req.version:
             raise InvalidState(f"{self._describe(node)}: done reported for version {req.version}")
+        self._complete_read(node)
+        return m.Ok()
+
+    def _complete_read(self, node: Node) -> None:
+        """The reader has every unit (verified by itself); it is a holder now. Also legal while
+        WAITING: its source may have died just as the last unit arrived."""
         # A holder first, then detach: the drain of the source may end here, and its
         # retention check must count this reader as a holder already.
         self._set_version(node, node.version, S.PUBLISHED, node.units)
         self._detach_from_source(node)
         node.suspects.clear()
+        node.awaiting_source = None
         self._maybe_commit(node)
-        return m.Ok()
 
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
@@ -477,6 +498,13 @@ class ReferenceCore:
         key = (node.model, node.replica_id, req.seq)
         txn = self.txns.get(key)
         if txn is None:
+            present = sum(1 for n in self.nodes.values()
+                          if not n.host and n.model == node.model and n.replica_id == node.replica_id)
+            if present < node.num_shards:
+                # After a restart a sibling may not have re-announced the version it got in this
+                # round yet; resolving now could split the transaction.
+                raise ReplicaIncomplete(f"{node.model} replica {node.replica_id}: only {present} of "
+                                   f"{node.num_shards} shards are registered; retry")
             version = self._resolve(node, req.spec)
             self.txns[key] = (req.spec, version, {node.shard})
             # Older rounds of this replica are finished once a newer one starts.
@@ -648,7 +676,8 @@ class ReferenceCore:
     def _fail_read(self, node: Node, err: TensorHubError) -> None:
         log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)
         self._stop_reading(node)
-        self._deliver(node.id, m.Failed(code=code_of(err), message=str(err)))
+        node.failure = m.Failed(code=code_of(err), message=str(err))
+        self._deliver(node.id, node.failure)
 
     # ------------------------------------------------------------------ removal
 

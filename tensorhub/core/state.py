@@ -22,6 +22,7 @@ import dataclasses
 import enum
 from typing import Optional
 
+from tensorhub.core import messages as m
 from tensorhub.core.messages import LayoutInfo
 
 
@@ -45,7 +46,7 @@ LEGAL: dict[str, frozenset[S]] = {
     "Replicate": frozenset({S.IDLE, S.PUBLISHED}),
     "SourceFailed": frozenset({S.WAITING, S.READING}),
     "Progress": frozenset({S.WAITING, S.READING}),
-    "ReplicateDone": frozenset({S.READING}),
+    "ReplicateDone": frozenset({S.WAITING, S.READING}),
     "ReplicateAbort": frozenset({S.WAITING, S.READING}),
     "OffloadDone": frozenset({S.OFFLOADING}),
     "Heartbeat": frozenset(S),
@@ -80,6 +81,8 @@ class Node:
     """FIFO position of a WAITING reader (kept across reassignments: no starvation)."""
     assign_no: int = 0
     suspects: set[str] = dataclasses.field(default_factory=set)
+    failure: Optional[m.Failed] = None
+    """The last read of this node failed with this (answered to late follow-ups of that read)."""
     awaiting_source: Optional[str] = None
     """Announced after a restart as reading from this source, which has not announced yet."""
     pending_read: Optional[tuple[int, int]] = None

@@ -342,6 +342,7 @@ class SimClient:
             self._finish(reply.code)
             return
         op, rs = self.op, self.reading
+        self.queue = []  # anything queued meanwhile belongs to ``op`` and is re-driven below
         if op is None:
             return
         if op.kind == "register":

@@ -1,0 +1,80 @@
+"""``tensorhub simulate``: run seeded scenarios, check invariants, print a summary.
+
+    tensorhub simulate --seeds 500 [--start 0] [--workload NAME] [--json]
+    tensorhub simulate --seed 1234 --verbose-trace      # replay one seed, print its trace
+
+With ``--json`` the last stdout line is one JSON object: ``runs``, ``faults`` (injections per
+kind), ``violations`` (count; must be 0), ``violation_kinds``, ``requests`` (``completed`` and
+``failed`` per error code), ``seconds`` (wall time), ``digest`` (of all trace digests).
+A failing seed prints the command that replays it on stderr. Exit code 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+from tensorhub.sim.faults import FAULT_KINDS
+from tensorhub.sim.scenario import WORKLOADS, run_scenario
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, default=100, help="number of seeded scenarios to run")
+    parser.add_argument("--start", type=int, default=0, help="first seed")
+    parser.add_argument("--seed", type=int, default=None, help="replay exactly this seed")
+    parser.add_argument("--workload", choices=WORKLOADS, default=None, help="force one workload")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    parser.add_argument("--verbose-trace", action="store_true", help="print every trace line (stderr)")
+
+
+def _replay_cmd(seed: int, workload) -> str:
+    w = f" --workload {workload}" if workload else ""
+    return f"PYTHONPATH=. python -m tensorhub.cli simulate --seed {seed}{w} --verbose-trace"
+
+
+def run(args: argparse.Namespace) -> int:
+    seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.seeds))
+    t0 = time.monotonic()
+    faults = {k: 0 for k in FAULT_KINDS}
+    failed: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    completed = violations = 0
+    digest = hashlib.blake2b(digest_size=16)
+    for seed in seeds:
+        res = run_scenario(seed, args.workload, keep_trace=args.verbose_trace)
+        digest.update(res.digest.encode())
+        if res.lines is not None:
+            for line in res.lines:
+                print(line, file=sys.stderr)
+        for k, n in res.faults.items():
+            faults[k] = faults.get(k, 0) + n
+        for k, n in res.failed.items():
+            failed[k] = failed.get(k, 0) + n
+        completed += res.completed
+        if res.violations:
+            violations += len(res.violations)
+            for kind, t, msg in res.violations:
+                kinds[kind] = kinds.get(kind, 0) + 1
+                print(f"seed {seed} ({res.workload}) t={t:.3f}s VIOLATION {kind}: {msg}", file=sys.stderr)
+            print(f"replay: {_replay_cmd(seed, args.workload)}", file=sys.stderr)
+        if args.seed is not None and not args.json:
+            print(f"seed {seed} workload={res.workload} digest={res.digest} events={res.events} "
+                  f"sim_seconds={res.sim_seconds:.1f} faults={res.faults} violations={len(res.violations)}")
+    summary = {
+        "runs": len(seeds),
+        "faults": faults,
+        "violations": violations,
+        "violation_kinds": kinds,
+        "requests": {"completed": completed, "failed": dict(sorted(failed.items()))},
+        "seconds": round(time.monotonic() - t0, 3),
+        "digest": digest.hexdigest(),
+    }
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(f"{summary['runs']} runs, {violations} violations, faults {faults}, "
+              f"requests ok={completed} failed={summary['requests']['failed']}, {summary['seconds']}s")
+    return 1 if violations else 0

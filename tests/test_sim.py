@@ -1,0 +1,154 @@
+"""Deterministic simulator: determinism, fault coverage, clean workloads, the pipeline, and
+planted core bugs that the invariant checkers must catch."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tensorhub.core.reference import ReferenceCore
+from tensorhub.sim import WORKLOADS, run_scenario
+from tensorhub.sim.faults import FAULT_KINDS
+from tensorhub.sim.whatif import run_whatif
+
+pytestmark = pytest.mark.sim
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# Seeds that expose open bugs of the current core (see the simulator report for the patches).
+# The batch tests skip them; the strict xfail tests below flip to failures once the core is fixed.
+REGRESSION_SEEDS = [
+    (12, None),  # a reader WAITING on a version with no holder was never failed after the restart window
+    (18, "colocated"),  # a transaction resolved before every sibling shard re-announced after a restart
+]
+
+
+def _run(seed, workload=None, **kw):
+    return run_scenario(seed, workload, **kw)
+
+
+@pytest.mark.parametrize("seed, workload", REGRESSION_SEEDS)
+def test_regression_seeds_run_clean(seed, workload):
+    assert not run_scenario(seed, workload).violations
+
+
+def _violations(results) -> collections.Counter:
+    results = [r for r in results if r is not None]
+    return collections.Counter(kind for r in results for kind, _, _ in r.violations)
+
+
+def test_same_seed_gives_the_same_trace_digest():
+    a, b = run_scenario(7), run_scenario(7)
+    assert a.digest == b.digest and a.events == b.events
+    assert run_scenario(8).digest != a.digest
+
+
+def test_digest_does_not_depend_on_the_hash_seed():
+    code = "from tensorhub.sim import run_scenario; print(run_scenario(11).digest)"
+    outs = set()
+    for hs in ("1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=hs, PYTHONPATH=ROOT)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout.strip())
+    assert outs == {run_scenario(11).digest}
+
+
+def test_every_fault_kind_is_injected_across_a_batch_and_nothing_breaks():
+    results = [_run(s) for s in range(200)]
+    faults = collections.Counter()
+    for r in filter(None, results):
+        faults.update(r.faults)
+    assert set(FAULT_KINDS) <= {k for k, n in faults.items() if n > 0}, faults
+    assert not _violations(results)
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_each_workload_runs_clean_and_moves_versions(workload):
+    results = [r for r in (_run(s, workload) for s in range(25)) if r is not None]
+    assert all(r.workload == workload for r in results)
+    assert not _violations(results), [r.violations[:2] for r in results if r.violations]
+    assert sum(r.completed for r in results) > 20 * 5
+
+
+def test_pipeline_delivers_to_n_readers_in_about_one_transfer():
+    """trainer -> r1 -> r2 -> ... -> r8, each reading the prefix its source already has."""
+    pipe = run_whatif(8, 16 << 30, nic_GBps=50.0, pipeline=True)
+    flat = run_whatif(8, 16 << 30, nic_GBps=50.0, pipeline=False)
+    assert pipe["finished"] == flat["finished"] == 8 and pipe["errors"] == 0
+    one = pipe["one_transfer_s"]
+    assert one <= pipe["seconds"] < 2.0 * one
+    assert flat["seconds"] > 6 * one  # everyone queues on the trainer's NIC
+
+
+class _NoDrain(ReferenceCore):
+    """Planted bug: unpublish completes at once even while readers are reading."""
+
+    def _drain(self, node):
+        node.readers.clear()
+        super()._drain(node)
+
+
+class _NoTransaction(ReferenceCore):
+    """Planted bug: every shard resolves "latest" on its own."""
+
+    def _resolve_in_txn(self, node, req):
+        return self._resolve(node, req.spec)
+
+
+class _NoOffload(ReferenceCore):
+    """Planted bug: the last non-spot holder never offloads."""
+
+    def _needs_offload(self, node):
+        return False
+
+
+@pytest.mark.parametrize("core, workload, kind", [
+    (_NoDrain, "standalone", "mutate"),
+    (_NoTransaction, "sharded", "txn"),
+    (_NoOffload, "standalone", "retention"),
+])
+def test_planted_core_bug_is_caught(core, workload, kind):
+    results = [run_scenario(s, workload, core_factory=core) for s in range(12)]
+    assert _violations(results)[kind] > 0
+
+
+def test_cli_prints_a_json_summary_and_replays_a_seed(capsys):
+    from tensorhub.cli import main
+
+    assert main(["simulate", "--seeds", "6", "--start", "3", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["runs"] == 6 and summary["violations"] == 0
+    assert set(summary) >= {"runs", "faults", "violations", "requests", "seconds"}
+    assert summary["requests"]["completed"] > 0
+
+    assert main(["simulate", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"digest={run_scenario(5).digest}" in out
+
+
+def test_cli_exits_1_and_prints_the_replay_command_on_a_violation(monkeypatch, capsys):
+    from tensorhub.sim import cli, scenario
+
+    real = scenario.run_scenario
+    monkeypatch.setattr(cli, "run_scenario", lambda seed, wl=None, **kw: real(seed, "standalone", core_factory=_NoDrain, **kw))
+    rc = cli.run(cli_args(["--seeds", "8", "--json"]))
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert json.loads(captured.out.strip().splitlines()[-1])["violations"] > 0
+    assert "replay: PYTHONPATH=. python -m tensorhub.cli simulate --seed" in captured.err
+
+
+def cli_args(argv):
+    import argparse
+
+    from tensorhub.sim import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(argv)
