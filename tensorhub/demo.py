@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     ray.init(address=args.address, namespace="tensorhub-demo", num_cpus=None if args.address else 8,
              include_dashboard=False, log_to_driver=False)
     spec = workload.transformer_spec(args.size_mb << 20, layers=args.layers)
-    nbytes = sum(_numel(shape) * _elt(dt) for _, dt, shape in spec)
+    nbytes = workload.spec_bytes(spec)
     cfg = Config.from_env()
     model = "demo-policy"
     names = ["trainer"] + [f"rollout-{i}" for i in range(args.rollouts)]
@@ -90,19 +90,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 1 if failures else 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _elt(dtype: str) -> int:
-    import torch
-
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _cfg_dict(cfg) -> dict:

@@ -58,6 +58,17 @@ def small_spec(total_bytes: int = 4 << 20, big: int = 3, tiny: int = 20, dtype: 
     return spec
 
 
+def spec_bytes(spec: Spec) -> int:
+    """Total bytes of a spec, without allocating it."""
+    total = 0
+    for _, dt, shape in spec:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * torch.empty((), dtype=getattr(torch, dt)).element_size()
+    return total
+
+
 def allocate(spec: Spec, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     """Zeroed tensors for ``spec`` (zeroing touches every page once, up front)."""
     return [(name, torch.zeros(shape, dtype=getattr(torch, dt), device=device)) for name, dt, shape in spec]

@@ -607,3 +607,30 @@ def test_sharded_round_waits_until_every_shard_registered():
         w.send(m.Publish(f"t{s}", 1))
     w.reg("r0", replica="r", shard=0, num_shards=2)
     assert err(w.send(m.Replicate("r0", "latest", seq=1))) == "ReplicaIncomplete"
+
+
+def test_source_reported_failed_is_expired_unless_it_heartbeats_soon():
+    """r reports t failed: t is removed after ~2.5 heartbeat intervals of silence, not a whole lease."""
+    w = World(heartbeat_interval_s=1.0, lease_timeout_s=30.0)
+    w.reg("t"); w.reg("h"); w.reg("r"); w.reg("x")
+    w.send(m.Publish("t", 1)); w.send(m.Publish("h", 1))
+    w.send(m.Replicate("x", 1, resume_version=1, resume_units=1))  # occupies one holder
+    src = w.send(m.Replicate("r", 1)).source_id
+    other = "h" if src == "t" else "t"
+    w.send(m.SourceFailed("r", src, 0))
+    for _ in range(3):
+        w.now += 1.0
+        for c in ("r", "x", other):
+            w.send(m.Heartbeat(c))
+        w.tick(0.0)
+    assert src not in w.core.nodes
+    # a falsely suspected node that keeps heartbeating stays
+    w2 = World(heartbeat_interval_s=1.0, lease_timeout_s=30.0)
+    w2.reg("t"); w2.reg("r")
+    w2.send(m.Publish("t", 1)); w2.send(m.Replicate("r", 1))
+    w2.send(m.SourceFailed("r", "t", 0))
+    for _ in range(5):
+        w2.now += 1.0
+        w2.send(m.Heartbeat("t")); w2.send(m.Heartbeat("r"))
+        w2.tick(0.0)
+    assert "t" in w2.core.nodes

@@ -18,7 +18,8 @@ Rules kept here (DESIGN.md section 1):
   in that round get the same version (a transaction);
 - unpublish hides the holder, waits until its readers finish, then completes (the drain);
 - the last non-spot complete holder of a retained version offloads to host before unpublish;
-- a client silent past ``lease_timeout_s`` is dead, and so is its whole replica; readers of a
+- a client silent past ``lease_timeout_s`` is dead, and so is its whole replica (a client that a
+  reader reported failed gets only ``2.5 * heartbeat_interval_s`` to heartbeat again); readers of a
   dead source are reassigned and resume from their own progress; readers of a version no one
   holds any more fail with ``VersionLost``.
 """
@@ -130,13 +131,17 @@ class ReferenceCore:
         if self._born is None:
             self._born = now
         lease = self.config.lease_timeout_s
-        dead_replicas = {
-            (n.model, n.replica_id)
-            for n in self.nodes.values()
-            if not n.host and now - n.last_seen > lease
-        }
+        probe = 2.5 * self.config.heartbeat_interval_s
+        dead_replicas = set()
+        for n in self.nodes.values():
+            if n.host:
+                continue
+            if n.suspected_at is not None and n.last_seen > n.suspected_at:
+                n.suspected_at = None  # it heartbeated since it was reported: alive after all
+            if now - n.last_seen > lease or (n.suspected_at is not None and now - n.suspected_at > probe):
+                dead_replicas.add((n.model, n.replica_id))
         for model, replica in sorted(dead_replicas):
-            log.info("model=%s replica=%s lease expired: removing the replica", model, replica)
+            log.info("model=%s replica=%s lease expired or reported dead: removing the replica", model, replica)
             self._remove_replica(model, replica, reason="lease expired")
         if now >= self._recovering_until:
             if not self._window_closed:
@@ -303,6 +308,9 @@ class ReferenceCore:
         log.info("model=%s version=%d reader=%s reports source %s failed at unit %d",
                  node.model, node.version, node.id, req.source_id, node.progress)
         node.suspects.add(req.source_id)
+        src = self.nodes.get(req.source_id)
+        if src is not None and not src.host and src.suspected_at is None:
+            src.suspected_at = now
         self._detach_from_source(node)
         self._wait(node)
         return m.Waiting(version=node.version)

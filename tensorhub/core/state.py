@@ -81,6 +81,8 @@ class Node:
     """FIFO position of a WAITING reader (kept across reassignments: no starvation)."""
     assign_no: int = 0
     suspects: set[str] = dataclasses.field(default_factory=set)
+    suspected_at: Optional[float] = None
+    """A reader reported this node failed at this time; it must heartbeat again to stay."""
     failure: Optional[m.Failed] = None
     """The last read of this node failed with this (answered to late follow-ups of that read)."""
     awaiting_source: Optional[str] = None
