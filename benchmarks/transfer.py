@@ -72,7 +72,7 @@ class Holder:
         torch.set_num_threads(1)
         from tensorhub.transport import Region
 
-        self.cfg = Config(**cfg_kwargs)
+        self.cfg = Config.from_env(**cfg_kwargs)
         self.tensors = _tensors(shapes, fill=True)
         self.layout = Layout.build(list(zip([n for n, _ in shapes], self.tensors)),
                                    self.cfg.unit_bytes, self.cfg.pack_below_bytes)
@@ -109,7 +109,7 @@ class Reader:
         torch.set_num_threads(1)
         from tensorhub.transport import Region
 
-        self.cfg = Config(**cfg_kwargs)
+        self.cfg = Config.from_env(**cfg_kwargs)
         self.shapes = shapes
         self.tensors = _tensors(shapes, fill=False)
         self.layout = Layout.build(list(zip([n for n, _ in shapes], self.tensors)),

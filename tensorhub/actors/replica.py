@@ -18,10 +18,13 @@ import tensorhub
 from tensorhub import workload
 from tensorhub.config import Config
 from tensorhub.errors import TensorHubError
+from tensorhub.graphs.member import GraphMember
 
 
-class Replica:
-    """The plain-Python body of :class:`ReplicaActor` (usable without Ray for tests)."""
+class Replica(GraphMember):
+    """The plain-Python body of :class:`ReplicaActor` (usable without Ray for tests). As a
+    :class:`~tensorhub.graphs.GraphMember` it can take part in compiled-graph pipelines
+    (:func:`tensorhub.graphs.replicate_group`)."""
 
     def __init__(self, model: str, spec: workload.Spec, *, shard: int = 0, num_shards: int = 1,
                  replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
@@ -32,6 +35,11 @@ class Replica:
         self.hub = tensorhub.open(model, shard=shard, num_shards=num_shards, replica=replica,
                                   datacenter=datacenter, spot=spot, config=self.config, port=port)
         self.hub.register(self.named)
+
+    @property
+    def tensorhub_handle(self) -> tensorhub.Hub:
+        """The hub :class:`~tensorhub.graphs.GraphMember` reads through."""
+        return self.hub
 
     def ping(self) -> str:
         return self.hub.client_id

@@ -118,7 +118,14 @@ class Agent:
 
         self.name = name or f"tensorhub-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.backend = config.backend
-        self.nixl = nixl_agent(self.name, nixl_agent_config(backends=[config.backend]))
+        self.nixl = nixl_agent(self.name, nixl_agent_config(backends=[], num_threads=config.nixl_threads))
+        params = dict(self.nixl.get_plugin_params(config.backend))
+        if config.backend == "UCX":
+            params["num_workers"] = str(config.nixl_workers)
+        try:
+            self.nixl.create_backend(config.backend, params)
+        except Exception as e:  # noqa: BLE001 - reported as a typed error below
+            logger.warning("NIXL backend %s with %s failed: %s", config.backend, params, e)
         if config.backend not in self.nixl.backends:
             raise TransferError(f"NIXL backend {config.backend!r} could not be created")
         self._remotes: dict[str, bytes] = {}

@@ -1,0 +1,169 @@
+"""One holder, N readers: compiled-graph pipeline vs pull-path pipeline vs no pipeline.
+
+    python benchmarks/pipeline.py --json [--bytes 256MiB] [--ns 1,2,4,8] [--batches 8]
+
+For each N (readers = the first N of 8 ReplicaActors; one trainer publishes a fresh version
+before every measured run):
+
+  graph  ``tensorhub.graphs.replicate_group(path="graph")`` with the graph for this topology
+         already compiled (the run before it compiled it; that run's compile time is reported).
+  pull   plain concurrent ``update("latest")`` on every reader: the core chains them
+         (trainer -> r0 -> r1 ...) and each reads its partial upstream by polling its counter.
+  none   no pipeline: every reader reads straight from the trainer's registered tensors through
+         the transport (``tx.pull`` from the trainer's endpoint, all N at once), bypassing the
+         scheduler (so ``readers_per_source_max`` does not serialise them). The server is not
+         told; the readers are unpublished first and their regions reset afterwards.
+
+``total_s``: from asking until the last reader has the version. ``stall_s_mean``: per reader,
+from asking (the driver's start of the round) until that reader has the version, averaged.
+Human lines go to stderr; the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, _REPO)
+
+import ray
+
+from tensorhub import workload
+from tensorhub.actors.replica import Replica
+from tensorhub.graphs import GraphCache, replicate_group
+
+log = logging.getLogger("benchmarks.pipeline")
+
+
+class BenchReplica(Replica):
+    """A Replica that can also read directly from an endpoint (the no-pipeline baseline)."""
+
+    def endpoint(self) -> bytes:
+        from tensorhub.transport import nixl as tx
+
+        return tx.encode_endpoint(self.hub._region.endpoint())
+
+    def direct_pull(self, endpoint: bytes, version: int) -> float:
+        from tensorhub.transport import nixl as tx
+
+        hub = self.hub
+        hub.unpublish()
+        src = tx.open_source(endpoint, config=hub.config)
+        try:
+            tx.pull(hub._region, src, hub._layout, expect_version=version, config=hub.config)
+        finally:
+            src.close()
+        done = time.time()
+        ok = workload.digest(self.tensors)
+        # Forget it: the server never heard of this read, and the next run must not resume it.
+        hub._region.set_progress(0)
+        hub._region.set_version(-1)
+        return done, ok
+
+
+def parse_bytes(s: str) -> int:
+    s = s.strip().lower()
+    for suf, mul in (("gib", 1 << 30), ("mib", 1 << 20), ("kib", 1 << 10), ("g", 1 << 30), ("m", 1 << 20)):
+        if s.endswith(suf):
+            return int(float(s[: -len(suf)]) * mul)
+    return int(s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bytes", type=parse_bytes, default=256 << 20)
+    ap.add_argument("--ns", default="1,2,4,8")
+    ap.add_argument("--unit-bytes", type=parse_bytes, default=8 << 20)
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--max-inflight", type=int, default=4)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    ns = [int(x) for x in args.ns.split(",")]
+    ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False,
+             namespace=f"tensorhub-bench-pipeline-{int(time.time())}")
+    model = "bench-pipeline"
+    spec = workload.transformer_spec(args.bytes, layers=8)
+    cfg = dict(unit_bytes=args.unit_bytes, checksums=True, lease_timeout_s=60.0, heartbeat_interval_s=1.0)
+    Actor = ray.remote(num_cpus=0)(BenchReplica)
+    names = ["trainer"] + [f"r{i}" for i in range(max(ns))]
+    t = time.perf_counter()
+    actors = [Actor.options(name=f"tensorhub-replica-{model}-{n}").remote(model, spec, config=cfg) for n in names]
+    ray.get([a.ping.remote() for a in actors])
+    trainer, readers = actors[0], actors[1:]
+    print(f"spawned {len(actors)} actors in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    cache = GraphCache(max_inflight=args.max_inflight)
+    version = [0]
+
+    def publish() -> tuple[int, str]:
+        version[0] += 1
+        return version[0], ray.get(trainer.publish.remote(version[0]))
+
+    def run(path: str, group) -> dict:
+        v, d = publish()
+        t_ask = time.time()
+        t0 = time.perf_counter()
+        extra = {}
+        if path == "none":
+            ep = ray.get(trainer.endpoint.remote())
+            outs = ray.get([r.direct_pull.remote(ep, v) for r in group])
+            done = [o[0] for o in outs]
+            digests = [o[1] for o in outs]
+        elif path == "pull":
+            outs = ray.get([r.update.remote("latest") for r in group])
+            done = [o["done_at"] for o in outs]
+            digests = [o["digest"] for o in outs]
+        else:
+            res = replicate_group(group, "latest", path="graph", batches=args.batches, cache=cache)
+            if res.path != "graph":
+                raise RuntimeError(f"graph path failed: {res.error}")
+            done = [s["done_at"] for s in res.per_member]
+            digests = ray.get([r.digest.remote() for r in group])
+            extra = {"compiled": res.compiled, "compile_s": res.compile_s}
+        total = time.perf_counter() - t0
+        if digests != [d] * len(group):
+            raise RuntimeError(f"{path} n={len(group)}: bytes differ")
+        stalls = [x - t_ask for x in done]
+        out = {"n": len(group), "path": path, "total_s": round(total, 4),
+               "stall_s_mean": round(statistics.mean(stalls), 4), **extra}
+        print(f"n={len(group)} {path:5s} total {total:.3f}s stall mean {out['stall_s_mean']:.3f}s {extra}",
+              file=sys.stderr)
+        return out
+
+    results, compile_s, cached_s = [], {}, {}
+    for n in ns:
+        group = readers[:n]
+        results.append(run("none", group))
+        results.append(run("pull", group))
+        first = run("graph", group)  # compiles (synchronously) on first sight of this topology
+        compile_s[n] = round(first["compile_s"], 4)
+        g = run("graph", group)  # the cached graph: what every later version costs
+        cached_s[n] = g["total_s"]
+        results.append({k: g[k] for k in ("n", "path", "total_s", "stall_s_mean")})
+        for r in results[-3:]:
+            r.pop("compiled", None), r.pop("compile_s", None)
+    cache.clear()
+    ray.get([a.close.remote() for a in actors])
+    by = {(r["n"], r["path"]): r["total_s"] for r in results}
+    winners = {n: min(("graph", "pull", "none"), key=lambda p: by[(n, p)]) for n in ns}
+    summary = {
+        "name": "pipeline", "bytes": args.bytes, "unit_bytes": args.unit_bytes, "batches": args.batches,
+        "max_inflight": args.max_inflight, "results": results,
+        "compile_s": compile_s[max(ns)], "compile_s_by_n": compile_s,
+        "cached_graph_s": cached_s[max(ns)], "cached_graph_s_by_n": cached_s,
+        "winner_by_n": winners,
+        "graph_over_pull": {n: round(by[(n, "graph")] / by[(n, "pull")], 3) for n in ns},
+        "none_over_pull": {n: round(by[(n, "none")] / by[(n, "pull")], 3) for n in ns},
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Pipeline replication of one version to a group of actors, as a Ray Compiled Graph.
+
+    from tensorhub import graphs
+    res = graphs.replicate_group([r0, r1, r2], "latest", path="auto")
+    res.path, res.per_member        # "graph" | "pull", one stats dict per member
+
+The driver asks every member for a source (the core answers ``holder -> r0 -> r1 -> r2``),
+turns those assignments into a graph (:mod:`tensorhub.graphs.plan`) whose node ``i`` is
+``r_i.th_graph_fetch`` fed by its upstream's output, and executes it once per batch index with
+up to ``max_inflight`` executions in flight, so batches stream down the chain. Graph edges carry
+one int; bytes move by NIXL reads straight into each member's registered tensors. Finally every
+member runs ``th_graph_finish`` (pull whatever is missing, with failover; report done).
+
+Compiled graphs are cached by topology (:class:`GraphCache`): the same ordered members wired the
+same way reuse one graph across versions. Rules the cache keeps, from Ray 2.60's behaviour:
+
+- an actor can run only one compiled graph at a time: compiling a graph tears down every cached
+  graph that shares an actor with it;
+- every compile leaves channel buffers in the object store (channels x in-flight x buffer size),
+  so buffers are small and fixed (``buffer_bytes``), in-flight executions few, graphs few
+  (``graphs_max``) and reused; payloads are ints (failures are negative ints, never exceptions),
+  so no channel ever grows past its buffer (teardown would hang);
+- a failed execution (a member died, a read failed, a timeout) tears the graph down and drops it;
+  the members then fall back to the pull path from their own progress (nothing fetched twice).
+
+Path choice (``path="auto"``): the graph is used only when a compiled graph for this topology is
+already cached *and* the chain is at least ``auto_min_depth`` deep; otherwise the pull path runs
+now and, with ``compile="background"``, the graph is compiled after the group finished (off the
+critical path) for the next version. ``path="graph"`` compiles synchronously on a miss (measured
+0.1-0.5 s here). The default ``auto_min_depth`` is None (never): on the machines measured the
+pull path wins (see :data:`AUTO_GRAPH_MIN_DEPTH` and ``benchmarks/pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import ray
+
+from tensorhub.graphs.plan import Plan, build_plan
+
+log = logging.getLogger(__name__)
+
+PATHS = ("auto", "graph", "pull")
+
+AUTO_GRAPH_MIN_DEPTH: Optional[int] = None
+"""Shortest chain for which ``path="auto"`` uses a cached graph; None = never. Measured by
+``benchmarks/pipeline.py`` on a 2-core CPU machine (NIXL over shared memory, 64-256 MiB, N = 1-8):
+the pull path won at every N (the graph adds per-batch signalling, sequential source requests
+and a finish round; the pull path already streams through partial holders by polling their
+progress counters), so auto picks pull. Re-measure on RDMA/GPU hosts and set a depth there."""
+
+
+@dataclasses.dataclass
+class GroupResult:
+    """What one :func:`replicate_group` did."""
+
+    path: str
+    """``"graph"``, ``"pull"``, ``"fallback"`` (graph failed, finished on the pull path) or ``"noop"``."""
+    version: Optional[int]
+    seconds: float
+    per_member: list[Any]
+    """One entry per actor (in the order given): a stats dict, or the exception it raised."""
+    plan: Optional[Plan] = None
+    compiled: bool = False
+    """A graph was compiled synchronously by this call."""
+    compile_s: float = 0.0
+    error: Optional[str] = None
+    """Why the graph path failed (``path == "fallback"``)."""
+
+
+@dataclasses.dataclass
+class _Entry:
+    dag: Any
+    actor_ids: frozenset
+    compile_s: float
+    uses: int = 0
+
+
+def _actor_key(actor) -> str:
+    return actor._actor_id.hex()
+
+
+class GraphCache:
+    """Compiled graphs by topology key. Thread-safe; one per driver process is typical
+    (:data:`default_cache`). ``graphs_max`` bounds how many live graphs (and their channel
+    buffers) exist at once; the least recently used is torn down first."""
+
+    def __init__(self, *, graphs_max: int = 4, buffer_bytes: int = 64 << 10, max_inflight: int = 4,
+                 submit_timeout_s: float = 60.0) -> None:
+        if graphs_max < 1 or buffer_bytes < 1024 or max_inflight < 1 or submit_timeout_s <= 0:
+            raise ValueError("graphs_max >= 1, buffer_bytes >= 1024, max_inflight >= 1, submit_timeout_s > 0")
+        self.graphs_max = graphs_max
+        self.buffer_bytes = buffer_bytes
+        self.max_inflight = max_inflight
+        self.submit_timeout_s = submit_timeout_s
+        self.compiles = 0
+        """Graphs compiled so far (tests pin reuse with it)."""
+        self.teardowns = 0
+        self.compile_s: list[float] = []
+        self._graphs: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
+        self._lock = threading.RLock()
+        self._background: Optional[threading.Thread] = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def get(self, key: tuple) -> Optional[Any]:
+        """The cached compiled graph for ``key`` or None (marks it recently used)."""
+        with self._lock:
+            e = self._graphs.get(key)
+            if e is None:
+                return None
+            self._graphs.move_to_end(key)
+            e.uses += 1
+            return e.dag
+
+    def compile(self, key: tuple, actors: Sequence, plan: Plan) -> Any:
+        """Compile (and cache) the graph for ``plan`` over ``actors``, first tearing down every
+        cached graph that shares an actor (Ray: one live graph per actor) and the least recently
+        used ones past ``graphs_max``. Blocks for the compile (0.1-0.5 s on small machines)."""
+        from ray.dag import DAGContext, InputNode, MultiOutputNode
+
+        ids = frozenset(_actor_key(a) for a in actors)
+        with self._lock:
+            if key in self._graphs:
+                return self.get(key)
+            for k in [k for k, e in self._graphs.items() if e.actor_ids & ids]:
+                self.drop(k)
+            while len(self._graphs) >= self.graphs_max:
+                self.drop(next(iter(self._graphs)))
+            t = time.perf_counter()
+            ray.get([a.th_graph_setup.remote(self.buffer_bytes) for a in actors], timeout=60)
+            with InputNode() as batch:
+                out: dict[int, Any] = {}
+                for i in plan.order:
+                    up = plan.upstream[i]
+                    out[i] = actors[i].th_graph_fetch.bind(batch if up is None else out[up])
+                dag = MultiOutputNode([out[i] for i in plan.leaves])
+            # Some channels (the driver's input/output ones) size themselves from the context,
+            # not from the compile argument: set both, so every buffer is small.
+            ctx = DAGContext.get_current()
+            saved, ctx.buffer_size_bytes = ctx.buffer_size_bytes, self.buffer_bytes
+            try:
+                compiled = dag.experimental_compile(
+                    _max_inflight_executions=self.max_inflight, _buffer_size_bytes=self.buffer_bytes,
+                    _submit_timeout=self.submit_timeout_s)
+            finally:
+                ctx.buffer_size_bytes = saved
+            dt = time.perf_counter() - t
+            self._graphs[key] = _Entry(compiled, ids, dt)
+            self.compiles += 1
+            self.compile_s.append(dt)
+            log.info("compiled graph #%d over %d actors in %.3fs", self.compiles, len(actors), dt)
+            return compiled
+
+    def drop(self, key: tuple) -> bool:
+        """Tear down and forget the graph for ``key`` (no-op if absent). Never raises."""
+        with self._lock:
+            e = self._graphs.pop(key, None)
+        if e is None:
+            return False
+        try:
+            e.dag.teardown()
+        except Exception:  # noqa: BLE001 - a member may be dead; the graph is gone either way
+            log.warning("teardown of a compiled graph failed", exc_info=True)
+        self.teardowns += 1
+        return True
+
+    def drop_actor(self, actor) -> int:
+        """Tear down every graph over ``actor`` (membership changed). Returns how many."""
+        aid = _actor_key(actor)
+        with self._lock:
+            keys = [k for k, e in self._graphs.items() if aid in e.actor_ids]
+        return sum(self.drop(k) for k in keys)
+
+    def clear(self) -> None:
+        """Tear down every cached graph (call before ``ray.shutdown()``)."""
+        self.wait_background()
+        with self._lock:
+            keys = list(self._graphs)
+        for k in keys:
+            self.drop(k)
+
+    def compile_in_background(self, key: tuple, actors: Sequence, plan: Plan) -> None:
+        """Compile ``key`` in a thread (one at a time; skipped if one is running)."""
+        with self._lock:
+            if key in self._graphs or (self._background is not None and self._background.is_alive()):
+                return
+
+            def run() -> None:
+                try:
+                    self.compile(key, actors, plan)
+                except Exception:  # noqa: BLE001 - the pull path keeps working without it
+                    log.warning("background compile failed", exc_info=True)
+
+            self._background = threading.Thread(target=run, name="tensorhub-graph-compile", daemon=True)
+            self._background.start()
+
+    def wait_background(self, timeout_s: Optional[float] = None) -> None:
+        t = self._background
+        if t is not None:
+            t.join(timeout_s)
+
+
+default_cache = GraphCache()
+"""The process-wide cache :func:`replicate_group` uses unless given one."""
+
+
+def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, path: str = "auto",
+                    batches: int = 8, cache: Optional[GraphCache] = None, compile: str = "background",
+                    auto_min_depth: Optional[int] = AUTO_GRAPH_MIN_DEPTH, timeout_s: float = 300.0) -> GroupResult:
+    """Replicate version ``spec`` into every actor of ``actors`` (each a :class:`GraphMember`).
+
+    Blocks until every member holds the version (or failed: its entry in ``per_member`` is the
+    exception). ``update=True`` behaves like ``Hub.update`` (no-op when current), else like
+    ``Hub.replicate``. ``path``: ``"graph"`` forces the compiled graph (compiling synchronously
+    on a cache miss), ``"pull"`` the plain concurrent pull path, ``"auto"`` the graph only when
+    it is cached and the chain is at least ``auto_min_depth`` deep (None, the default: never,
+    see :data:`AUTO_GRAPH_MIN_DEPTH`). ``compile="background"``
+    (auto only) compiles a missing graph after the pull path finished, for the next version;
+    ``"never"`` does not. ``batches`` is fixed per topology (part of the key): batch k covers
+    units ``[end(k-1), end(k))`` of whatever version runs. Raises ``ValueError`` on bad
+    arguments; member failures never raise here, the survivors finish on the pull path."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if compile not in ("background", "never"):
+        raise ValueError("compile must be 'background' or 'never'")
+    if batches < 1 or not actors:
+        raise ValueError("need batches >= 1 and at least one actor")
+    cache = default_cache if cache is None else cache
+    t0 = time.perf_counter()
+    # Begin one by one in the given order: the core then wires the same chain for every version
+    # (holder -> a0 -> a1 -> ...), so the topology, and the compiled graph, repeat.
+    begun: list[Any] = []
+    for a in actors:
+        try:
+            begun.append(ray.get(a.th_graph_begin.remote(spec, update, batches), timeout=timeout_s))
+        except Exception as e:  # noqa: BLE001 - that member is out of this round
+            begun.append(e)
+    live = [i for i, b in enumerate(begun) if isinstance(b, dict) and b["action"] == "assigned"]
+    per_member: list[Any] = list(begun)
+    version = next((b["version"] for b in begun if isinstance(b, dict)), None)
+    if not live:
+        return GroupResult("noop", version, time.perf_counter() - t0, per_member)
+    members = [actors[i] for i in live]
+    plan = build_plan([(begun[i]["client_id"], begun[i]["source_id"]) for i in live])
+    key = plan.key([_actor_key(a) for a in members]) + (batches,)
+    dag = cache.get(key)
+    graph_pays = auto_min_depth is not None and plan.depth >= auto_min_depth
+    use_graph = path == "graph" or (path == "auto" and dag is not None and graph_pays)
+    result = GroupResult("pull", version, 0.0, per_member, plan=plan)
+    if use_graph:
+        if dag is None:
+            tc = time.perf_counter()
+            dag = cache.compile(key, members, plan)
+            result.compiled, result.compile_s = True, time.perf_counter() - tc
+        err = _execute(dag, batches, cache.max_inflight, timeout_s)
+        if err is None:
+            result.path = "graph"
+        else:
+            result.path, result.error = "fallback", err
+            log.warning("graph over %d members failed (%s): falling back to the pull path", len(members), err)
+            ray.get([a.th_graph_abort.remote() for a in members if _alive(a)], timeout=timeout_s)
+            cache.drop(key)
+    finals = _finish_all(members, timeout_s)
+    for i, f in zip(live, finals):
+        per_member[i] = f
+    result.seconds = time.perf_counter() - t0
+    if (path == "auto" and compile == "background" and graph_pays and cache.get(key) is None
+            and all(isinstance(f, dict) for f in finals)):
+        cache.compile_in_background(key, members, plan)
+    return result
+
+
+def object_store_bytes_used() -> int:
+    """Bytes the local Ray cluster's object stores hold now (channel buffers of live and leaked
+    compiled graphs count here). Uses Ray's memory-info API (what ``ray memory`` prints)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used)
+
+
+def _execute(dag, batches: int, max_inflight: int, timeout_s: float) -> Optional[str]:
+    """Run batch indices 0..batches-1 with up to ``max_inflight`` in flight. None on success,
+    else a short reason (a negative output: a member's fetch failed; or a Ray error)."""
+    pending: collections.deque = collections.deque()
+    bad: Optional[str] = None
+    try:
+        for k in range(batches):
+            if len(pending) >= max_inflight:
+                r = _check(pending.popleft(), timeout_s)
+                bad = bad or r
+            if bad:
+                break  # later batches would only pass the failure along
+            pending.append((k, dag.execute(k)))
+        while pending:  # consume every submitted execution (the graph may be reused)
+            r = _check(pending.popleft(), timeout_s)
+            bad = bad or r
+    except Exception as e:  # noqa: BLE001 - actor died, channel closed, timeout
+        return f"{type(e).__name__}: {e}"[:500]
+    return bad
+
+
+def _check(item, timeout_s: float) -> Optional[str]:
+    k, ref = item
+    outs = ray.get(ref, timeout=timeout_s)
+    if any(o != k for o in outs):
+        return f"batch {k}: member outputs {outs}"
+    return None
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.th_graph_ping.remote(), timeout=10)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _finish_all(members: Sequence, timeout_s: float) -> list[Any]:
+    refs = [a.th_graph_finish.remote() for a in members]
+    out: list[Any] = []
+    for r in refs:
+        try:
+            out.append(ray.get(r, timeout=timeout_s))
+        except Exception as e:  # noqa: BLE001 - a dead member; survivors still finish
+            out.append(e)
+    return out
