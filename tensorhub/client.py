@@ -66,6 +66,8 @@ class ReadStats:
     """The first source was itself still receiving (pipeline replication)."""
     cross_datacenter: bool = False
     failovers: int = 0
+    finished_at: float = 0.0
+    """Wall-clock time (``time.time()``) when the last byte was in place."""
 
     @property
     def gbps(self) -> float:
@@ -324,6 +326,7 @@ class Hub:
                 try:
                     self._current_source = a.source_id
                     nbytes += self._pull_range(a, self._layout.unit_count)
+                    finished_at = time.time()
                     break
                 except (errors.TransferError, errors.ChecksumMismatch) as err:
                     failovers += 1
@@ -356,7 +359,8 @@ class Hub:
                  self.model, version, self.shard, nbytes, dt, " -> ".join(sources))
         return ReadStats(action="replicated", version=version, seconds=dt, transfer_s=t_end - t_assigned, bytes=nbytes,
                          sources=tuple(sources), partial_source=first.source_partial,
-                         cross_datacenter=first.cross_datacenter, failovers=failovers)
+                         cross_datacenter=first.cross_datacenter, failovers=failovers,
+                         finished_at=finished_at)
 
     def _finish_unpublish(self, reply: object) -> None:
         if isinstance(reply, m.OffloadOrder):
