@@ -162,3 +162,59 @@ def test_verify_mode_detects_write_while_published_naming_the_tensor():
         hub.unpublish()
     assert hub.version is None  # the unpublish itself completed
     hub.close()
+
+
+# ------------------------------------------------------------------ bad inputs, one table
+
+def _state_snapshot(port, hub, tensors):
+    return port.core.status(), hub.state, hub.version, workload.digest(tensors)
+
+
+BAD_CALLS = [
+    # (state the handle is put in, call, expected error)
+    ("open", lambda h, t: h.publish(1), errors.NotRegistered),
+    ("open", lambda h, t: h.unpublish(), errors.NotRegistered),
+    ("open", lambda h, t: h.replicate("latest"), errors.NotRegistered),
+    ("open", lambda h, t: h.update("latest"), errors.NotRegistered),
+    ("open", lambda h, t: h.register([("a", torch.zeros(4))]), errors.LayoutMismatch),  # differs from the model
+    ("open", lambda h, t: h.register([]), errors.LayoutMismatch),
+    ("open", lambda h, t: h.register([(n, x.t() if x.dim() == 2 else x[::2]) for n, x in t]), errors.LayoutMismatch),
+    ("idle", lambda h, t: h.register(t), errors.InvalidState),
+    ("idle", lambda h, t: h.publish(-1), errors.BadVersionSpec),
+    ("idle", lambda h, t: h.publish("7"), errors.BadVersionSpec),
+    ("idle", lambda h, t: h.publish(True), errors.BadVersionSpec),
+    ("idle", lambda h, t: h.replicate(-3), errors.BadVersionSpec),
+    ("idle", lambda h, t: h.replicate("latest-x"), errors.BadVersionSpec),
+    ("idle", lambda h, t: h.replicate(12345), errors.VersionNotFound),
+    ("idle", lambda h, t: h.replicate("latest-5"), errors.VersionNotFound),
+    ("idle", lambda h, t: h.update(12345), errors.VersionNotFound),
+    ("published", lambda h, t: h.publish(2), errors.InvalidState),
+    ("published", lambda h, t: h.replicate(1), errors.InvalidState),
+    ("closed", lambda h, t: h.publish(1), errors.HandleClosed),
+    ("closed", lambda h, t: h.replicate(1), errors.HandleClosed),
+    ("closed", lambda h, t: h.update("latest"), errors.HandleClosed),
+    ("closed", lambda h, t: h.unpublish(), errors.HandleClosed),
+    ("closed", lambda h, t: h.close(), errors.HandleClosed),
+]
+
+
+@pytest.mark.parametrize("state, call, error", BAD_CALLS, ids=[f"{s}-{i}" for i, (s, _, _) in enumerate(BAD_CALLS)])
+def test_bad_call_raises_typed_error_and_changes_nothing(port, state, call, error):
+    owner, ot = _hub(port, replica="owner")
+    workload.fill_version(ot, 1)
+    owner.publish(1)
+    named = workload.allocate(SPEC)
+    tensors = [t for _, t in named]
+    workload.fill_version(tensors, 9)
+    hub = tensorhub.open("m", port=port, config=CFG, replica="h")
+    if state in ("idle", "published", "closed"):
+        hub.register(named)
+    if state == "published":
+        hub.publish(1)
+    if state == "closed":
+        hub.close()
+    before = _state_snapshot(port, hub, tensors)
+    with pytest.raises(error):
+        call(hub, named)
+    assert issubclass(error, errors.TensorHubError) and error.__doc__
+    assert _state_snapshot(port, hub, tensors) == before
