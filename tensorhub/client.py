@@ -277,14 +277,23 @@ class Hub:
                           resume_version=self._region.version, resume_units=self._partial_units())
         deadline = time.monotonic() + self.config.request_timeout_s
         reply = self._call(req, wait=True)
-        while (isinstance(reply, m.ErrorReply) and reply.code == "ReplicaIncomplete"
+        while (isinstance(reply, m.ErrorReply) and reply.code in ("ReplicaIncomplete", "ServerRecovering")
                and time.monotonic() < deadline):
-            time.sleep(0.1)  # sibling shards are still registering / re-announcing
+            time.sleep(0.1)  # sibling shards or holders are still registering / re-announcing
             reply = self._call(req, wait=True)
         if isinstance(reply, m.NoChange):
             return reply
         if isinstance(reply, m.OffloadOrder):
             reply = self._call(self._offload(reply.version), wait=True)
+            if isinstance(reply, m.UnpublishDone):
+                # The server restarted during the offload: we are unpublished now; ask again.
+                self._published = None
+                self._state = HubState.IDLE
+                reply = self._call(req, wait=True)
+                while (isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering"
+                       and time.monotonic() < deadline):
+                    time.sleep(0.1)
+                    reply = self._call(req, wait=True)
         if update and self._published is not None:
             # The server drained and unpublished the old version before answering.
             self._published = None
@@ -455,6 +464,9 @@ class Hub:
             hosts = tuple((v, tx.encode_endpoint(r.endpoint())) for v, (r, _) in sorted(self._host.items()))
         if isinstance(request, m.ReplicateDone):
             return m.Holding(published=request.version, host_copies=hosts)
+        if isinstance(request, m.OffloadDone):
+            # Drained on the old server already; the host copy (in `hosts`) now holds the version.
+            return m.Holding(published=None, host_copies=hosts)
         if self._reading and self._region is not None:
             src = "" if isinstance(request, m.SourceFailed) else self._current_source
             return m.Holding(host_copies=hosts, reading_version=self._region.version,
@@ -470,6 +482,8 @@ class Hub:
         log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)
         if isinstance(request, m.ReplicateDone):
             return m.Ok()  # announced as a complete holder already
+        if isinstance(request, m.OffloadDone):
+            return m.UnpublishDone(version=request.version)  # announced as unpublished + host copy
         return None
 
     def _expect(self, reply: object, kind: type):

@@ -36,6 +36,11 @@ class ReplicaIncomplete(InvalidState):
     until ``request_timeout_s``."""
 
 
+class ServerRecovering(TensorHubError):
+    """The server restarted recently and holders are still re-announcing, so a version spec
+    cannot be resolved yet. The client retries by itself until ``request_timeout_s``."""
+
+
 class ShardTaken(TensorHubError):
     """Another live client already registered this (model, replica, shard)."""
 

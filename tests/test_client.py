@@ -218,3 +218,29 @@ def test_bad_call_raises_typed_error_and_changes_nothing(port, state, call, erro
         call(hub, named)
     assert issubclass(error, errors.TensorHubError) and error.__doc__
     assert _state_snapshot(port, hub, tensors) == before
+
+
+def test_server_restart_during_offload_of_an_update_recovers():
+    """r is the last holder of a retained version; during its update the server restarts right
+    after ordering the offload: r re-announces (host copy included) and still reads the new version."""
+    port = LocalPort(CFG)
+    t, tt = _hub(port, replica="t")
+    r, rt = _hub(port, replica="r")
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    r.replicate(1)
+    t.unpublish()
+    workload.fill_version(tt, 2)
+    t.publish(2)
+    real_offload = r._offload
+
+    def offload_then_crash(version):
+        done = real_offload(version)
+        port.restart()
+        return done
+
+    r._offload = offload_then_crash
+    st = r.update("latest")
+    assert st.version == 2 and workload.digest(rt) == workload.digest(tt)
+    assert any(h.host and h.version == 1 for h in port.core.status("m").models[0].holders)
+    r.close(); t.close()

@@ -37,6 +37,7 @@ from tensorhub.errors import (
     InvalidState,
     LayoutMismatch,
     ReplicaIncomplete,
+    ServerRecovering,
     ShardTaken,
     TensorHubError,
     TransactionMismatch,
@@ -44,6 +45,7 @@ from tensorhub.errors import (
     UnknownModel,
     VersionExpired,
     VersionLost,
+    VersionNotFound,
     code_of,
 )
 
@@ -460,6 +462,14 @@ class ReferenceCore:
                     self._drain(host)
 
     def _resolve(self, node: Node, spec: m.VersionSpec) -> int:
+        try:
+            return self._resolve_now(node, spec)
+        except (VersionNotFound, UnknownModel, VersionExpired) as err:
+            if self._now < self._recovering_until:
+                raise ServerRecovering(f"{err} (holders are still re-announcing after a server restart)") from None
+            raise
+
+    def _resolve_now(self, node: Node, spec: m.VersionSpec) -> int:
         mod = self.models[node.model]
         avail = self.available(node.model)
         kind, k = versions.parse_spec(spec)
