@@ -311,6 +311,9 @@ class Hub:
         finally:
             source.close()
 
+    def _units_bytes(self, start: int, end: int) -> int:
+        return sum(self._layout.unit_nbytes(u) for u in range(start, end))
+
     def _resume_point(self, version: int) -> int:
         """Units of ``version`` already in place: a read after a failover refetches nothing."""
         return self._region.progress if self._region.version == version else 0
@@ -325,16 +328,16 @@ class Hub:
         version = a.version
         first = a
         sources: list[str] = []
-        nbytes = 0
         failovers = 0
         stuck, last_progress = 0, -1
+        start_units = self._resume_point(version)
         self._reading = True
         try:
             while True:
                 sources.append(a.source_id)
                 try:
                     self._current_source = a.source_id
-                    nbytes += self._pull_range(a, self._layout.unit_count)
+                    self._pull_range(a, self._layout.unit_count)
                     finished_at = time.time()
                     break
                 except (errors.TransferError, errors.ChecksumMismatch) as err:
@@ -364,6 +367,7 @@ class Hub:
         self._state = HubState.PUBLISHED
         t_end = time.perf_counter()
         dt = t_end - t0
+        nbytes = self._units_bytes(start_units, self._layout.unit_count)  # each unit fetched once
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  self.model, version, self.shard, nbytes, dt, " -> ".join(sources))
         return ReadStats(action="replicated", version=version, seconds=dt, transfer_s=t_end - t_assigned, bytes=nbytes,

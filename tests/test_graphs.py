@@ -218,3 +218,32 @@ def test_compile_teardown_cycles_keep_object_store_usage_bounded(ray_cluster, mo
     growth = [b - a for a, b in zip([0] + used, used)]
     assert max(growth) <= 64 << 10 and after < (1 << 20), (used, after)
     ray.get([a.close.remote() for a in actors])
+
+
+@pytest.mark.ray
+def test_server_side_coordinator_builds_caches_and_reuses_the_graph(ray_cluster, model_name):
+    """replicate_group(where="server"): the graph is compiled and run by the detached
+    coordinator next to the reference server, from the plan the core produced, and reused for
+    the next version."""
+    import tensorhub
+    from tensorhub.actors.graph_coordinator import coordinator
+    from tensorhub.graphs import replicate_group
+
+    ray = ray_cluster
+    config = tensorhub.Config(**CFG)
+    coord = coordinator(config)
+    ray.get(coord.clear.remote())
+    before = ray.get(coord.stats.remote())["compiles"]
+    trainer, *readers = _spawn(model_name, ["trainer", "g0", "g1", "g2"])
+    d1 = ray.get(trainer.publish.remote(1))
+    res = replicate_group(readers, "latest", path="graph", batches=4, config=config)
+    assert res.path == "graph" and res.version == 1, res
+    assert res.plan_drawing.count("->") == 3
+    assert ray.get([r.digest.remote() for r in readers]) == [d1] * 3
+    d2 = ray.get(trainer.publish.remote(2))
+    res2 = replicate_group(readers, "latest", path="graph", batches=4, config=config)
+    assert res2.path == "graph" and not res2.compiled
+    assert ray.get([r.digest.remote() for r in readers]) == [d2] * 3
+    assert ray.get(coord.stats.remote())["compiles"] == before + 1
+    ray.get(coord.clear.remote())
+    ray.get([a.close.remote() for a in [trainer, *readers]])

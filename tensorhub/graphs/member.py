@@ -101,10 +101,15 @@ class GraphMember:
                 return -(k + 1)
             try:
                 end = batch_end(hub._layout.unit_count, st.batches, k)
-                if hub._resume_point(st.assignment.version) < end:
+                before = hub._resume_point(st.assignment.version)
+                if before < end:
                     t = time.perf_counter()
-                    st.bytes += hub._pull_range(st.assignment, end)
-                    st.fetch_s += time.perf_counter() - t
+                    try:
+                        hub._pull_range(st.assignment, end)
+                    finally:
+                        # Count what landed, also when the pull failed part way.
+                        st.bytes += hub._units_bytes(before, hub._resume_point(st.assignment.version))
+                        st.fetch_s += time.perf_counter() - t
                 st.batches_done += 1
                 return k
             except Exception as e:  # noqa: BLE001 - reported as a value; finish() fails over

@@ -72,6 +72,8 @@ class GroupResult:
     compile_s: float = 0.0
     error: Optional[str] = None
     """Why the graph path failed (``path == "fallback"``)."""
+    plan_drawing: str = ""
+    """The chain as text (``holder -> a0 -> a1``), also when the plan ran server side."""
 
 
 @dataclasses.dataclass
@@ -214,7 +216,8 @@ default_cache = GraphCache()
 
 def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, path: str = "auto",
                     batches: int = 8, cache: Optional[GraphCache] = None, compile: str = "background",
-                    auto_min_depth: Optional[int] = AUTO_GRAPH_MIN_DEPTH, timeout_s: float = 300.0) -> GroupResult:
+                    auto_min_depth: Optional[int] = AUTO_GRAPH_MIN_DEPTH, timeout_s: float = 300.0,
+                    where: Optional[str] = None, config=None) -> GroupResult:
     """Replicate version ``spec`` into every actor of ``actors`` (each a :class:`GraphMember`).
 
     Blocks until every member holds the version (or failed: its entry in ``per_member`` is the
@@ -226,7 +229,28 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     (auto only) compiles a missing graph after the pull path finished, for the next version;
     ``"never"`` does not. ``batches`` is fixed per topology (part of the key): batch k covers
     units ``[end(k-1), end(k))`` of whatever version runs. Raises ``ValueError`` on bad
-    arguments; member failures never raise here, the survivors finish on the pull path."""
+    arguments; member failures never raise here, the survivors finish on the pull path.
+
+    ``where``: ``"server"`` (the default when no ``cache`` is given) builds, caches and runs the
+    graph in the server-side :class:`~tensorhub.actors.graph_coordinator.GraphCoordinator`
+    (found by ``config``'s server name and namespace), so every driver shares one cache and
+    compiled graphs outlive the calling process; ``"local"`` (the default with a ``cache``) runs
+    them in this process with ``cache``. With ``"server"`` the result's ``plan`` is None and
+    ``plan_drawing`` shows the chain."""
+    if where is None:
+        where = "local" if cache is not None else "server"
+    if where not in ("server", "local"):
+        raise ValueError(f"where must be 'server' or 'local', got {where!r}")
+    if where == "server":
+        if cache is not None:
+            raise ValueError("a cache lives in this process: pass where='local' with it")
+        from tensorhub.actors.graph_coordinator import coordinator
+
+        kwargs = dict(update=update, path=path, batches=batches, compile=compile,
+                      auto_min_depth=auto_min_depth, timeout_s=timeout_s)
+        out = ray.get(coordinator(config).replicate_group.remote(list(actors), spec, kwargs))
+        drawing = out.pop("plan")
+        return GroupResult(**out, plan=None, plan_drawing=drawing)
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if compile not in ("background", "never"):
@@ -254,7 +278,8 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     dag = cache.get(key)
     graph_pays = auto_min_depth is not None and plan.depth >= auto_min_depth
     use_graph = path == "graph" or (path == "auto" and dag is not None and graph_pays)
-    result = GroupResult("pull", version, 0.0, per_member, plan=plan)
+    result = GroupResult("pull", version, 0.0, per_member, plan=plan,
+                         plan_drawing=plan.draw([begun[i]["client_id"] for i in live]))
     if use_graph:
         if dag is None:
             tc = time.perf_counter()
