@@ -29,7 +29,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from tensorhub import errors
+from tensorhub import errors, metrics
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.layout import Layout, checksum_all, checksum_unit
@@ -176,6 +176,7 @@ class Hub:
                 raise
             self._checksums = sums
             self._published = version
+            metrics.record_publish(self.model)
             self._state = HubState.PUBLISHED
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 
@@ -267,8 +268,11 @@ class Hub:
         t0 = time.perf_counter()
         reply = self._begin_read(spec, update)
         if isinstance(reply, m.NoChange):
-            return ReadStats(action="noop", version=reply.version)
-        return self._read(reply, t0)
+            st = ReadStats(action="noop", version=reply.version, seconds=time.perf_counter() - t0)
+        else:
+            st = self._read(reply, t0)
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
+        return st
 
     def _begin_read(self, spec: m.VersionSpec, update: bool) -> Union[m.Assignment, m.NoChange]:
         """Phase 1 of a read: resolve, drain the old version if updating, get a source."""

@@ -183,3 +183,18 @@ def test_handles_work_from_a_task_and_from_the_driver(ray_cluster, model_name):
     assert workload.digest([t for _, t in named]) == d
     hub.close()
     ray.get(trainer.close.remote())
+
+
+def test_cross_datacenter_one_seeder_then_local_pipeline_with_exact_bytes(ray_cluster, model_name):
+    """dc-a: trainer ; dc-b: b0, b1, b2. Exactly one reader of dc-b reads across; the others read
+    from dc-b replicas (partial holders), and every byte matches."""
+    ray = ray_cluster
+    per = {"trainer": dict(datacenter="dc-a"), **{f"b{i}": dict(datacenter="dc-b") for i in range(3)}}
+    trainer, *bs = spawn_many(model_name, SPEC, ["trainer", "b0", "b1", "b2"], per_name=per, config=CFG)
+    d = ray.get(trainer.publish.remote(1))
+    stats = ray.get([b.replicate.remote(1) for b in bs])
+    assert all(s["digest"] == d for s in stats)
+    assert sum(s["cross_datacenter"] for s in stats) == 1, stats
+    trainer_id = ray.get(trainer.ping.remote())
+    assert sum(s["sources"][0] == trainer_id for s in stats) == 1
+    ray.get([a.close.remote() for a in (trainer, *bs)])

@@ -1,0 +1,66 @@
+"""Client-side metrics for the Ray dashboard (``ray.util.metrics``, exported through Ray's
+metrics agent to Prometheus/Grafana). Recording is a no-op outside a Ray process, so handles
+used with an in-process port (tests) cost nothing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_metrics: Optional[dict] = None
+_disabled = False
+
+_SECONDS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
+
+
+def _get() -> Optional[dict]:
+    global _metrics, _disabled
+    if _metrics is not None or _disabled:
+        return _metrics
+    with _lock:
+        if _metrics is not None or _disabled:
+            return _metrics
+        try:
+            import ray
+            from ray.util import metrics
+
+            if not ray.is_initialized():
+                return None
+            _metrics = {
+                "bytes": metrics.Counter("tensorhub_bytes_received", "bytes replicated into this process", ("model",)),
+                "reads": metrics.Counter("tensorhub_reads", "replicate/update calls by outcome", ("model", "action")),
+                "failovers": metrics.Counter("tensorhub_failovers", "sources that failed during a read", ("model",)),
+                "transfer_s": metrics.Histogram("tensorhub_transfer_seconds", "time from first source to last byte",
+                                                _SECONDS, ("model",)),
+                "stall_s": metrics.Histogram("tensorhub_stall_seconds", "wall time of replicate/update calls",
+                                             _SECONDS, ("model",)),
+                "publishes": metrics.Counter("tensorhub_publishes", "versions published", ("model",)),
+            }
+        except Exception:  # noqa: BLE001 - metrics must never break the data path
+            log.debug("metrics unavailable", exc_info=True)
+            _disabled = True
+        return _metrics
+
+
+def record_read(model: str, action: str, seconds: float, transfer_s: float, nbytes: int, failovers: int) -> None:
+    m = _get()
+    if m is None:
+        return
+    tags = {"model": model}
+    m["reads"].inc(1, tags={"model": model, "action": action})
+    m["stall_s"].observe(seconds, tags=tags)
+    if action == "replicated":
+        m["bytes"].inc(nbytes, tags=tags)
+        m["transfer_s"].observe(transfer_s, tags=tags)
+    if failovers:
+        m["failovers"].inc(failovers, tags=tags)
+
+
+def record_publish(model: str) -> None:
+    m = _get()
+    if m is not None:
+        m["publishes"].inc(1, tags={"model": model})
