@@ -32,14 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
-
     rep = run_chaos(rounds=args.rounds, seed=args.seed, rollouts=args.rollouts, size_mb=args.size_mb,
                     time_limit_s=args.time_limit_s, address=args.address,
                     log=(sys.stderr if args.json else sys.stdout))
     if args.json:
         print(json.dumps(rep))
-    del ray
     return 1 if rep["corrupt"] else 0
 
 
