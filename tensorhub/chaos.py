@@ -64,7 +64,8 @@ def run_chaos(*, rounds: int, seed: int = 0, rollouts: int = 4, size_mb: int = 1
 
     def spawn(name: str):
         gen[name] += 1
-        (a,) = spawn_many(model, spec, [f"{name}-g{gen[name]}"], config=cfgd, replica=name,
+        # A fresh replica id per generation: the killed one stays registered until its lease ends.
+        (a,) = spawn_many(model, spec, [f"{name}-g{gen[name]}"], config=cfgd, replica=f"{name}-g{gen[name]}",
                           spot=spot.get(name, False))
         return a
 

@@ -34,7 +34,8 @@ def _err(ray, ref) -> str:
 def test_source_killed_mid_read_reader_fails_over_with_exact_bytes(ray_cluster, model_name):
     """holder -> A -> B ; A is killed while B reads from it: B finishes from the holder."""
     ray = ray_cluster
-    cfg = _cfg(reads_in_flight=1, nixl_workers=1, nixl_threads=0, unit_bytes=256 << 10)
+    # Many tiny units, one read in flight: the transfer lasts long enough to kill A during it.
+    cfg = _cfg(reads_in_flight=1, nixl_workers=1, nixl_threads=0, unit_bytes=8 << 10)
     holder, a, b = spawn_many(model_name, SPEC, ["holder", "A", "B"], config=cfg)
     d = ray.get(holder.publish.remote(1))
     ra = a.replicate.remote(1)
