@@ -634,3 +634,17 @@ def test_source_reported_failed_is_expired_unless_it_heartbeats_soon():
         w2.send(m.Heartbeat("t")); w2.send(m.Heartbeat("r"))
         w2.tick(0.0)
     assert "t" in w2.core.nodes
+
+
+def test_version_being_offloaded_stays_available_and_reader_waits_for_the_host_copy():
+    """The last holder of version 1 is offloading: a reader asking for latest waits, then reads
+    the host copy (no VersionNotFound in between)."""
+    w = World()
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Unpublish("t")) == m.OffloadOrder(version=1)
+    assert w.core.available("pol") == [1]
+    assert w.send(m.Replicate("r", "latest")) == m.Waiting(version=1)
+    w.send(m.OffloadDone("t", 1, b"host"))
+    a = w.pop("r")[-1]
+    assert a.version == 1 and a.source_endpoint == b"host"

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, int, int]
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
+_SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
 
 
 class _Model:
@@ -430,7 +431,9 @@ class ReferenceCore:
             self._touched.add(node.key)
 
     def _has_visible(self, model: str, version: int, shard: int) -> bool:
-        return any(self.nodes[i].state in VISIBLE_SOURCE for i in self.groups.get((model, version, shard), ()))
+        """A source now, or one about to publish a host copy (OFFLOADING): a reader resolving
+        to such a version waits a moment for the copy instead of failing."""
+        return any(self.nodes[i].state in _SERVABLE for i in self.groups.get((model, version, shard), ()))
 
     def _maybe_commit(self, node: Node) -> None:
         mod = self.models[node.model]
