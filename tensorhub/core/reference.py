@@ -650,11 +650,27 @@ class ReferenceCore:
 
     def _settle(self) -> None:
         """Assign waiting readers of every touched group, FIFO; fail readers of lost versions."""
+        seen: set[Key] = set()
         while self._touched:
             keys = sorted(self._touched)
+            seen.update(keys)
             self._touched = set()
             for key in keys:
                 self._pump(key)
+        self._drop_lost_versions(seen)
+
+    def _drop_lost_versions(self, keys: set[Key]) -> None:
+        """A committed version of which some shard has no node left at all can never be read
+        again: it stops counting toward retention, so the newest versions still held stay
+        available (a trainer that dies right after publishing does not push out the version
+        every rollout holds)."""
+        for model, version in sorted({(k[0], k[1]) for k in keys if k[1] >= 0}):
+            mod = self.models.get(model)
+            if mod is None or version not in mod.committed:
+                continue
+            if any(not self.groups.get((model, version, i)) for i in range(mod.num_shards)):
+                mod.committed.remove(version)
+                log.info("model=%s version=%d lost: no holder of some shard is left", model, version)
 
     def _pump(self, key: Key) -> None:
         ids = self.groups.get(key)
