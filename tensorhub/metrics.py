@@ -51,16 +51,24 @@ def record_read(model: str, action: str, seconds: float, transfer_s: float, nbyt
     if m is None:
         return
     tags = {"model": model}
-    m["reads"].inc(1, tags={"model": model, "action": action})
-    m["stall_s"].observe(seconds, tags=tags)
-    if action == "replicated":
-        m["bytes"].inc(nbytes, tags=tags)
-        m["transfer_s"].observe(transfer_s, tags=tags)
-    if failovers:
-        m["failovers"].inc(failovers, tags=tags)
+    try:
+        m["reads"].inc(1, tags={"model": model, "action": action})
+        m["stall_s"].observe(max(seconds, 0.0), tags=tags)
+        if action == "replicated":
+            if nbytes > 0:  # Counter.inc refuses 0 (a read that resumed with every unit in place)
+                m["bytes"].inc(nbytes, tags=tags)
+            m["transfer_s"].observe(max(transfer_s, 0.0), tags=tags)
+        if failovers > 0:
+            m["failovers"].inc(failovers, tags=tags)
+    except Exception:  # noqa: BLE001 - metrics must never break the data path
+        log.debug("metrics recording failed", exc_info=True)
 
 
 def record_publish(model: str) -> None:
     m = _get()
-    if m is not None:
+    if m is None:
+        return
+    try:
         m["publishes"].inc(1, tags={"model": model})
+    except Exception:  # noqa: BLE001
+        log.debug("metrics recording failed", exc_info=True)

@@ -244,3 +244,21 @@ def test_server_restart_during_offload_of_an_update_recovers():
     assert st.version == 2 and workload.digest(rt) == workload.digest(tt)
     assert any(h.host and h.version == 1 for h in port.core.status("m").models[0].holders)
     r.close(); t.close()
+
+
+def test_metrics_recording_never_raises(monkeypatch):
+    """A zero-byte read (everything already in place) must not trip the metrics Counter."""
+    from tensorhub import metrics
+
+    class Strict:
+        def inc(self, value, tags=None):
+            if value <= 0:
+                raise ValueError(f"value must be >0, got {value}")
+
+        def observe(self, value, tags=None):
+            pass
+
+    monkeypatch.setattr(metrics, "_metrics", {k: Strict() for k in
+                                              ("bytes", "reads", "failovers", "transfer_s", "stall_s", "publishes")})
+    metrics.record_read("m", "replicated", 0.1, 0.0, 0, 0)
+    metrics.record_publish("m")
