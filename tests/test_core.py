@@ -664,3 +664,15 @@ def test_lost_version_does_not_push_held_versions_out_of_retention():
     assert w.core.available("pol") == [1, 3]
     w.reg("x")
     assert w.send(m.Replicate("x", "latest-1")).version == 1
+
+
+def test_background_event_for_the_requester_is_not_taken_as_its_reply():
+    """During t's OffloadDone another holder appeared, so the copy is dropped (DropHostCopy) and
+    the unpublish completes: the reply is UnpublishDone, the drop stays a background event."""
+    w = World()
+    w.reg("t"); w.reg("h")
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Unpublish("t")) == m.OffloadOrder(version=1)
+    w.send(m.Publish("h", 1))
+    assert w.send(m.OffloadDone("t", 1, b"x")) == m.UnpublishDone(version=1)
+    assert w.pop("t") == [m.DropHostCopy(version=1)]

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 Key = tuple[str, int, int]
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
 _SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
+_OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
 
 
 class _Model:
@@ -120,7 +121,9 @@ class ReferenceCore:
         client_id = getattr(req, "client_id", None)
         if isinstance(reply, m.Waiting) and client_id is not None:
             for i, eff in enumerate(effects):
-                if eff.client_id == client_id:
+                # Only an outcome of this request becomes the reply; background events
+                # (DropHostCopy, Evicted) stay effects.
+                if eff.client_id == client_id and isinstance(eff.event, _OUTCOMES):
                     reply = eff.event
                     del effects[i]
                     break
