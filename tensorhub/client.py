@@ -405,6 +405,11 @@ class Hub:
     def _offload(self, version: int) -> m.OffloadDone:
         """Copy the published tensors to host memory and register that copy as a holder."""
         with self._host_lock:
+            existing = self._host.get(version)
+            if existing is not None:
+                # Already offloaded this version earlier (it came back to the GPU copy by a
+                # later read): the host copy holds the same bytes; keep serving that one.
+                return m.OffloadDone(self.client_id, version, tx.encode_endpoint(existing[0].endpoint()))
             pooled = self._host_pool.pop() if self._host_pool else None
         if pooled is None:
             copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in self._tensors]

@@ -262,3 +262,28 @@ def test_metrics_recording_never_raises(monkeypatch):
                                               ("bytes", "reads", "failovers", "transfer_s", "stall_s", "publishes")})
     metrics.record_read("m", "replicated", 0.1, 0.0, 0, 0)
     metrics.record_publish("m")
+
+
+def test_second_offload_of_the_same_version_reuses_the_host_copy(port):
+    """A handle that offloads version 1, reads 1 back from its own host copy and is asked to
+    offload 1 again keeps the first copy (replacing it would free memory the server still
+    points readers to)."""
+    t, tt = _hub(port, replica="t")
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    t.unpublish()  # last holder: host copy of 1
+    first = t._host[1][0]
+    t.replicate(1)  # back from its own host copy
+    t.unpublish()  # last GPU holder again; the host copy still serves, no new offload needed
+    assert t._host[1][0] is first
+    done = t._offload(1)
+    assert t._host[1][0] is first and done.endpoint == tx_endpoint(first)
+    r, rt = _hub(port, replica="r")
+    r.replicate(1)
+    assert workload.digest(rt) == workload.digest(tt)
+
+
+def tx_endpoint(region):
+    from tensorhub.transport import nixl as tx
+
+    return tx.encode_endpoint(region.endpoint())
