@@ -279,12 +279,7 @@ class Hub:
         self._seq += 1
         req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,
                           resume_version=self._region.version, resume_units=self._partial_units())
-        deadline = time.monotonic() + self.config.request_timeout_s
-        reply = self._call(req, wait=True)
-        while (isinstance(reply, m.ErrorReply) and reply.code in ("ReplicaIncomplete", "ServerRecovering")
-               and time.monotonic() < deadline):
-            time.sleep(0.1)  # sibling shards or holders are still registering / re-announcing
-            reply = self._call(req, wait=True)
+        reply = self._call_until_settled(req)
         if isinstance(reply, m.NoChange):
             return reply
         if isinstance(reply, m.OffloadOrder):
@@ -293,16 +288,23 @@ class Hub:
                 # The server restarted during the offload: we are unpublished now; ask again.
                 self._published = None
                 self._state = HubState.IDLE
-                reply = self._call(req, wait=True)
-                while (isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering"
-                       and time.monotonic() < deadline):
-                    time.sleep(0.1)
-                    reply = self._call(req, wait=True)
+                reply = self._call_until_settled(req)
         if update and self._published is not None:
             # The server drained and unpublished the old version before answering.
             self._published = None
             self._state = HubState.IDLE
         return self._expect(reply, m.Assignment)
+
+    def _call_until_settled(self, req: m.Replicate) -> object:
+        """Replicate, retried while the server says "not yet" (sibling shards still
+        registering, holders still re-announcing after a restart), up to request_timeout_s."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        reply = self._call(req, wait=True)
+        while (isinstance(reply, m.ErrorReply) and reply.code in ("ReplicaIncomplete", "ServerRecovering")
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+            reply = self._call(req, wait=True)
+        return reply
 
     def _pull_range(self, a: m.Assignment, end_unit: int) -> int:
         """Read units [own progress, end_unit) of ``a.version`` from ``a``'s source, without

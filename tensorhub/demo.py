@@ -9,6 +9,7 @@ With ``--json`` the last stdout line is one JSON summary object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     model = "demo-policy"
     names = ["trainer"] + [f"rollout-{i}" for i in range(args.rollouts)]
     print(f"model {model}: {len(spec)} tensors, {nbytes / 2**20:.0f} MiB; starting {len(names)} actors ...", file=out)
-    actors = spawn_many(model, spec, names, config=_cfg_dict(cfg))
+    actors = spawn_many(model, spec, names, config=dataclasses.asdict(cfg))
     trainer, rollouts = actors[0], actors[1:]
     ids = dict(zip(ray.get([a.ping.remote() for a in actors]), names))
 
@@ -90,9 +91,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 1 if failures else 0
-
-
-def _cfg_dict(cfg) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(cfg)

@@ -78,6 +78,20 @@ def is_blocking(request: m.Request) -> bool:
     return isinstance(request, (m.Unpublish, m.Replicate, m.SourceFailed, m.OffloadDone))
 
 
+def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now: float) -> tuple[object, bool]:
+    """The part of serving one request that every server shares: a blocking request first drops
+    events left from the previous one, the core answers, effects go to mailboxes, a leaving
+    client's mailbox is forgotten. Returns (reply, whether anybody got an event)."""
+    client_id = getattr(request, "client_id", None)
+    if client_id and is_blocking(request):
+        mail.clear_terminal(client_id)
+    reply, effects = core.handle(request, now)
+    woken = bool(mail.route(effects))
+    if isinstance(request, m.Leave):
+        mail.forget(request.client_id)
+    return reply, woken
+
+
 class LocalPort:
     """The core in this process, guarded by a lock; ticks on every call and from ``tick()``."""
 
@@ -98,13 +112,10 @@ class LocalPort:
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
         with self._cv:
             client_id = getattr(request, "client_id", None)
-            if client_id and is_blocking(request):
-                self.mail.clear_terminal(client_id)
             self._apply(self.core.tick(time.monotonic()))
-            reply, effects = self.core.handle(request, time.monotonic())
-            self._apply(effects)
-            if isinstance(request, m.Leave):
-                self.mail.forget(request.client_id)
+            reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
+            if woken:
+                self._cv.notify_all()
             if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
                 return reply
             deadline = time.monotonic() + wait_s

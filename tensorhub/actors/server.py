@@ -20,7 +20,7 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.errors import ServerUnavailable
-from tensorhub.port import Mailboxes, is_blocking
+from tensorhub.port import Mailboxes, apply_request
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,10 @@ class ReferenceServer:
         req = m.decode_request(data)
         client_id = getattr(req, "client_id", None)
         async with cond:
-            if client_id and is_blocking(req):
-                self.mail.clear_terminal(client_id)
-            reply, effects = self.core.handle(req, time.monotonic())
-            self._route(effects)
+            reply, woken = apply_request(self.core, self.mail, req, time.monotonic())
+            if woken:
+                cond.notify_all()
             self._metrics.request(type(req).__name__, reply)
-            if isinstance(req, m.Leave):
-                self.mail.forget(req.client_id)
             if isinstance(reply, m.Waiting) and wait_s > 0 and client_id:
                 deadline = time.monotonic() + wait_s
                 while (ev := self.mail.pop_terminal(client_id)) is None:

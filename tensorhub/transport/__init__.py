@@ -2,28 +2,7 @@
 :mod:`tensorhub.transport.nixl`; its public names are re-exported here. Importing this package
 does not import nixl (the agent is created lazily)."""
 
-from tensorhub.transport.nixl import (
-    Agent,
-    Endpoint,
-    MemRegion,
-    Region,
-    Source,
-    decode_endpoint,
-    encode_endpoint,
-    get_agent,
-    open_source,
-    pull,
-)
+from tensorhub.transport import nixl as _nixl
+from tensorhub.transport.nixl import *  # noqa: F401,F403 - the names in nixl.__all__
 
-__all__ = [
-    "Agent",
-    "Endpoint",
-    "MemRegion",
-    "Region",
-    "Source",
-    "decode_endpoint",
-    "encode_endpoint",
-    "get_agent",
-    "open_source",
-    "pull",
-]
+__all__ = list(_nixl.__all__)
