@@ -1,4 +1,4 @@
-"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate`` and ``chaos``."""
+"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate``, ``chaos`` and ``cluster``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from tensorhub import chaos, demo
     from tensorhub.sim import cli as sim_cli
+    from tensorhub.testing import cluster_cli
 
     demo.add_arguments(sub.add_parser("demo", help="trainer + rollouts on a local Ray cluster (the main job)"))
     sim_cli.add_arguments(sub.add_parser("simulate", help="run seeded deterministic simulations of the protocol"))
     chaos.add_arguments(sub.add_parser("chaos", help="randomized fault rounds on a local Ray cluster"))
+    cluster_cli.add_arguments(sub.add_parser("cluster", help="an emulated multi-host Ray cluster on this machine (root)"))
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -32,6 +34,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return demo.run(args)
     if args.command == "chaos":
         return chaos.run(args)
+    if args.command == "cluster":
+        return cluster_cli.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
