@@ -46,12 +46,12 @@ class BenchReplica(Replica):
     """A Replica that can also read directly from an endpoint (the no-pipeline baseline)."""
 
     def endpoint(self) -> bytes:
-        from tensorhub.transport import nixl as tx
+        from tensorhub import transport as tx
 
         return tx.encode_endpoint(self.hub._region.endpoint())
 
     def direct_pull(self, endpoint: bytes, version: int) -> float:
-        from tensorhub.transport import nixl as tx
+        from tensorhub import transport as tx
 
         hub = self.hub
         hub.unpublish()

@@ -74,8 +74,7 @@ class Holder:
 
         self.cfg = Config.from_env(**cfg_kwargs)
         self.tensors = _tensors(shapes, fill=True)
-        self.layout = Layout.build(list(zip([n for n, _ in shapes], self.tensors)),
-                                   self.cfg.unit_bytes, self.cfg.pack_below_bytes)
+        self.layout = Layout.for_config(list(zip([n for n, _ in shapes], self.tensors)), self.cfg)
         self.sums = checksum_all(self.tensors, self.layout)
         self.region = Region.register(self.tensors, self.layout, self.cfg)
         self.region.publish_complete(1, self.sums)
@@ -112,8 +111,7 @@ class Reader:
         self.cfg = Config.from_env(**cfg_kwargs)
         self.shapes = shapes
         self.tensors = _tensors(shapes, fill=False)
-        self.layout = Layout.build(list(zip([n for n, _ in shapes], self.tensors)),
-                                   self.cfg.unit_bytes, self.cfg.pack_below_bytes)
+        self.layout = Layout.for_config(list(zip([n for n, _ in shapes], self.tensors)), self.cfg)
         self.region = Region.register(self.tensors, self.layout, self.cfg)
         self.source = None
         self.memcpy_src = None

@@ -34,7 +34,7 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.port import ServerPort
-from tensorhub.transport import nixl as tx
+from tensorhub import transport as tx
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class Hub:
             self._check_open()
             if self._state is not HubState.OPEN:
                 raise errors.InvalidState("register() was already called on this handle")
-            layout = Layout.build(tensors, self.config.unit_bytes, self.config.pack_below_bytes)
+            layout = Layout.for_config(tensors, self.config)
             items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
             ts = [t for _, t in items]
             region = tx.Region.register(ts, layout, self.config)

@@ -17,8 +17,14 @@ from tensorhub.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class Config:
     # --- layout -------------------------------------------------------------------------
-    unit_bytes: int = 64 << 20
+    unit_bytes: int = 16 << 20
     """Largest transfer unit; bigger tensors are cut into chunks of at most this size."""
+    unit_count_target: int = 128
+    """Cut a shard into about this many units (a partial holder serves whole units, so a
+    pipeline of N readers lags about N units behind the first); 0 = always ``unit_bytes``."""
+    unit_bytes_min: int = 256 << 10
+    """Smallest unit the target count may produce (each read costs some microseconds);
+    ``unit_bytes`` wins if it is smaller."""
     pack_below_bytes: int = 2 << 20
     """Tensors smaller than this (and than unit_bytes) share units (tiny-tensor compaction)."""
     verify_mutability: bool = False
@@ -41,8 +47,10 @@ class Config:
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version."""
 
     # --- data path ----------------------------------------------------------------------
-    reads_in_flight: int = 16
-    """Unit reads a reader keeps posted at once."""
+    reads_in_flight: int = 8
+    """Most unit reads a reader keeps posted at once. The reader posts as few as fill the link
+    (usually one or two: many reads over one link finish together, which starves a pipeline);
+    see :mod:`tensorhub.transport.pacing`."""
     source_stall_timeout_s: float = 10.0
     """A source whose progress does not advance for this long is reported as failed."""
     failovers_max: int = 6
@@ -73,6 +81,8 @@ class Config:
                 raise ConfigError(msg)
 
         need(self.unit_bytes >= 4096, "unit_bytes must be >= 4096")
+        need(self.unit_bytes_min >= 4096 and self.unit_count_target >= 0,
+             "unit_bytes_min must be >= 4096, unit_count_target >= 0")
         need(self.pack_below_bytes >= 0, "pack_below_bytes must be >= 0")
         need(self.versions_retained >= 1, "versions_retained must be >= 1")
         need(self.readers_per_source_max >= 1, "readers_per_source_max must be >= 1")

@@ -34,6 +34,7 @@ __all__ = [
     "checksum_all",
     "checksum_unit",
     "dtype_name",
+    "unit_size_for",
 ]
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -128,6 +129,21 @@ def _hash_hex(obj: object) -> str:
     return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode(obj))
 
 
+_UNIT_ALIGN = 64 << 10
+
+
+def unit_size_for(total_bytes: int, unit_bytes: int, unit_bytes_min: int, unit_count_target: int) -> int:
+    """The unit size for a shard of ``total_bytes``: about ``total_bytes / unit_count_target``
+    (rounded up to 64 KiB) so a pipeline through partial holders advances in small steps, but no
+    smaller than ``unit_bytes_min`` (per-read overhead) and no larger than ``unit_bytes``, which
+    wins over the minimum. ``unit_count_target <= 0`` means always ``unit_bytes``."""
+    if unit_count_target <= 0:
+        return unit_bytes
+    want = -(-max(total_bytes, 1) // unit_count_target)
+    want = -(-want // _UNIT_ALIGN) * _UNIT_ALIGN
+    return min(unit_bytes, max(unit_bytes_min, want))
+
+
 def _plan_units(metas: Sequence[TensorMeta], unit_bytes: int, pack_below_bytes: int) -> tuple[Unit, ...]:
     threshold = min(pack_below_bytes, unit_bytes)
     units: list[Unit] = []
@@ -200,6 +216,16 @@ class Layout:
         non-contiguous tensors, or unsupported dtypes/devices. Zero-element tensors are allowed
         and get no pieces."""
         return cls(metas_of(named_tensors), unit_bytes, pack_below_bytes)
+
+    @classmethod
+    def for_config(cls, named_tensors: NamedTensors, config) -> "Layout":
+        """:meth:`build` with the unit size a :class:`~tensorhub.config.Config` asks for this
+        shard's size (:func:`unit_size_for`): every process with the same config and tensors gets
+        the same table."""
+        metas = metas_of(named_tensors)
+        unit = unit_size_for(sum(m.nbytes for m in metas), config.unit_bytes, config.unit_bytes_min,
+                             config.unit_count_target)
+        return cls(metas, unit, config.pack_below_bytes)
 
     @classmethod
     def from_metas(cls, metas: Sequence[TensorMeta], unit_bytes: int, pack_below_bytes: int) -> "Layout":

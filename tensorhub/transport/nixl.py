@@ -19,26 +19,21 @@ thread.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import msgspec
 import torch
 
 from tensorhub.config import Config
-from tensorhub.errors import (
-    ChecksumMismatch,
-    InvalidState,
-    LayoutMismatch,
-    SourceStalled,
-    TransferError,
-)
-from tensorhub.layout import Layout, checksum_unit, dtype_name
+from tensorhub.errors import LayoutMismatch, SourceStalled, TransferError
+from tensorhub.layout import Layout, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +47,19 @@ __all__ = [
     "encode_endpoint",
     "get_agent",
     "open_source",
-    "pull",
 ]
 
 _HEADER = 2  # control block: [version, progress, checksums...]
+
+
+class XferState(str, enum.Enum):
+    """What NIXL's ``transfer`` / ``check_xfer_state`` return (plain strings on the wire)."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
 _NO_VERSION = -1
-_POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
 
 
@@ -435,7 +437,7 @@ class Source:
             state = nx.transfer(self._ctl_handle)
             deadline = time.monotonic() + timeout_s
             delay = 10e-6
-            while state == "PROC":
+            while state == XferState.PROC:
                 if time.monotonic() > deadline:
                     raise SourceStalled(f"control read from {self.name} took over {timeout_s}s")
                 time.sleep(delay)
@@ -445,7 +447,7 @@ class Source:
             raise
         except Exception as e:
             raise TransferError(f"control read from {self.name} failed: {e}") from e
-        if state != "DONE":
+        if state != XferState.DONE:
             raise TransferError(f"control read from {self.name} failed ({state})")
         return self._scratch
 
@@ -486,205 +488,3 @@ def open_source(endpoint: Endpoint | bytes, *, config: Optional[Config] = None,
     if agent is None:
         agent = get_agent(config or Config())
     return Source(agent, endpoint)
-
-
-# --------------------------------------------------------------------------- the reader loop
-
-
-def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
-         config: Config, start_unit: int = 0, end_unit: Optional[int] = None,
-         on_unit: Optional[Callable[[int], None]] = None,
-         should_stop: Optional[Callable[[], bool]] = None) -> int:
-    """Read units ``[start_unit, end_unit)`` (``end_unit`` defaults to all) of version
-    ``expect_version`` from ``source``
-    straight into ``region``'s registered tensors. Blocks until done, stopped or failed.
-
-    - Keeps up to ``config.reads_in_flight`` unit reads posted; only reads units below the
-      source's published progress and polls the source's control block for more, so the source
-      may itself still be receiving.
-    - After each unit completes, in unit order, copies the source's checksum for it into the
-      region's control block and advances ``region.progress`` to the completed prefix, so another
-      reader can follow this one. ``on_unit(u)`` is called at that point.
-    - ``start_unit == 0`` resets the region to (``expect_version``, progress 0). ``start_unit > 0``
-      resumes: the region must already hold ``expect_version`` with ``progress >= start_unit``
-      (else :class:`InvalidState`); progress is set to ``start_unit``.
-    - ``should_stop()`` (polled between completions) makes pull wait for posted reads and return
-      early; the region's progress is the completed prefix.
-
-    Raises :class:`TransferError` (NIXL error, remote gone, or the source's version is not
-    ``expect_version``: the source moved on), :class:`SourceStalled` (the source's progress did not
-    advance for ``config.source_stall_timeout_s`` while units were still needed),
-    :class:`ChecksumMismatch` naming the unit (only when ``config.checksums``), or
-    :class:`LayoutMismatch`. On every error ``region.progress`` is the completed prefix, so
-    ``pull(..., start_unit=region.progress)`` from another source resumes without refetching.
-    Returns the number of bytes read.
-    """
-    ep = source.endpoint
-    if region.layout.unit_signature != layout.unit_signature:
-        region.layout.check_same(layout)
-    if ep.unit_signature != layout.unit_signature:
-        raise LayoutMismatch(
-            f"source {source.name} has a different layout (fingerprint {ep.fingerprint[:12]} vs "
-            f"{layout.fingerprint[:12]}, or different unit settings)")
-    if region.agent is not source.agent:
-        raise TransferError("region and source must use the same agent")
-    n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
-    if start_unit == 0:
-        region.set_progress(0)
-        region.set_version(expect_version)
-    else:
-        if region.version != expect_version or not 0 < start_unit <= region.progress:
-            raise InvalidState(
-                f"cannot resume at unit {start_unit}: region holds version {region.version} "
-                f"with progress {region.progress}, want version {expect_version}")
-        region.set_progress(start_unit)
-    if start_unit >= n_units:
-        return 0
-    with region.agent.xfer_lock:
-        return _Puller(region, source, layout, expect_version, config, start_unit,
-                       on_unit, should_stop, n_units).run()
-
-
-class _Puller:
-    """State of one pull; exists so the loop fits on a screen."""
-
-    def __init__(self, region: Region, source: Source, layout: Layout, version: int,
-                 config: Config, start: int, on_unit: Optional[Callable[[int], None]],
-                 should_stop: Optional[Callable[[], bool]], end_unit: int):
-        self.region, self.source, self.layout = region, source, layout
-        self.version, self.config, self.on_unit, self.should_stop = version, config, on_unit, should_stop
-        self.nx = region.agent.nixl
-        self.n_units = end_unit
-        self.next_post = start
-        self.prefix = start
-        self.done: set[int] = set()
-        self.inflight: dict[int, Any] = {}
-        self.bytes_read = 0
-        self.remote_progress = 0
-        self.seen_version = False
-        self.remote_sums: list[int] = []
-        self.last_advance = time.monotonic()
-        self.unit_descs = _unit_desc_index(layout)
-        self.local = region._local_descs()
-        self.remote = source._remote_descs(layout)
-
-    def run(self) -> int:
-        try:
-            self._refresh_control()
-            delay = _POLL_MIN_S
-            while self.prefix < self.n_units:
-                if self.should_stop is not None and self.should_stop():
-                    logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
-                    break
-                self._post_more()
-                progressed = self._reap()
-                if self.next_post >= self.remote_progress and self.prefix < self.n_units \
-                        and len(self.inflight) < self.config.reads_in_flight:
-                    # Starved for units: look at the source's counter again.
-                    before = self.remote_progress
-                    self._refresh_control()
-                    progressed = progressed or self.remote_progress > before
-                    if not self.inflight and self.remote_progress == before:
-                        if time.monotonic() - self.last_advance > self.config.source_stall_timeout_s:
-                            raise SourceStalled(
-                                f"source {self.source.name} stuck at {self.remote_progress}/"
-                                f"{self.n_units} units for {self.config.source_stall_timeout_s}s")
-                if progressed:
-                    delay = _POLL_MIN_S
-                elif self.inflight:
-                    # Reads are posted: poll hard. Sleeping here measurably slows the reads
-                    # (completions are noticed late); sleep(0) only yields the GIL.
-                    time.sleep(0)
-                else:
-                    time.sleep(delay)  # waiting for the source to publish more units
-                    delay = min(delay * 2, _POLL_MAX_S)
-            return self.bytes_read
-        finally:
-            self._drain()
-
-    def _refresh_control(self) -> None:
-        raw = self.source._read_control_raw(self.config.source_stall_timeout_s)
-        v, p = int(raw[0]), int(raw[1])
-        if v != self.version:
-            if self.seen_version or v > self.version:
-                raise TransferError(
-                    f"source {self.source.name} holds version {v}, expected {self.version}")
-            # An older version: the server may assign a partial source a moment before that
-            # source starts receiving; until it shows our version it has nothing for us (the
-            # stall timeout bounds the wait). A newer one means it moved on for good.
-            return
-        self.seen_version = True
-        if p > self.remote_progress:
-            self.remote_progress = p
-            self.remote_sums = raw[_HEADER:_HEADER + p].tolist()
-            self.last_advance = time.monotonic()
-
-    def _post_more(self) -> None:
-        limit = min(self.remote_progress, self.n_units)
-        while self.next_post < limit and len(self.inflight) < self.config.reads_in_flight:
-            u = self.next_post
-            idx = self.unit_descs[u]
-            try:
-                h = self.nx.make_prepped_xfer("READ", self.local, idx, self.remote, idx)
-                state = self.nx.transfer(h)
-            except Exception as e:
-                raise TransferError(f"posting unit {u} from {self.source.name} failed: {e}") from e
-            self.inflight[u] = h
-            self.next_post += 1
-            if state == "ERR":
-                raise TransferError(f"read of unit {u} from {self.source.name} failed")
-
-    def _reap(self) -> bool:
-        progressed = False
-        for u in list(self.inflight):
-            h = self.inflight[u]
-            try:
-                state = self.nx.check_xfer_state(h)
-            except Exception as e:
-                raise TransferError(f"read of unit {u} from {self.source.name} failed: {e}") from e
-            if state == "PROC":
-                continue
-            if state != "DONE":
-                raise TransferError(f"read of unit {u} from {self.source.name} failed ({state})")
-            del self.inflight[u]
-            h.release()
-            self.done.add(u)
-            progressed = True
-        if progressed:
-            # Seqlock-style: a unit counts only if the source still holds our version after
-            # its bytes arrived. One small READ per batch of completions; also refreshes progress.
-            self._refresh_control()
-            self._advance_prefix()
-        return progressed
-
-    def _advance_prefix(self) -> None:
-        region = self.region
-        while self.prefix in self.done:
-            u = self.prefix
-            expected = self.remote_sums[u]
-            if self.config.checksums:
-                got = checksum_unit(region.tensors, self.layout.units[u])
-                if _to_i64(got) != expected:
-                    raise ChecksumMismatch(
-                        f"unit {u} from {self.source.name}: checksum {got:#018x}, "
-                        f"source published {_to_u64(expected):#018x}")
-            region.control[_HEADER + u] = expected
-            self.done.discard(u)
-            self.bytes_read += self.layout.unit_nbytes(u)
-            self.prefix = u + 1
-            region.set_progress(self.prefix)  # after the checksum: followers rely on the order
-            if self.on_unit is not None:
-                self.on_unit(u)
-
-    def _drain(self) -> None:
-        """Wait (bounded) for posted reads, then release them; never raises."""
-        deadline = time.monotonic() + max(1.0, self.config.source_stall_timeout_s)
-        for u, h in list(self.inflight.items()):
-            try:
-                while self.nx.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
-                    time.sleep(_POLL_MIN_S)
-                h.release()
-            except Exception:  # noqa: BLE001 - already failing; a leaked handle is logged by nixl
-                logger.warning("could not release read of unit %d from %s", u,
-                               self.source.name, exc_info=True)
-        self.inflight.clear()

@@ -1,0 +1,266 @@
+"""The reader loop: one-sided reads of a (possibly partial) holder into a registered region.
+
+A pull reads the units its source has made final (the source's control block says how many)
+straight into the reader's registered tensors, in unit order, with as few reads in flight as fill
+the link (:mod:`tensorhub.transport.pacing`), and advances the reader's own progress counter unit
+by unit, so that a third process can follow it (``holder -> r1 -> r2``) one unit behind.
+
+Per completed read, in this order: without checksums, READ the source's control block (seqlock:
+a unit counts only if the source still holds our version after its bytes arrived); post the next
+read (the link never waits for our bookkeeping); verify the unit's checksum (bytes of another
+version fail it, which is why checksums replace the seqlock read); copy the checksum into our
+control block; then advance our progress counter. The source's control block is otherwise read
+only when the reader runs out of units it knows to be final.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from tensorhub.config import Config
+from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch, SourceStalled, TransferError
+from tensorhub.layout import Layout, checksum_unit
+from tensorhub.transport.nixl import _HEADER, Region, Source, XferState, _to_i64, _to_u64, _unit_desc_index
+from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["pull"]
+
+
+def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
+         config: Config, start_unit: int = 0, end_unit: Optional[int] = None,
+         on_unit: Optional[Callable[[int], None]] = None,
+         should_stop: Optional[Callable[[], bool]] = None,
+         source_sums: Optional[Sequence[int]] = None) -> int:
+    """Read units ``[start_unit, end_unit)`` (``end_unit`` defaults to all) of version
+    ``expect_version`` from ``source`` straight into ``region``'s registered tensors. Blocks until
+    done, stopped or failed.
+
+    - Keeps a small, link-sized window of unit reads posted (at most ``config.reads_in_flight``);
+      only reads units below the source's published progress and polls the source's control
+      block for more, so the source may itself still be receiving.
+    - ``source_sums``: the source is already known to hold units ``[0, len(source_sums))`` final,
+      with these (unsigned) checksums, e.g. from a compiled-graph edge signal; then the source's
+      control block is not read at all and ``end_unit`` must not exceed ``len(source_sums)``.
+    - After each unit completes, in unit order, verifies its checksum (``config.checksums``),
+      copies the checksum into the region's control block and advances ``region.progress`` to the
+      completed prefix, so another reader can follow this one. ``on_unit(u)`` is called then.
+    - ``start_unit == 0`` resets the region to (``expect_version``, progress 0). ``start_unit > 0``
+      resumes: the region must already hold ``expect_version`` with ``progress >= start_unit``
+      (else :class:`InvalidState`); progress is set to ``start_unit``.
+    - ``should_stop()`` (polled between completions) makes pull wait for posted reads and return
+      early; the region's progress is the completed prefix.
+
+    Raises :class:`TransferError` (NIXL error, remote gone, or the source's version is not
+    ``expect_version``: the source moved on), :class:`SourceStalled` (the source's progress did not
+    advance for ``config.source_stall_timeout_s`` while units were still needed),
+    :class:`ChecksumMismatch` naming the unit (only when ``config.checksums``), or
+    :class:`LayoutMismatch`. On every error ``region.progress`` is the completed prefix, so
+    ``pull(..., start_unit=region.progress)`` from another source resumes without refetching.
+    Every posted read has reached a terminal state (or the bounded drain gave up and logged it)
+    when pull returns or raises. Returns the number of bytes read.
+    """
+    ep = source.endpoint
+    if region.layout.unit_signature != layout.unit_signature:
+        region.layout.check_same(layout)
+    if ep.unit_signature != layout.unit_signature:
+        raise LayoutMismatch(
+            f"source {source.name} has a different layout (fingerprint {ep.fingerprint[:12]} vs "
+            f"{layout.fingerprint[:12]}, or different unit settings)")
+    if region.agent is not source.agent:
+        raise TransferError("region and source must use the same agent")
+    n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
+    if source_sums is not None and n_units > len(source_sums):
+        raise InvalidState(f"end unit {n_units} is past the {len(source_sums)} units the source is known to hold")
+    if start_unit == 0:
+        region.set_progress(0)
+        region.set_version(expect_version)
+    else:
+        if region.version != expect_version or not 0 < start_unit <= region.progress:
+            raise InvalidState(
+                f"cannot resume at unit {start_unit}: region holds version {region.version} "
+                f"with progress {region.progress}, want version {expect_version}")
+        region.set_progress(start_unit)
+    if start_unit >= n_units:
+        return 0
+    with region.agent.xfer_lock:
+        puller = _Puller(region, source, layout, expect_version, config, start_unit, n_units,
+                         on_unit, should_stop)
+        if source_sums is not None:
+            puller.know(source_sums)
+        return puller.run()
+
+
+class _Puller:
+    """State of one pull; exists so the loop fits on a screen."""
+
+    def __init__(self, region: Region, source: Source, layout: Layout, version: int, config: Config,
+                 start: int, end_unit: int, on_unit: Optional[Callable[[int], None]],
+                 should_stop: Optional[Callable[[], bool]]):
+        self.region, self.source, self.layout = region, source, layout
+        self.version, self.config, self.on_unit, self.should_stop = version, config, on_unit, should_stop
+        self.nx = region.agent.nixl
+        self.n_units = end_unit
+        self.next_post = start
+        self.prefix = start
+        self.done: set[int] = set()
+        self.inflight: dict[int, Any] = {}
+        self.bytes_read = 0
+        self.remote_progress = 0
+        self.seen_version = False
+        self.known = False
+        self.control_reads = 0
+        self.remote_sums: list[int] = []
+        self.last_advance = time.monotonic()
+        self.pacer = Pacer(config.reads_in_flight)
+        self.unit_descs = _unit_desc_index(layout)
+        self.local = region._local_descs()
+        self.remote = source._remote_descs(layout)
+
+    def know(self, sums: Sequence[int]) -> None:
+        """The source's progress and checksums are given (signal-driven pull): never poll."""
+        self.known = True
+        self.seen_version = True
+        self.remote_progress = len(sums)
+        self.remote_sums = [_to_i64(int(c)) for c in sums]
+
+    def run(self) -> int:
+        try:
+            self._refresh_control()
+            self._refresh_control()  # the first read paid for connecting: this one times the link
+            starved_delay = POLL_MIN_S
+            while self.prefix < self.n_units:
+                if self.should_stop is not None and self.should_stop():
+                    logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
+                    break
+                self._post_more()
+                if self._reap():
+                    if not self.config.checksums:
+                        # Seqlock: a unit counts only if the source still holds our version
+                        # after its bytes arrived. Checksums make this round trip unnecessary
+                        # (bytes of another version fail them), and skipping it matters: on a
+                        # link it queues behind the next read's bytes, a whole unit late.
+                        self._refresh_control()
+                    self._post_more()  # refill before the checksums
+                    self._advance_prefix()
+                    starved_delay = POLL_MIN_S
+                    continue
+                if self.inflight and time.monotonic() - self.last_advance > self.config.source_stall_timeout_s:
+                    raise SourceStalled(
+                        f"no read from {self.source.name} completed for {self.config.source_stall_timeout_s}s "
+                        f"(unit {min(self.inflight)} posted)")
+                if not self.inflight and self.next_post >= self.remote_progress:
+                    # Starved for units: look at the source's counter again.
+                    before = self.remote_progress
+                    self._refresh_control()
+                    if self.remote_progress > before:
+                        starved_delay = POLL_MIN_S
+                        continue
+                    if time.monotonic() - self.last_advance > self.config.source_stall_timeout_s:
+                        raise SourceStalled(
+                            f"source {self.source.name} stuck at {self.remote_progress}/"
+                            f"{self.n_units} units for {self.config.source_stall_timeout_s}s")
+                time.sleep(self.pacer.sleep_s(time.monotonic(), starved_delay))
+                if not self.inflight:
+                    starved_delay = min(starved_delay * 2, POLL_MAX_S)
+            return self.bytes_read
+        finally:
+            self._drain()
+
+    def _refresh_control(self) -> None:
+        if self.known:
+            return
+        clean = not self.inflight and self.control_reads > 0
+        t = time.perf_counter()
+        raw = self.source._read_control_raw(self.config.source_stall_timeout_s)
+        self.control_reads += 1
+        if clean:
+            self.pacer.on_rtt(time.perf_counter() - t)
+        v, p = int(raw[0]), int(raw[1])
+        if v != self.version:
+            if self.seen_version or v > self.version:
+                raise TransferError(
+                    f"source {self.source.name} holds version {v}, expected {self.version}")
+            # An older version: the server may assign a partial source a moment before that
+            # source starts receiving; until it shows our version it has nothing for us (the
+            # stall timeout bounds the wait). A newer one means it moved on for good.
+            return
+        self.seen_version = True
+        if p > self.remote_progress:
+            self.remote_progress = p
+            self.remote_sums = raw[_HEADER:_HEADER + p].tolist()
+            self.last_advance = time.monotonic()
+
+    def _post_more(self) -> None:
+        limit = min(self.remote_progress, self.n_units)
+        while self.next_post < limit and self.pacer.may_post():
+            u = self.next_post
+            idx = self.unit_descs[u]
+            try:
+                h = self.nx.make_prepped_xfer("READ", self.local, idx, self.remote, idx)
+                state = self.nx.transfer(h)
+            except Exception as e:
+                raise TransferError(f"posting unit {u} from {self.source.name} failed: {e}") from e
+            self.inflight[u] = h
+            self.pacer.on_post(u, self.layout.unit_nbytes(u), time.monotonic())
+            self.next_post += 1
+            if state == XferState.ERR:
+                raise TransferError(f"read of unit {u} from {self.source.name} failed")
+
+    def _reap(self) -> bool:
+        landed = []
+        for u in list(self.inflight):
+            h = self.inflight[u]
+            try:
+                state = self.nx.check_xfer_state(h)
+            except Exception as e:
+                raise TransferError(f"read of unit {u} from {self.source.name} failed: {e}") from e
+            if state == XferState.PROC:
+                continue
+            if state != XferState.DONE:
+                raise TransferError(f"read of unit {u} from {self.source.name} failed ({state})")
+            del self.inflight[u]
+            h.release()
+            self.done.add(u)
+            landed.append(u)
+        if landed:
+            self.last_advance = time.monotonic()
+            self.pacer.on_done(landed, self.last_advance)
+        return bool(landed)
+
+    def _advance_prefix(self) -> None:
+        region = self.region
+        while self.prefix in self.done:
+            u = self.prefix
+            expected = self.remote_sums[u]
+            if self.config.checksums:
+                got = checksum_unit(region.tensors, self.layout.units[u])
+                if _to_i64(got) != expected:
+                    raise ChecksumMismatch(
+                        f"unit {u} from {self.source.name}: checksum {got:#018x}, "
+                        f"source published {_to_u64(expected):#018x}")
+            region.control[_HEADER + u] = expected
+            self.done.discard(u)
+            self.bytes_read += self.layout.unit_nbytes(u)
+            self.prefix = u + 1
+            region.set_progress(self.prefix)  # after the checksum: followers rely on the order
+            if self.on_unit is not None:
+                self.on_unit(u)
+
+    def _drain(self) -> None:
+        """Wait (bounded) for posted reads, then release them; never raises."""
+        deadline = time.monotonic() + max(1.0, self.config.source_stall_timeout_s)
+        for u, h in list(self.inflight.items()):
+            try:
+                while self.nx.check_xfer_state(h) == XferState.PROC and time.monotonic() < deadline:
+                    time.sleep(POLL_MIN_S)
+                h.release()
+            except Exception:  # noqa: BLE001 - already failing; a leaked handle is logged by nixl
+                logger.warning("could not release read of unit %d from %s", u,
+                               self.source.name, exc_info=True)
+        self.inflight.clear()
+        self.pacer.forget_inflight()

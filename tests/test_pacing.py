@@ -1,0 +1,97 @@
+"""The reader's window and sleep policy (pure; virtual time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub.transport.pacing import POLL_MIN_S, SLEEP_MAX_S, Pacer
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _run(pacer: Pacer, unit_bytes: int, rate_Bps: float, units: int, t: float = 0.0) -> float:
+    """Feed sequential reads of ``unit_bytes`` that take ``unit_bytes / rate`` each."""
+    for u in range(units):
+        pacer.on_post(u, unit_bytes, t)
+        t += unit_bytes / rate_Bps
+        pacer.on_done([u], t)
+    return t
+
+
+@pytest.mark.parametrize("case, unit, rate, rtt, window", [
+    # emulated 100 Mbit/s link, 512 KiB units: the link idles 0.7% between reads -> one read
+    ("100 Mbit/s link", 512 * KiB, 12.5e6, 150e-6, 1),
+    # local shared memory: 8 MiB at 7 GB/s, noticing and re-posting idles ~4% -> two
+    ("local shm", 8 * MiB, 7e9, 40e-6, 2),
+    # across datacenters: 150 Mbit/s, 30 ms round trip: a unit is 28 ms -> three
+    ("cross-dc 30 ms", 512 * KiB, 18.75e6, 30e-3, 3),
+    # a fat long link hits the cap
+    ("capped", 512 * KiB, 1e9, 50e-3, 8),
+])
+def test_window_is_one_read_plus_the_bandwidth_delay_product(case, unit, rate, rtt, window):
+    p = Pacer(window_max=8)
+    assert p.window() == 1  # nothing measured yet: one read at a time
+    p.on_rtt(rtt)
+    _run(p, unit, rate, 6)
+    assert p.rate_Bps == pytest.approx(rate, rel=1e-6)
+    assert p.window() == window, case
+
+
+def test_rtt_keeps_the_smallest_sample():
+    p = Pacer(window_max=4)
+    for s in (3e-3, 2e-4, 5e-4):
+        p.on_rtt(s)
+    assert p.rtt_s == 2e-4
+
+
+def test_two_reads_seen_done_one_poll_apart_do_not_inflate_the_rate():
+    """Interleaved reads over one link finish together; seen one poll apart, they must not read
+    as a transfer of a unit in 100 us (that made the window explode before)."""
+    p = Pacer(window_max=8)
+    p.on_post(0, MiB, 0.0)
+    p.on_post(1, MiB, 0.0)
+    p.on_done([0], 0.2)
+    p.on_done([1], 0.2001)
+    assert 2 * MiB / 0.2001 <= p.rate_Bps < 1.2 * 2 * MiB / 0.2001  # not 10 GB/s
+
+
+def test_several_completions_in_one_poll_make_one_sample():
+    p = Pacer(window_max=8)
+    for u in range(3):
+        p.on_post(u, MiB, 0.0)
+    p.on_done([0, 1, 2], 0.3)
+    assert p.rate_Bps == pytest.approx(3 * MiB / 0.3)
+    assert p.inflight == 0
+
+
+def test_rate_follows_a_link_that_slows_down():
+    p = Pacer(window_max=8)
+    t = _run(p, MiB, 100e6, 10)
+    _run(p, MiB, 10e6, 20, t)
+    assert p.rate_Bps == pytest.approx(10e6, rel=0.05)
+
+
+def test_may_post_up_to_the_window():
+    p = Pacer(window_max=8)
+    assert p.may_post()
+    p.on_post(0, MiB, 0.0)
+    assert not p.may_post()  # window 1 until measured
+
+
+def test_sleep_wakes_three_quarters_into_the_predicted_read_then_polls():
+    p = Pacer(window_max=8)
+    t = _run(p, MiB, 100e6, 4)  # 10.49 ms per read
+    p.on_post(4, MiB, t)
+    assert p.sleep_s(t, 1e-3) == pytest.approx(min(SLEEP_MAX_S, 0.75 * MiB / 100e6))
+    late = t + MiB / 100e6
+    assert p.sleep_s(late, 1e-3) == POLL_MIN_S  # due or overdue: poll
+
+
+def test_sleep_caps_and_uses_the_callers_backoff_when_starved():
+    p = Pacer(window_max=8)
+    assert p.sleep_s(0.0, 1e-3) == 1e-3  # nothing posted: waiting for the source
+    p.on_post(0, MiB, 0.0)
+    assert p.sleep_s(0.0, 1e-3) == POLL_MIN_S  # no rate yet: poll
+    t = _run(p, MiB, 1e6, 1, 0.0)  # 1 MB/s: a read takes a second
+    p.on_post(1, MiB, t)
+    assert p.sleep_s(t, 1e-3) == SLEEP_MAX_S
