@@ -141,6 +141,7 @@ class Hub:
                 client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
                 num_shards=self.num_shards, layout=_layout_info(layout),
                 endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
+                process=self._port.process(),
             )
             try:
                 self._expect(self._port.call(msg), m.Ok)
@@ -310,10 +311,17 @@ class Hub:
         """Read units [own progress, end_unit) of ``a.version`` from ``a``'s source, without
         failover (a caller that coordinates the pipeline itself, e.g. a compiled graph, falls
         back to :meth:`_read` on error, which resumes from the same progress)."""
-        source = tx.open_source(a.source_endpoint, config=self.config)
+        try:
+            source = tx.open_source(a.source_endpoint, config=self.config)
+        except errors.TransferError as e:
+            raise errors.SourceUnreachable(str(e)) from e
         try:
             return tx.pull(self._region, source, self._layout, expect_version=a.version, config=self.config,
                            start_unit=self._resume_point(a.version), end_unit=end_unit)
+        except errors.TransferError as e:
+            if source.reached or isinstance(e, errors.SourceUnreachable):
+                raise
+            raise errors.SourceUnreachable(str(e)) from e
         finally:
             source.close()
 
@@ -348,20 +356,26 @@ class Hub:
                     break
                 except (errors.TransferError, errors.ChecksumMismatch) as err:
                     failovers += 1
+                    log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
+                                self.model, version, self.shard, a.source_id, self._region.progress, err)
+                    # The server first asks Ray whether the source's process is gone; a corpse is
+                    # removed and does not count against the budget (failed_source_gone).
+                    nxt = self._call(m.SourceFailed(self.client_id, a.source_id, self._region.progress,
+                                                    unreachable=isinstance(err, errors.SourceUnreachable)),
+                                     wait=True)
+                    a = self._expect(nxt, m.Assignment)
+                    if a.version != version:
+                        raise errors.InvalidState(f"server reassigned version {a.version} during read of {version}")
+                    if a.failed_source_gone:
+                        continue
                     stuck = stuck + 1 if self._region.progress == last_progress else 1
                     last_progress = self._region.progress
                     if stuck > self.config.failovers_max:
                         self._call(m.ReplicateAbort(self.client_id))
                         raise errors.TransferError(
-                            f"{self.model} version {version} shard {self.shard}: {stuck} sources failed "
+                            f"{self.model} version {version} shard {self.shard}: {stuck} live sources failed "
                             f"without progress at unit {last_progress}; last error: {err}") from err
                     time.sleep(min(0.05 * 2 ** (stuck - 1), 1.0))
-                    log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
-                                self.model, version, self.shard, a.source_id, self._region.progress, err)
-                    nxt = self._call(m.SourceFailed(self.client_id, a.source_id, self._region.progress), wait=True)
-                    a = self._expect(nxt, m.Assignment)
-                    if a.version != version:
-                        raise errors.InvalidState(f"server reassigned version {a.version} during read of {version}")
             self._expect(self._call(m.ReplicateDone(self.client_id, version)), m.Ok)
         except BaseException:
             self._reading = False

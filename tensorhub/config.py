@@ -64,6 +64,10 @@ class Config:
     server_name: str = "tensorhub-server"
     namespace: str = "tensorhub"
     server_tick_s: float = 0.5
+    liveness_check_s: float = 1.0
+    """How often the server asks Ray which clients' processes are gone (a job that ended takes its
+    holders along); also asked at once when a reader reports a source failed. 0 = never (leases
+    still apply)."""
     backend: str = "UCX"
     """NIXL backend for reads."""
     nixl_workers: int = 2
@@ -100,6 +104,7 @@ class Config:
         need(self.failovers_max >= 0, "failovers_max must be >= 0")
         need(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         need(self.server_tick_s > 0, "server_tick_s must be > 0")
+        need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -95,6 +95,11 @@ class SourceStalled(TransferError):
     """The source's progress did not advance within ``source_stall_timeout_s``."""
 
 
+class SourceUnreachable(TransferError):
+    """The reader could not reach its source at all (the agent cannot be added, the connection is
+    refused, the first control read fails): most likely its process is gone."""
+
+
 class ChecksumMismatch(TensorHubError):
     """A unit's bytes did not match the checksum its publisher computed."""
 

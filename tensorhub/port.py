@@ -15,6 +15,7 @@ The mailbox logic is shared by both (:class:`Mailboxes`), so the Ray actor stays
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from typing import Optional, Protocol
@@ -33,6 +34,10 @@ class ServerPort(Protocol):
     def notes(self, client_id: str) -> list: ...
 
     def reconnect(self) -> None: ...
+
+    def process(self) -> m.ProcessId:
+        """Who runs the caller, for the server's liveness checks."""
+        ...
 
 
 class Mailboxes:
@@ -135,6 +140,9 @@ class LocalPort:
 
     def reconnect(self) -> None:
         """Nothing to do in process (see :meth:`restart`)."""
+
+    def process(self) -> m.ProcessId:
+        return m.ProcessId(pid=os.getpid())
 
     def restart(self) -> None:
         """Replace the core by a fresh one, as if the server died and a new one started:

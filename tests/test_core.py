@@ -676,3 +676,60 @@ def test_background_event_for_the_requester_is_not_taken_as_its_reply():
     w.send(m.Publish("h", 1))
     assert w.send(m.OffloadDone("t", 1, b"x")) == m.UnpublishDone(version=1)
     assert w.pop("t") == [m.DropHostCopy(version=1)]
+
+
+# --------------------------------------------------------------------------- dead processes (Ray knows)
+
+
+def test_declared_dead_replica_is_removed_at_once_and_its_readers_move_on():
+    """t1 -> r ; Ray says t1's job ended: t1 goes now (no lease wait) and r moves to t2."""
+    w = World(lease_timeout_s=30.0)
+    w.reg("t1"); w.reg("t2"); w.reg("r")
+    w.send(m.Publish("t1", 1)); w.send(m.Publish("t2", 1))
+    src = w.send(m.Replicate("r", 1)).source_id
+    other = "t2" if src == "t1" else "t1"
+    for eff in w.core.declare_dead([src, "nobody"], w.now, "process gone: its job ended"):
+        w.events.setdefault(eff.client_id, []).append(eff.event)
+    assert src not in w.core.nodes
+    assert m.Evicted(reason="process gone: its job ended") in w.pop(src)
+    a = w.pop("r")[-1]
+    assert a.source_id == other and a.assign_no == 2
+
+
+def test_reader_reporting_a_source_already_removed_as_dead_is_told_so():
+    """The server removed the corpse before handling the report: the reader's next assignment
+    says ``failed_source_gone`` so its failover budget is not charged."""
+    w = World()
+    w.reg("t1"); w.reg("t2"); w.reg("r")
+    w.send(m.Publish("t1", 1)); w.send(m.Publish("t2", 1))
+    src = w.send(m.Replicate("r", 1)).source_id
+    w.core.declare_dead([src], w.now, "gone")
+    a = w.send(m.SourceFailed("r", src, 0, unreachable=True))
+    assert isinstance(a, m.Assignment) and a.failed_source_gone and a.source_id != src
+    # a live source that fails is charged as before (the only source left: tried again)
+    b = w.send(m.SourceFailed("r", a.source_id, 0))
+    assert isinstance(b, m.Assignment) and not b.failed_source_gone and b.assign_no == a.assign_no + 1
+
+
+def test_unreachable_source_is_no_candidate_for_anyone_until_it_talks_again():
+    w = World()
+    w.reg("t1"); w.reg("t2"); w.reg("r1"); w.reg("r2")
+    w.send(m.Publish("t1", 1))
+    assert w.send(m.Replicate("r1", 1)).source_id == "t1"
+    w.send(m.SourceFailed("r1", "t1", 0, unreachable=True))
+    # another reader is not sent to the unreachable node either: it waits
+    assert w.send(m.Replicate("r2", 1)) == m.Waiting(version=1)
+    w.send(m.Publish("t2", 1))
+    assert (w.source_of("r1"), w.source_of("r2")) == ("t2", "r1")  # t2 -> r1 -> r2, never t1
+    w.send(m.Heartbeat("t1"))  # alive after all (a partition): a candidate again
+    w.send(m.SourceFailed("r2", "r1", 0))
+    assert w.source_of("r2") == "t1"
+
+
+def test_registration_keeps_the_process_id():
+    w = World()
+    pid = m.ProcessId(job_id="02000000", actor_id="abc", worker_id="w", node_id="n", pid=42)
+    assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Ok()
+    assert w.core.processes() == {"c": pid}
+    # re-registering the same client with the same parameters is idempotent
+    assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Ok()

@@ -16,6 +16,7 @@ from typing import Optional
 
 import ray
 
+from tensorhub.actors.liveness import RayLiveness, current_process
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
@@ -36,11 +37,18 @@ class ReferenceServer:
         self._cond: Optional[asyncio.Condition] = None
         self._ticker: Optional[asyncio.Task] = None
         self._metrics = _Metrics()
+        self._liveness = RayLiveness()
+        self._swept_at = float("-inf")
 
     async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
         cond = self._start()
         req = m.decode_request(data)
         client_id = getattr(req, "client_id", None)
+        if isinstance(req, m.SourceFailed):
+            # Is the source a corpse? Then it goes now, and the reader's budget is not charged.
+            await self._sweep(targeted=(req.source_id,))
+        elif isinstance(req, m.Replicate) and time.monotonic() - self._swept_at > self.config.liveness_check_s / 2:
+            await self._sweep()
         async with cond:
             reply, woken = apply_request(self.core, self.mail, req, time.monotonic())
             if woken:
@@ -82,12 +90,30 @@ class ReferenceServer:
         if self.mail.route(effects):
             self._cond.notify_all()
 
+    async def _sweep(self, targeted: tuple[str, ...] = ()) -> None:
+        """Ask Ray which clients' processes are gone (off the event loop) and remove them."""
+        if self.config.liveness_check_s <= 0:
+            return
+        self._swept_at = time.monotonic()
+        processes = self.core.processes()
+        gone = await asyncio.to_thread(self._liveness.gone, processes, targeted)
+        if gone:
+            async with self._cond:
+                for cid, why in sorted(gone.items()):
+                    log.info("client %s is gone: %s", cid, why)
+                    self._route(self.core.declare_dead([cid], time.monotonic(), f"process gone: {why}"))
+
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.server_tick_s)
             async with self._cond:
                 self._route(self.core.tick(time.monotonic()))
                 self._metrics.table(self.core)
+            if self.config.liveness_check_s > 0 and time.monotonic() - self._swept_at >= self.config.liveness_check_s:
+                try:
+                    await self._sweep()
+                except Exception:  # noqa: BLE001 - liveness is best effort; leases remain
+                    log.warning("liveness sweep failed", exc_info=True)
 
 
 class _Metrics:
@@ -144,6 +170,9 @@ class RayPort:
             return [m.decode_reply(b) for b in ray.get(self.handle.notes.remote(client_id), timeout=self.config.request_timeout_s)]
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
             raise ServerUnavailable(str(e)) from e
+
+    def process(self) -> m.ProcessId:
+        return current_process()
 
     def reconnect(self) -> None:
         """Find (or create) the server under the configured name again."""

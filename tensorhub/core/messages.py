@@ -54,6 +54,19 @@ class Holding(msgspec.Struct, frozen=True):
     reading_units: int = 0
 
 
+class ProcessId(msgspec.Struct, frozen=True):
+    """Who runs a client, as the cluster manager knows it (Ray: job, actor, worker, node ids;
+    empty strings where not applicable, e.g. no actor for a driver). The server asks the cluster
+    manager whether this process is gone, so a dead holder stops being a source at once instead
+    of after a lease."""
+
+    job_id: str = ""
+    actor_id: str = ""
+    worker_id: str = ""
+    node_id: str = ""
+    pid: int = 0
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -67,6 +80,7 @@ class Register(_Msg, frozen=True):
     endpoint: bytes = b""
     datacenter: str = "default"
     spot: bool = False
+    process: ProcessId = ProcessId()
 
 
 class Announce(_Msg, frozen=True):
@@ -105,11 +119,14 @@ class Replicate(_Msg, frozen=True):
 
 
 class SourceFailed(_Msg, frozen=True):
-    """The reader's source died, stalled or served bad bytes; ``units_done`` is its own progress."""
+    """The reader's source died, stalled or served bad bytes; ``units_done`` is its own progress.
+    ``unreachable``: the reader could not reach the source at all (connection refused, agent
+    unknown): strong evidence that its process is gone."""
 
     client_id: str
     source_id: str
     units_done: int
+    unreachable: bool = False
 
 
 class Progress(_Msg, frozen=True):
@@ -171,6 +188,9 @@ class Assignment(_Msg, frozen=True):
     start_unit: int
     assign_no: int
     cross_datacenter: bool = False
+    failed_source_gone: bool = False
+    """This assignment follows a ``SourceFailed`` whose source the server has removed as dead: the
+    failure says nothing about the data path, so the reader does not count it against its budget."""
 
 
 class NoChange(_Msg, frozen=True):

@@ -104,6 +104,7 @@ class ReferenceCore:
                 if node is None or node.host:
                     raise UnknownClient(f"client {client_id} is not registered (expired, or the server restarted)")
                 node.last_seen = now
+                node.unreachable = False  # it talks to us: alive, reachable from somewhere
                 if node.state is S.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
                     return m.ErrorReply(code=node.failure.code, message=node.failure.message), []
@@ -166,6 +167,24 @@ class ReferenceCore:
         return effects
 
     # ------------------------------------------------------------------ queries
+
+    def declare_dead(self, client_ids, now: float, reason: str) -> list[m.Deliver]:
+        """The cluster manager says the processes of ``client_ids`` are gone: remove their
+        replicas now (as a lease expiry would later). Unknown ids are ignored. Returns effects."""
+        self._effects = []
+        self._touched = set()
+        self._now = now
+        for model, replica in sorted({(self.nodes[c].model, self.nodes[c].replica_id)
+                                      for c in client_ids if c in self.nodes and not self.nodes[c].host}):
+            log.info("model=%s replica=%s: %s", model, replica, reason)
+            self._remove_replica(model, replica, reason=reason)
+        self._settle()
+        effects, self._effects = self._effects, []
+        return effects
+
+    def processes(self) -> dict[str, m.ProcessId]:
+        """The process of every registered client (host copies excluded)."""
+        return {n.id: n.process for n in self.nodes.values() if not n.host}
 
     def available(self, model: str) -> list[int]:
         """Committed, retained versions with a visible complete holder of every shard."""
@@ -307,6 +326,7 @@ class ReferenceCore:
     def _on_SourceFailed(self, req: m.SourceFailed, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         node.progress = max(0, min(req.units_done, node.units))
+        node.failed_gone = req.source_id not in self.nodes
         if node.state is S.WAITING:
             return m.Waiting(version=node.version)
         if node.source != req.source_id:
@@ -317,6 +337,8 @@ class ReferenceCore:
         src = self.nodes.get(req.source_id)
         if src is not None and not src.host and src.suspected_at is None:
             src.suspected_at = now
+        if src is not None and req.unreachable:
+            src.unreachable = True
         self._detach_from_source(node)
         self._wait(node)
         return m.Waiting(version=node.version)
@@ -393,6 +415,7 @@ class ReferenceCore:
             id=req.client_id, model=req.model, replica_id=req.replica_id, shard=req.shard,
             num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now,
+            process=req.process,
         )
         self.nodes[node.id] = node
         return node
@@ -401,7 +424,7 @@ class ReferenceCore:
         return m.Register(
             client_id=n.id, model=n.model, replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
-            datacenter=n.datacenter, spot=n.spot,
+            datacenter=n.datacenter, spot=n.spot, process=n.process,
         )
 
     def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
@@ -634,10 +657,11 @@ class ReferenceCore:
 
     def _assignment(self, node: Node) -> m.Assignment:
         src = self.nodes[node.source]
+        gone, node.failed_gone = node.failed_gone, False
         return m.Assignment(
             version=node.version, source_id=src.id, source_endpoint=src.endpoint,
             source_partial=not src.complete, start_unit=node.progress, assign_no=node.assign_no,
-            cross_datacenter=src.datacenter != node.datacenter,
+            cross_datacenter=src.datacenter != node.datacenter, failed_source_gone=gone,
         )
 
     def _downstream(self, node: Node) -> set[str]:

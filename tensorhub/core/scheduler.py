@@ -4,7 +4,8 @@ Given a reader and the nodes holding or receiving the same (model, version, shar
 source, or none (the reader waits). Rules, in order:
 
 1. A candidate is complete and visible (PUBLISHED / OFFLOADING), or a partial holder
-   (READING) that is not downstream of the reader and at least as far as the reader.
+   (READING) that is not downstream of the reader and at least as far as the reader; a node some
+   reader could not reach at all is no candidate until it talks to the server again.
 2. Same datacenter first: when any candidate, busy or not, lives in the reader's datacenter,
    only those are used, and the reader waits if all are busy. Only when the datacenter has
    none does the reader read across (it becomes that datacenter's *seeder*), and then only if
@@ -22,7 +23,7 @@ from tensorhub.core.state import S, VISIBLE_SOURCE, Node
 
 
 def eligible(reader: Node, cand: Node, downstream: set[str]) -> bool:
-    if cand.id == reader.id or cand.id in downstream:
+    if cand.id == reader.id or cand.id in downstream or cand.unreachable:
         return False
     if cand.state in VISIBLE_SOURCE:
         return True

@@ -83,6 +83,13 @@ class Node:
     suspects: set[str] = dataclasses.field(default_factory=set)
     suspected_at: Optional[float] = None
     """A reader reported this node failed at this time; it must heartbeat again to stay."""
+    process: m.ProcessId = m.ProcessId()
+    """Who runs this client (the server asks the cluster manager whether it is gone)."""
+    unreachable: bool = False
+    """A reader could not reach this node at all; no reader is sent to it until it talks to the
+    server again (or it is found dead)."""
+    failed_gone: bool = False
+    """This reader's last reported source was removed as dead: say so in its next assignment."""
     failure: Optional[m.Failed] = None
     """The last read of this node failed with this (answered to late follow-ups of that read)."""
     awaiting_source: Optional[str] = None

@@ -416,6 +416,8 @@ class Source:
             raise TransferError(f"cannot prepare reads from {endpoint.agent_name}: {e}") from e
         self._remote_dlist: Any = None
         self._closed = False
+        self.reached = False
+        """A control read from this source succeeded once (the peer was reachable)."""
 
     @property
     def name(self) -> str:
@@ -449,6 +451,7 @@ class Source:
             raise TransferError(f"control read from {self.name} failed: {e}") from e
         if state != XferState.DONE:
             raise TransferError(f"control read from {self.name} failed ({state})")
+        self.reached = True
         return self._scratch
 
     def _remote_descs(self, layout: Layout) -> Any:
