@@ -23,7 +23,7 @@ Lifecycle: :func:`start_cluster` writes a state file ``<state_dir>/<name>.json``
 creates anything and records every process it starts; :func:`teardown` (also run by the
 context manager on exit, Ctrl-C or SIGTERM, and by the next start under the same name) kills
 only those processes and the ones inside our namespaces, then deletes our namespaces, veths and
-bridges. The CLI is ``tensorhub cluster up|status|down``.
+bridges. The CLI is ``tensorhub cluster up|status|env|down``.
 """
 
 from __future__ import annotations
@@ -287,8 +287,9 @@ class EmulatedCluster:
         """Ray nodes as the GCS lists them (``node_id``, ``ip``, ``alive``, ``is_head``,
         ``resources``), polled in a subprocess until ``expect_nodes`` are alive or ``timeout_s``
         passed (0: ask once). Raises ClusterError if the GCS does not answer."""
-        p = subprocess.run([*helper_argv("cluster_probe"), "--address", self.address, "--expect-nodes", str(expect_nodes), "--timeout-s", str(timeout_s)],
-                           env=self.driver_env(), capture_output=True, text=True,
+        argv = [*helper_argv("cluster_probe"), "--address", self.address, "--expect-nodes", str(expect_nodes),
+                "--timeout-s", str(timeout_s)]
+        p = subprocess.run(argv, env=self.driver_env(), capture_output=True, text=True,
                            timeout=timeout_s + PROBE_TIMEOUT_S)
         try:
             out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -385,13 +386,15 @@ class EmulatedCluster:
                     # Own temp dir per node: raylets started at once in one session dir race
                     # for the same socket names (plasma_store.N) and one aborts.
                     "--temp-dir", str(Path(self._state.workdir) / f"h{h.index}")]
-            raylets.append(self._spawn(argv, self._node_env("eth0", h.index), f"host-{h.index}.log", Role.HOST, h.index))
+            env = self._node_env("eth0", h.index)
+            raylets.append(self._spawn(argv, env, f"host-{h.index}.log", Role.HOST, h.index))
         self._wait_nodes(head, head_rec, raylets, deadline)
 
     def _wait_nodes(self, head, head_rec: ProcRecord, raylets, deadline: float) -> None:
-        probe = subprocess.Popen(
-            [*helper_argv("cluster_probe"), "--address", self.address, "--expect-nodes", str(self.hosts + 1), "--timeout-s", str(max(1.0, deadline - time.monotonic()))],
-            env=self.driver_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        argv = [*helper_argv("cluster_probe"), "--address", self.address, "--expect-nodes", str(self.hosts + 1),
+                "--timeout-s", str(max(1.0, deadline - time.monotonic()))]
+        probe = subprocess.Popen(argv, env=self.driver_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
         try:
             while probe.poll() is None:
                 dead = [(rec, p.poll()) for p, rec in [(head, head_rec), *raylets] if p.poll() is not None]

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--inter-dc-latency-ms", type=float, default=0.0, help="one-way, each direction")
     up.add_argument("--cpus-per-host", type=int, default=2)
     up.add_argument("--head-cpus", type=int, default=1)
+    up.add_argument("--object-store-mib", type=int, default=ClusterSpec.object_store_bytes_per_host >> 20,
+                    help="Ray object store per node")
     up.add_argument("--subnet", default=ClusterSpec.subnet)
     up.add_argument("--no-ray", action="store_true", help="network only: no Ray head or raylets")
     up.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on the head")
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
             spec = ClusterSpec(hosts=args.hosts, gbit=args.gbit, latency_ms=args.latency_ms,
                                datacenters=parse_datacenters(args.datacenters), inter_dc_gbit=args.inter_dc_gbit,
                                inter_dc_latency_ms=args.inter_dc_latency_ms, cpus_per_host=args.cpus_per_host,
-                               head_cpus=args.head_cpus, name=args.name, subnet=args.subnet, ray=not args.no_ray,
+                               head_cpus=args.head_cpus, object_store_bytes_per_host=args.object_store_mib << 20,
+                               name=args.name, subnet=args.subnet, ray=not args.no_ray,
                                include_dashboard=args.dashboard, start_timeout_s=args.timeout_s,
                                state_dir=args.state_dir)
             c = start_cluster(spec)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
-from typing import Optional, Sequence
+from typing import Optional
 
 from tensorhub.errors import TensorHubError
 
