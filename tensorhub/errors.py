@@ -45,12 +45,13 @@ class ShardTaken(TensorHubError):
     """Another live client already registered this (model, replica, shard)."""
 
 
-class UnknownModel(TensorHubError, LookupError):
-    """No replica of this model is registered with the server."""
-
-
 class VersionNotFound(TensorHubError, LookupError):
     """The version spec names no available version (never published, or not yet complete)."""
+
+
+class UnknownModel(VersionNotFound):
+    """No replica of this model is registered with the server, so no version of it can be found
+    (a :class:`VersionNotFound`: to a reader, an unknown model has no versions)."""
 
 
 class VersionExpired(TensorHubError, LookupError):

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tensorhub.testing.cluster_layout import ClusterError, ClusterSpec, layout_of, parse_datacenters, shaping_commands
+from tensorhub.testing.cluster_net import unavailable_reason
 
 STATE_DIR = "/tmp/tensorhub-cluster"
 GBIT = 0.2
@@ -30,19 +31,7 @@ INTER_DC_GBIT = 0.15
 INTER_DC_LATENCY_MS = 10.0
 
 
-def _cluster_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (`ip`, `tc`)"
-    if not Path("/dev/net/tun").exists():
-        return "needs /dev/net/tun (delay wires)"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` does not work here"
-    return None
-
-
-_SKIP = _cluster_skip_reason()
+_SKIP = unavailable_reason()
 needs_cluster = [pytest.mark.cluster, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
@@ -56,7 +45,8 @@ def _cluster_mark(fn):
 
 
 @pytest.mark.parametrize("fields, fragment", [
-    (dict(hosts=0), "hosts=0"),
+    (dict(hosts=-1), "hosts=-1"),
+    (dict(hosts=0, datacenters=(1,)), "hosts=0"),
     (dict(hosts=2, datacenters=(1, 2)), "sum to hosts"),
     (dict(hosts=2, gbit=0), "gbit=0"),
     (dict(hosts=2, inter_dc_latency_ms=-1), "inter_dc_latency_ms"),

@@ -21,10 +21,12 @@ def _run(pacer: Pacer, unit_bytes: int, rate_Bps: float, units: int, t: float = 
 @pytest.mark.parametrize("case, unit, rate, rtt, window", [
     # emulated 100 Mbit/s link, 512 KiB units: the link idles 0.7% between reads -> one read
     ("100 Mbit/s link", 512 * KiB, 12.5e6, 150e-6, 1),
-    # local shared memory: 8 MiB at 7 GB/s, noticing and re-posting idles ~4% -> two
+    # local shared memory: 8 MiB at 7 GB/s, noticing and re-posting idles ~16% -> two
     ("local shm", 8 * MiB, 7e9, 40e-6, 2),
-    # across datacenters: 150 Mbit/s, 30 ms round trip: a unit is 28 ms -> three
-    ("cross-dc 30 ms", 512 * KiB, 18.75e6, 30e-3, 3),
+    # across datacenters: 150 Mbit/s, 30 ms round trip: a unit is 28 ms -> two
+    ("cross-dc 30 ms", 512 * KiB, 18.75e6, 30e-3, 2),
+    # 1 Gbit/s with a 1 ms round trip: a unit is 4.2 ms -> two
+    ("1 Gbit/s 1 ms", 512 * KiB, 125e6, 1e-3, 2),
     # a fat long link hits the cap
     ("capped", 512 * KiB, 1e9, 50e-3, 8),
 ])
@@ -78,13 +80,18 @@ def test_may_post_up_to_the_window():
     assert not p.may_post()  # window 1 until measured
 
 
-def test_sleep_wakes_three_quarters_into_the_predicted_read_then_polls():
+def test_sleep_wakes_nine_tenths_into_the_predicted_read_then_polls_at_a_fortieth():
     p = Pacer(window_max=8)
     t = _run(p, MiB, 100e6, 4)  # 10.49 ms per read
     p.on_post(4, MiB, t)
-    assert p.sleep_s(t, 1e-3) == pytest.approx(min(SLEEP_MAX_S, 0.75 * MiB / 100e6))
-    late = t + MiB / 100e6
-    assert p.sleep_s(late, 1e-3) == POLL_MIN_S  # due or overdue: poll
+    d = MiB / 100e6
+    assert p.sleep_s(t, 1e-3) == pytest.approx(min(SLEEP_MAX_S, 0.9 * d))
+    assert p.sleep_s(t + 0.95 * d, 1e-3) == pytest.approx(d / 40)  # due soon: poll
+    assert p.sleep_s(t + 3 * d, 1e-3) == pytest.approx(d / 40)  # overdue: keep polling
+    fast = Pacer(window_max=8)
+    t = _run(fast, MiB, 7e9, 4)  # 0.15 ms per read: polls never faster than POLL_MIN_S
+    fast.on_post(4, MiB, t)
+    assert fast.sleep_s(t + 1e-3, 1e-3) == POLL_MIN_S
 
 
 def test_sleep_caps_and_uses_the_callers_backoff_when_starved():
@@ -95,3 +102,14 @@ def test_sleep_caps_and_uses_the_callers_backoff_when_starved():
     t = _run(p, MiB, 1e6, 1, 0.0)  # 1 MB/s: a read takes a second
     p.on_post(1, MiB, t)
     assert p.sleep_s(t, 1e-3) == SLEEP_MAX_S
+
+
+def test_starved_reader_sleeps_until_the_sources_next_unit_is_due():
+    """A partial source receives over a link like ours: its next unit is due one unit time after
+    its progress last moved."""
+    p = Pacer(window_max=8)
+    assert p.starved_s(0.0, 0.0, 1e-3) == 1e-3  # nothing measured: the caller's backoff
+    t = _run(p, MiB, 100e6, 4)  # unit time d = 10.49 ms
+    d = MiB / 100e6
+    assert p.starved_s(t, t, 1e-3) == pytest.approx(min(SLEEP_MAX_S, 0.9 * d))
+    assert p.starved_s(t + 0.95 * d, t, 1e-3) == pytest.approx(d / 40)

@@ -150,6 +150,10 @@ def test_follows_a_partial_holder_whose_progress_advances(agents):
     _assert_same(named, r1.tensors)
     _assert_same(named, r2.tensors)
     assert any(r2_saw_r1_partial), "r2 never overlapped with r1"
+    # r1 pushed its progress to r2 (r2 followed it): r2 hardly polled r1's control block. r1's
+    # own source (written by a thread, not a pull) pushes nothing: r1 fell back to polling.
+    assert s2.control_reads < layout.unit_count / 2, (s2.control_reads, layout.unit_count)
+    assert s1.control_reads > 2
     for x in (s2, s1, r2, r1, holder):
         x.close()
 

@@ -224,7 +224,9 @@ class EmulatedCluster:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_NODE_IP_ADDRESS", MARKER_ENV)}
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self._state.token_path,
-                   RAY_USAGE_STATS_ENABLED="0", UCX_TLS="tcp")
+                   RAY_USAGE_STATS_ENABLED="0", UCX_TLS="tcp",
+                   # UCX ignores bridge devices unless told (the head and driver sit on one).
+                   UCX_TCP_BRIDGE_ENABLE="y")
         return env
 
     def _node_env(self, ifname: Optional[str], host: Optional[int]) -> dict[str, str]:

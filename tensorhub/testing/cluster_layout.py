@@ -99,8 +99,8 @@ def _spec_errors(s: ClusterSpec):
         yield f"name {s.name!r} must match {NAME_RE.pattern} (it prefixes 15-byte interface names)"
     if s.name.startswith(RESERVED_NAME_PREFIXES):
         yield f"name {s.name!r} starts with a reserved prefix {RESERVED_NAME_PREFIXES}"
-    if s.hosts < 1:
-        yield f"hosts={s.hosts} must be >= 1"
+    if s.hosts < 0 or (s.hosts == 0 and s.datacenters is not None):
+        yield f"hosts={s.hosts} must be >= 1 (or 0 without datacenters: a head node alone)"
     if s.datacenters is not None:
         if sum(s.datacenters) != s.hosts or min(s.datacenters, default=0) < 1:
             yield f"datacenters={s.datacenters} must be positive and sum to hosts={s.hosts}"

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 from tensorhub.testing.cluster_layout import ClusterError, ClusterSpec, Layout, rtt_budget_s, shaping_commands
 
@@ -44,6 +44,17 @@ def preflight() -> None:
         if shutil.which(tool) is None:
             raise ClusterError(f"`{tool}` not found on PATH (install iproute2)")
     run(["ip", "netns", "list"])
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why an emulated cluster cannot be built here (for a test's skip reason), or None."""
+    try:
+        preflight()
+    except ClusterError as e:
+        return str(e)
+    if not os.path.exists("/dev/net/tun"):
+        return "needs /dev/net/tun (delay wires)"
+    return None
 
 
 def run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess:

@@ -34,6 +34,7 @@ import torch
 from tensorhub.config import Config
 from tensorhub.errors import LayoutMismatch, SourceStalled, TransferError
 from tensorhub.layout import Layout, dtype_name
+from tensorhub.transport.follow import Notes
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class XferState(str, enum.Enum):
 
 _NO_VERSION = -1
 _POLL_MAX_S = 2e-3
+_CONTROL_POLL_S = 50e-6
+_CONTROL_FINE_S = 5e-3
 
 
 def _to_i64(u: int) -> int:
@@ -134,6 +137,8 @@ class Agent:
         self._lock = threading.Lock()
         self.xfer_lock = threading.RLock()
         """Held by :func:`pull` and control reads: NIXL agents are not thread-safe for transfers."""
+        self.notes = Notes(self.nixl)
+        """Progress pushes to and from followers (:mod:`tensorhub.transport.follow`)."""
         logger.info("nixl agent %s up (backend %s)", self.name, config.backend)
 
     def metadata(self) -> bytes:
@@ -153,9 +158,17 @@ class Agent:
                 except Exception:  # noqa: BLE001 - best effort, re-adding is what matters
                     logger.debug("remove_remote_agent(%s) failed", name, exc_info=True)
             try:
-                self.nixl.add_remote_agent(metadata)
+                got = self.nixl.add_remote_agent(metadata)
             except Exception as e:
                 raise TransferError(f"cannot add remote agent {name}: {e}") from e
+            if isinstance(got, bytes):
+                got = got.decode()
+            if got != name:  # metadata that says it is someone else: do not trust it
+                try:
+                    self.nixl.remove_remote_agent(got)
+                except Exception:  # noqa: BLE001
+                    logger.debug("remove_remote_agent(%s) failed", got, exc_info=True)
+                raise TransferError(f"metadata for agent {name} names agent {got}")
             self._remotes[name] = metadata
 
     def forget_remote(self, name: str) -> None:
@@ -418,6 +431,8 @@ class Source:
         self._closed = False
         self.reached = False
         """A control read from this source succeeded once (the peer was reachable)."""
+        self.control_reads = 0
+        """Control-block reads posted so far (observability, tests)."""
 
     @property
     def name(self) -> str:
@@ -435,15 +450,19 @@ class Source:
         if self._closed:
             raise TransferError("source is closed")
         nx = self.agent.nixl
+        self.control_reads += 1
         try:
             state = nx.transfer(self._ctl_handle)
-            deadline = time.monotonic() + timeout_s
-            delay = 10e-6
+            t0 = time.monotonic()
+            deadline = t0 + timeout_s
             while state == XferState.PROC:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise SourceStalled(f"control read from {self.name} took over {timeout_s}s")
-                time.sleep(delay)
-                delay = min(delay * 2, _POLL_MAX_S)
+                # A round trip is 0.1-1 ms over a link: poll finely for the first few ms (an
+                # exponential backoff noticed a 1.3 ms answer at 2.5 ms, on every starved poll
+                # of a pipeline), then back off.
+                time.sleep(_CONTROL_POLL_S if now - t0 < _CONTROL_FINE_S else _POLL_MAX_S)
                 state = nx.check_xfer_state(self._ctl_handle)
         except TransferError:
             raise

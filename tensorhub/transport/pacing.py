@@ -9,11 +9,12 @@ emulated link: 8 units posted at once all completed at 2.81 s; posted one at a t
 
 - ``window``: one read, plus one more per unit of the bandwidth-delay product (``rate * (rtt +
   reaction) / unit``, the fraction of a unit the link idles between two reads when only one is
-  posted) beyond 3%, never more than ``reads_in_flight``. On the emulated 100 Mbit/s link with
+  posted) beyond 10%, never more than ``reads_in_flight``. On the emulated 100 Mbit/s link with
   512 KiB units that is one read (the link idles 0.7%); on the local shared-memory path (8 MiB
-  units at 7 GB/s, 0.1 ms to notice and re-post) two; across a 30 ms link three. Posting the
-  next read early instead, to hide the round trip, was tried: on TCP the two reads then share
-  the link and both finish late;
+  units at 7 GB/s, 0.2 ms to notice and re-post) two; across a 30 ms link two. Posting the next
+  read early instead, to hide the round trip, was tried: on TCP the two reads then share the
+  link and both finish late. With 3% instead of 10%, a burst after an idle moment (the token
+  bucket of a rate-limited link refills) read as a faster link and flipped readers to two reads;
 - sleeps: the loop sleeps until shortly before the oldest read is predicted to finish, then
   polls, instead of spinning all along (eight readers on two cores cannot afford to spin).
 
@@ -38,7 +39,7 @@ SLEEP_MAX_S = 5e-3
 """Longest sleep while a read is in flight (a wrong prediction costs at most this)."""
 REACT_S = 150e-6
 """The poll loop's own delay in noticing a completion and posting the next read."""
-IDLE_OK = 0.03
+IDLE_OK = 0.1
 """Fraction of a unit's transfer time the link may idle between reads before a second read
 is kept in flight."""
 _EWMA = 0.3
@@ -127,6 +128,25 @@ class Pacer:
         """Whether one more read may be posted now."""
         return len(self._inflight) < self.window()
 
+    def unit_s(self) -> Optional[float]:
+        """Predicted transfer time of one (average) unit, once measured."""
+        if self.rate_Bps is None or not self.unit_bytes_avg:
+            return None
+        return self.unit_bytes_avg / self.rate_Bps
+
+    def starved_s(self, now: float, source_advanced_at: float, backoff_s: float) -> float:
+        """Sleep while waiting for a partial source's next unit. The source receives over a
+        link like ours, so its next unit is due about one unit time after its progress last
+        moved: sleep until 9/10 of that, then poll at 1/40 of it; ``backoff_s`` (the caller's
+        exponential backoff) until a unit time is known."""
+        unit = self.unit_s()
+        if unit is None:
+            return backoff_s
+        wake = source_advanced_at + 0.9 * unit
+        if now < wake:
+            return min(SLEEP_MAX_S, wake - now)
+        return min(SLEEP_MAX_S, max(POLL_MIN_S, unit / 40))
+
     def sleep_s(self, now: float, starved_delay_s: float) -> float:
         """How long to sleep before polling again. ``starved_delay_s``: the caller's backoff
         while nothing is in flight (waiting for the source)."""
@@ -135,10 +155,14 @@ class Pacer:
         due = self.head_due()
         if due is None:
             return POLL_MIN_S
-        # Wake 3/4 into the predicted duration, then poll: sleeping past a completion would
-        # delay the next read, and a rate measured from late completions would make the next
-        # sleep longer still.
+        # Sleep until 9/10 into the predicted duration, then poll at 1/40 of it: sleeping past
+        # a completion delays the next read (and a rate measured from late completions would
+        # make the next sleep longer still), polling too often burns the CPU eight readers on
+        # two cores share with the network stack.
         p = self._inflight[0]
         start = max(p.posted_at, self._last_done)
-        wake = start + 0.75 * (due - start)
-        return min(SLEEP_MAX_S, max(POLL_MIN_S, wake - now))
+        duration = due - start
+        wake = start + 0.9 * duration
+        if now < wake:
+            return min(SLEEP_MAX_S, wake - now)
+        return min(SLEEP_MAX_S, max(POLL_MIN_S, duration / 40))

@@ -23,12 +23,16 @@ from typing import Any, Optional
 from tensorhub.config import Config
 from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch, SourceStalled, TransferError
 from tensorhub.layout import Layout, checksum_unit
+from tensorhub.transport.follow import Advanced, Follow
 from tensorhub.transport.nixl import _HEADER, Region, Source, XferState, _to_i64, _to_u64, _unit_desc_index
 from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["pull"]
+
+_FOLLOW_SILENCE_S = 0.02
+"""A following reader still polls the source's counter after this long without a push."""
 
 
 def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
@@ -114,8 +118,16 @@ class _Puller:
         self.seen_version = False
         self.known = False
         self.control_reads = 0
+        self.control_read_at = time.monotonic()
+        self.notes = region.agent.notes
+        self.following = False
+        """We asked the source to push its progress (it is partial)."""
+        self.followers: dict[str, int] = {}
+        """Readers following *this* region: agent name -> units already told."""
         self.remote_sums: list[int] = []
         self.last_advance = time.monotonic()
+        self.source_advanced_at = self.last_advance
+        """When the source's published progress was last seen to grow."""
         self.pacer = Pacer(config.reads_in_flight)
         self.unit_descs = _unit_desc_index(layout)
         self.local = region._local_descs()
@@ -132,11 +144,13 @@ class _Puller:
         try:
             self._refresh_control()
             self._refresh_control()  # the first read paid for connecting: this one times the link
+            self._follow_if_partial()
             starved_delay = POLL_MIN_S
             while self.prefix < self.n_units:
                 if self.should_stop is not None and self.should_stop():
                     logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
                     break
+                self._serve_followers()
                 self._post_more()
                 if self._reap():
                     if not self.config.checksums:
@@ -154,9 +168,11 @@ class _Puller:
                         f"no read from {self.source.name} completed for {self.config.source_stall_timeout_s}s "
                         f"(unit {min(self.inflight)} posted)")
                 if not self.inflight and self.next_post >= self.remote_progress:
-                    # Starved for units: look at the source's counter again.
+                    # Starved for units: take the source's pushes, or look at its counter again.
                     before = self.remote_progress
-                    self._refresh_control()
+                    self._take_pushes()
+                    if self.remote_progress == before and self._control_due():
+                        self._refresh_control()
                     if self.remote_progress > before:
                         starved_delay = POLL_MIN_S
                         continue
@@ -164,7 +180,11 @@ class _Puller:
                         raise SourceStalled(
                             f"source {self.source.name} stuck at {self.remote_progress}/"
                             f"{self.n_units} units for {self.config.source_stall_timeout_s}s")
-                time.sleep(self.pacer.sleep_s(time.monotonic(), starved_delay))
+                now = time.monotonic()
+                if self.inflight:
+                    time.sleep(self.pacer.sleep_s(now, starved_delay))
+                else:
+                    time.sleep(self.pacer.starved_s(now, self.source_advanced_at, starved_delay))
                 if not self.inflight:
                     starved_delay = min(starved_delay * 2, POLL_MAX_S)
             return self.bytes_read
@@ -178,6 +198,7 @@ class _Puller:
         t = time.perf_counter()
         raw = self.source._read_control_raw(self.config.source_stall_timeout_s)
         self.control_reads += 1
+        self.control_read_at = time.monotonic()
         if clean:
             self.pacer.on_rtt(time.perf_counter() - t)
         v, p = int(raw[0]), int(raw[1])
@@ -193,7 +214,63 @@ class _Puller:
         if p > self.remote_progress:
             self.remote_progress = p
             self.remote_sums = raw[_HEADER:_HEADER + p].tolist()
-            self.last_advance = time.monotonic()
+            self.last_advance = self.source_advanced_at = time.monotonic()
+
+    # ---- progress pushes (tensorhub.transport.follow) ----------------------------------
+    def _follow_if_partial(self) -> None:
+        """Ask a partial source to push its progress to us (a hint: polling still works)."""
+        if self.known or self.remote_progress >= self.n_units or self.source.name == self.region.agent.name:
+            return
+        agent = self.region.agent
+        self.following = self.notes.send(
+            self.source.name, Follow(agent.name, agent.metadata(), self.version, self.remote_progress))
+
+    def _take_pushes(self) -> None:
+        if not self.following:
+            return
+        self.notes.poll()
+        for a in self.notes.take_advanced(self.source.name):
+            end = a.start + len(a.sums)
+            if a.version != self.version or not a.start <= self.remote_progress < end:
+                continue  # another version, or nothing new (or a gap: polling covers it)
+            self.remote_sums[self.remote_progress:] = a.sums[self.remote_progress - a.start:]
+            self.remote_progress = end
+            self.seen_version = True
+            self.last_advance = self.source_advanced_at = time.monotonic()
+
+    def _control_due(self) -> bool:
+        """Poll the source's counter: always when not followed by pushes, else only when no push
+        came for a while (the source may have finished before it saw our Follow)."""
+        if not self.following:
+            return True
+        unit = self.pacer.unit_s() or 0.0
+        return time.monotonic() - max(self.control_read_at, self.source_advanced_at) > max(_FOLLOW_SILENCE_S, 4 * unit)
+
+    def _serve_followers(self) -> None:
+        """Readers that follow this region: add them (they asked for this version), tell them."""
+        self.notes.poll()
+        for f in self.notes.take_follows():
+            if f.version != self.version:
+                continue  # for a read this process no longer does (or not yet)
+            try:
+                self.region.agent.ensure_remote(f.reader, f.metadata)
+            except TransferError:
+                logger.info("cannot push progress to follower %s", f.reader, exc_info=True)
+                continue
+            self.followers[f.reader] = max(0, min(f.from_unit, self.prefix))
+        if self.followers:
+            self._tell_followers()
+
+    def _tell_followers(self) -> None:
+        ctl = self.region.control
+        for name, told in list(self.followers.items()):
+            if told >= self.prefix:
+                continue
+            msg = Advanced(self.version, told, ctl[_HEADER + told:_HEADER + self.prefix].tolist())
+            if self.notes.send(name, msg):
+                self.followers[name] = self.prefix
+            else:
+                del self.followers[name]
 
     def _post_more(self) -> None:
         limit = min(self.remote_progress, self.n_units)
@@ -250,6 +327,8 @@ class _Puller:
             region.set_progress(self.prefix)  # after the checksum: followers rely on the order
             if self.on_unit is not None:
                 self.on_unit(u)
+        if self.followers:
+            self._tell_followers()
 
     def _drain(self) -> None:
         """Wait (bounded) for posted reads, then release them; never raises."""
