@@ -35,45 +35,11 @@ if _REPO not in sys.path:  # run as a script from a checkout
 
 import ray
 
+from benchmarks.bench_actors import BenchReplica, parse_bytes
 from tensorhub import workload
-from tensorhub.actors.replica import Replica
 from tensorhub.graphs import GraphCache, replicate_group
 
 log = logging.getLogger("benchmarks.pipeline")
-
-
-class BenchReplica(Replica):
-    """A Replica that can also read directly from an endpoint (the no-pipeline baseline)."""
-
-    def endpoint(self) -> bytes:
-        from tensorhub import transport as tx
-
-        return tx.encode_endpoint(self.hub._region.endpoint())
-
-    def direct_pull(self, endpoint: bytes, version: int) -> float:
-        from tensorhub import transport as tx
-
-        hub = self.hub
-        hub.unpublish()
-        src = tx.open_source(endpoint, config=hub.config)
-        try:
-            tx.pull(hub._region, src, hub._layout, expect_version=version, config=hub.config)
-        finally:
-            src.close()
-        done = time.time()
-        ok = workload.digest(self.tensors)
-        # Forget it: the server never heard of this read, and the next run must not resume it.
-        hub._region.set_progress(0)
-        hub._region.set_version(-1)
-        return done, ok
-
-
-def parse_bytes(s: str) -> int:
-    s = s.strip().lower()
-    for suf, mul in (("gib", 1 << 30), ("mib", 1 << 20), ("kib", 1 << 10), ("g", 1 << 30), ("m", 1 << 20)):
-        if s.endswith(suf):
-            return int(float(s[: -len(suf)]) * mul)
-    return int(s)
 
 
 def main() -> None:
@@ -81,13 +47,14 @@ def main() -> None:
     ap.add_argument("--bytes", type=parse_bytes, default=256 << 20)
     ap.add_argument("--ns", default="1,2,4,8")
     ap.add_argument("--unit-bytes", type=parse_bytes, default=8 << 20)
-    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--batches", type=int, default=None, help="graph batches per read (default: one per unit)")
     ap.add_argument("--max-inflight", type=int, default=4)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     ns = [int(x) for x in args.ns.split(",")]
     ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": _REPO}},
              namespace=f"tensorhub-bench-pipeline-{int(time.time())}")
     model = "bench-pipeline"
     spec = workload.transformer_spec(args.bytes, layers=8)

@@ -10,6 +10,13 @@ Paths:
   object_store  holder ``ray.put`` -> reader ``ray.get`` + ``copy_`` into preallocated tensors
   rdt_nixl      Ray Direct Transport (``tensor_transport="nixl"``), called by the reader,
                 received into its preallocated tensors via ``set_target_for_ref`` when possible
+  raw_nixl      one NIXL READ of the same bytes with one descriptor list (a descriptor per
+                tensor), by bare NIXL agents: no TensorHub code, the transport's own ceiling
+  replicate     what a user gets: ``hub.replicate(v)`` between two ReplicaActors with the default
+                config (checksums on, reference-server round trips included), timed by the call
+
+Every NIXL agent in these actors (RDT's and the raw ones too) gets TensorHub's progress-thread
+delay (NIXL's wrapper uses 0 and would spin a core per agent), so no path pays for another's spin.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ if _REPO not in sys.path:  # run as a script from a checkout
 import ray
 import torch
 
+from benchmarks.bench_actors import patch_nixl_progress_delay
 from tensorhub.config import Config
-from tensorhub.layout import Layout, checksum_all
+from tensorhub.layout import Layout, checksum_all, unit_size_for
 
 log = logging.getLogger("benchmarks.transfer")
 
@@ -66,10 +74,18 @@ def _tensors(shapes, fill: bool, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
+def _raw_agent(name: str):
+    """A bare NIXL agent with the UCX backend (no TensorHub code)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class Holder:
     def __init__(self, shapes, cfg_kwargs):
         torch.set_num_threads(1)
+        patch_nixl_progress_delay()
         from tensorhub.transport import Region
 
         self.cfg = Config.from_env(**cfg_kwargs)
@@ -94,6 +110,12 @@ class Holder:
     def checksums(self) -> list[int]:
         return self.sums
 
+    def raw_nixl_setup(self) -> tuple[bytes, bytes]:
+        """A bare agent with the tensors registered: (agent metadata, serialized descriptors)."""
+        self.raw = _raw_agent(f"raw-holder-{os.getpid()}")
+        self.raw_reg = self.raw.register_memory(self.tensors)
+        return self.raw.get_agent_metadata(), self.raw.get_serialized_descs(self.raw.get_xfer_descs(self.tensors))
+
     def put(self):
         return [ray.put(self.tensors)]
 
@@ -106,6 +128,7 @@ class Holder:
 class Reader:
     def __init__(self, shapes, cfg_kwargs):
         torch.set_num_threads(1)
+        patch_nixl_progress_delay()
         from tensorhub.transport import Region
 
         self.cfg = Config.from_env(**cfg_kwargs)
@@ -135,6 +158,22 @@ class Reader:
         dt = time.perf_counter() - t0
         assert n == self.layout.total_bytes
         return dt
+
+    def raw_nixl(self, metadata: bytes, descs: bytes) -> float:
+        """One READ of every tensor (one descriptor list) by bare NIXL agents."""
+        if getattr(self, "raw", None) is None:
+            self.raw = _raw_agent(f"raw-reader-{os.getpid()}")
+            self.raw_reg = self.raw.register_memory(self.tensors)
+            peer = self.raw.add_remote_agent(metadata)
+            self.raw_xfer = self.raw.initialize_xfer(
+                "READ", self.raw.get_xfer_descs(self.tensors), self.raw.deserialize_descs(descs), peer)
+        t0 = time.perf_counter()
+        state = self.raw.transfer(self.raw_xfer)
+        while state == "PROC":
+            state = self.raw.check_xfer_state(self.raw_xfer)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read failed: {state}")
+        return time.perf_counter() - t0
 
     def memcpy(self) -> float:
         if self.memcpy_src is None:
@@ -194,13 +233,39 @@ def _stats(nbytes: int, secs: list[float]) -> dict:
             "runs": [round(g, 3) for g in gbps]}
 
 
+def _replicate(shapes, nbytes: int, reps: int, say) -> dict:
+    """``hub.replicate(v)`` between two ReplicaActors, default config, timed by the call."""
+    from tensorhub.actors.replica import ReplicaActor
+
+    spec = [(name, "float32", (n,)) for name, n in shapes]
+    ns = f"tensorhub-bench-transfer-{os.getpid()}"
+    cfg = dict(namespace=ns)
+    trainer, reader = [ReplicaActor.options(name=f"tensorhub-replica-transfer-{n}").remote(
+        "bench-transfer", spec, replica=n, config=cfg) for n in ("trainer", "reader")]
+    ray.get([trainer.ping.remote(), reader.ping.remote()])
+    secs = []
+    for v in range(1, reps + 2):  # the first run warms up (connects, first touch)
+        ray.get(reader.unpublish.remote())
+        digest = ray.get(trainer.publish.remote(v))
+        st = ray.get(reader.replicate.remote(v))
+        if st["digest"] != digest:
+            raise SystemExit("replicate: received bytes differ from the trainer's")
+        if v > 1:
+            secs.append(st["seconds"])
+    ray.get([reader.close.remote(), trainer.close.remote()])
+    out = _stats(nbytes, secs)
+    say(f"{'replicate':>22}: median {out['median']:.2f} GB/s (min {out['min']:.2f}, max {out['max']:.2f}) "
+        "bytes verified (digest)")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bytes", type=int, default=1 << 30)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--unit-bytes", type=int, default=Config.unit_bytes)
     ap.add_argument("--reads-in-flight", type=int, default=Config.reads_in_flight)
-    ap.add_argument("--skip", default="", help="comma list of paths to skip: object_store,rdt_nixl")
+    ap.add_argument("--skip", default="", help="comma list of paths to skip: object_store,rdt_nixl,raw_nixl,replicate")
     ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -221,8 +286,9 @@ def main(argv=None) -> int:
         reader = Reader.remote(shapes, cfg_kwargs)
         expected = ray.get(holder.checksums.remote())
         endpoint = ray.get(holder.endpoint.remote())
-        say(f"{len(shapes)} tensors, {nbytes / 2**30:.2f} GiB, unit {args.unit_bytes >> 20} MiB, "
-            f"{args.reads_in_flight} reads in flight")
+        unit = unit_size_for(nbytes, args.unit_bytes, Config.unit_bytes_min, Config.unit_count_target)
+        say(f"{len(shapes)} tensors, {nbytes / 2**30:.2f} GiB, units of {unit >> 10} KiB (at most "
+            f"{args.unit_bytes >> 20} MiB), at most {args.reads_in_flight} reads in flight")
         results: dict[str, dict] = {}
 
         def run(name, fn, reps, verify=True):
@@ -240,11 +306,16 @@ def main(argv=None) -> int:
         run("memcpy", lambda: reader.memcpy.remote(), args.reps, verify=False)
         ray.get(reader.drop_memcpy.remote())
         run("tensorhub", lambda: reader.tensorhub.remote(endpoint, False), args.reps)
-        run("tensorhub_checksums", lambda: reader.tensorhub.remote(endpoint, True), 1)
+        run("tensorhub_checksums", lambda: reader.tensorhub.remote(endpoint, True), args.reps)
         if "object_store" not in skip:
             run("object_store", lambda: reader.object_store.remote(holder), args.reps)
         if "rdt_nixl" not in skip:
             run("rdt_nixl", lambda: reader.rdt.remote(holder), args.reps)
+        if "raw_nixl" not in skip:
+            md, descs = ray.get(holder.raw_nixl_setup.remote())
+            run("raw_nixl", lambda: reader.raw_nixl.remote(md, descs), args.reps)
+        if "replicate" not in skip:
+            results["replicate"] = _replicate(shapes, nbytes, args.reps, say)
         # memcpy again at the end: the machine drifts; report the better of the two medians
         run("memcpy_end", lambda: reader.memcpy.remote(), args.reps, verify=False)
         ray.get(reader.drop_memcpy.remote())
@@ -261,6 +332,7 @@ def main(argv=None) -> int:
         "bytes": nbytes,
         "tensors": len(shapes),
         "unit_bytes": args.unit_bytes,
+        "unit_bytes_used": unit_size_for(nbytes, args.unit_bytes, Config.unit_bytes_min, Config.unit_count_target),
         "reads_in_flight": args.reads_in_flight,
         "reps": args.reps,
         "tensorhub_gbps": th,
@@ -268,6 +340,9 @@ def main(argv=None) -> int:
         "memcpy_gbps": memcpy,
         "object_store_gbps": med("object_store"),
         "rdt_nixl_gbps": med("rdt_nixl"),
+        "raw_nixl_gbps": med("raw_nixl"),
+        "replicate_gbps": med("replicate"),
+        "replicate_vs_raw_nixl": med("replicate") / med("raw_nixl") if med("raw_nixl") and med("replicate") else None,
         "tensorhub_vs_memcpy": th / memcpy,
         "tensorhub_vs_object_store": th / med("object_store") if med("object_store") else None,
         "tensorhub_vs_rdt": th / med("rdt_nixl") if med("rdt_nixl") else None,

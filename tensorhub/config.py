@@ -19,7 +19,7 @@ class Config:
     # --- layout -------------------------------------------------------------------------
     unit_bytes: int = 16 << 20
     """Largest transfer unit; bigger tensors are cut into chunks of at most this size."""
-    unit_count_target: int = 128
+    unit_count_target: int = 256
     """Cut a shard into about this many units (a partial holder serves whole units, so a
     pipeline of N readers lags about N units behind the first); 0 = always ``unit_bytes``."""
     unit_bytes_min: int = 256 << 10

@@ -174,13 +174,19 @@ def test_graph_member_mixin_on_a_foreign_actor_class(ray_cluster, model_name, ca
     assert ray.get([r.generate.remote() for r in rollouts]) == [d] * 3
     noop = replicate_group(rollouts, "latest", path="graph", cache=cache)
     assert noop.path == "noop" and noop.version == 5
-    # auto: pull by default (measured faster here), the cached graph when told it pays
+    # auto decides from measurements of this topology: the graph was measured above, pull not
+    # yet, so pull once; then the faster of the two (the cached graph is reused, never recompiled)
     d6 = ray.get(trainer.publish.remote(6))
     auto = replicate_group(rollouts, "latest", path="auto", batches=4, cache=cache)
-    assert auto.path == "pull" and ray.get([r.generate.remote() for r in rollouts]) == [d6] * 3
+    assert auto.path == "pull" and "pull not measured" in auto.why, auto
+    assert ray.get([r.generate.remote() for r in rollouts]) == [d6] * 3
+    key = next(k for k in cache._graphs)
+    measured = cache.choice.measured(key)
+    assert set(measured) == {"graph", "pull"} and all(v > 0 for v in measured.values()), measured
     d7 = ray.get(trainer.publish.remote(7))
-    auto = replicate_group(rollouts, "latest", path="auto", batches=4, cache=cache, auto_min_depth=2)
-    assert auto.path == "graph" and not auto.compiled and cache.compiles == 1, auto
+    auto = replicate_group(rollouts, "latest", path="auto", batches=4, cache=cache)
+    assert auto.path == min(measured, key=measured.get) and "measured faster" in auto.why, (auto, measured)
+    assert not auto.compiled and cache.compiles == 1, auto
     assert ray.get([r.generate.remote() for r in rollouts]) == [d7] * 3
     ray.get([r.stop.remote() for r in rollouts])
     ray.get(trainer.close.remote())
@@ -214,9 +220,10 @@ def test_compile_teardown_cycles_keep_object_store_usage_bounded(ray_cluster, mo
     assert cache.compiles == 8 and cache.teardowns == 8
     # Ray 2.60 leaves each compile's channel buffers in the object store even after teardown;
     # with 4 KiB buffers (set on the driver and in every member by the cache) that is ~4 channels
-    # x 2 in flight x 4 KiB per compile, not the ~6 MB per compile of Ray's 1 MB default.
+    # x 5 in flight (depth 3 + 2, so every member of the chain works at once) x 4 KiB per
+    # compile, not the ~6 MB per compile of Ray's 1 MB default.
     growth = [b - a for a, b in zip([0] + used, used)]
-    assert max(growth) <= 64 << 10 and after < (1 << 20), (used, after)
+    assert max(growth) <= 96 << 10 and after < (1 << 20), (used, after)
     ray.get([a.close.remote() for a in actors])
 
 

@@ -7,9 +7,13 @@
 The driver asks every member for a source (the core answers ``holder -> r0 -> r1 -> r2``),
 turns those assignments into a graph (:mod:`tensorhub.graphs.plan`) whose node ``i`` is
 ``r_i.th_graph_fetch`` fed by its upstream's output, and executes it once per batch index with
-up to ``max_inflight`` executions in flight, so batches stream down the chain. Graph edges carry
-one int; bytes move by NIXL reads straight into each member's registered tensors. Finally every
-member runs ``th_graph_finish`` (pull whatever is missing, with failover; report done).
+enough executions in flight to keep every member of the chain busy (depth + 2), so batches stream
+down the chain. A batch is one unit by default (``batches=None``), so a member lags its upstream
+by one unit, as on the pull path. Graph edges carry the progress itself: ``(k, checksums of
+batch k's units)``, "these units are final here and hash to this"; the downstream member reads
+exactly those units without reading its upstream's control block. Bytes move by NIXL reads
+straight into each member's registered tensors. Finally every member runs ``th_graph_finish``
+(pull whatever is missing, with failover; report done).
 
 Compiled graphs are cached by topology (:class:`GraphCache`): the same ordered members wired the
 same way reuse one graph across versions. Rules the cache keeps, from Ray 2.60's behaviour:
@@ -17,18 +21,18 @@ same way reuse one graph across versions. Rules the cache keeps, from Ray 2.60's
 - an actor can run only one compiled graph at a time: compiling a graph tears down every cached
   graph that shares an actor with it;
 - every compile leaves channel buffers in the object store (channels x in-flight x buffer size),
-  so buffers are small and fixed (``buffer_bytes``), in-flight executions few, graphs few
-  (``graphs_max``) and reused; payloads are ints (failures are negative ints, never exceptions),
-  so no channel ever grows past its buffer (teardown would hang);
+  so buffers are small and fixed (``buffer_bytes``), graphs few (``graphs_max``) and reused;
+  payloads are a batch index and at most ``UNITS_PER_BATCH_MAX`` checksums (failures are
+  negative ints, never exceptions), so no channel ever grows past its buffer (teardown would
+  hang);
 - a failed execution (a member died, a read failed, a timeout) tears the graph down and drops it;
   the members then fall back to the pull path from their own progress (nothing fetched twice).
 
-Path choice (``path="auto"``): the graph is used only when a compiled graph for this topology is
-already cached *and* the chain is at least ``auto_min_depth`` deep; otherwise the pull path runs
-now and, with ``compile="background"``, the graph is compiled after the group finished (off the
-critical path) for the next version. ``path="graph"`` compiles synchronously on a miss (measured
-0.1-0.5 s here). The default ``auto_min_depth`` is None (never): on the machines measured the
-pull path wins (see :data:`AUTO_GRAPH_MIN_DEPTH` and ``benchmarks/pipeline.py``).
+Path choice (``path="auto"``): from measurements (:mod:`tensorhub.graphs.choice`): the pull path
+while no graph is cached for the topology (with ``compile="background"`` the graph is compiled
+after the group finished, off the critical path, for the next version), then each path once,
+then whichever measured fewer seconds per byte for this topology, re-measuring the other now and
+then. ``path="graph"`` compiles synchronously on a miss (0.1-3 s measured here).
 """
 
 from __future__ import annotations
@@ -42,18 +46,12 @@ from typing import Any, Optional, Sequence
 
 import ray
 
+from tensorhub.graphs.choice import PathChooser
 from tensorhub.graphs.plan import Plan, build_plan
 
 log = logging.getLogger(__name__)
 
 PATHS = ("auto", "graph", "pull")
-
-AUTO_GRAPH_MIN_DEPTH: Optional[int] = None
-"""Shortest chain for which ``path="auto"`` uses a cached graph; None = never. Measured by
-``benchmarks/pipeline.py`` on a 2-core CPU machine (NIXL over shared memory, 64-256 MiB, N = 1-8):
-the pull path won at every N (the graph adds per-batch signalling, sequential source requests
-and a finish round; the pull path already streams through partial holders by polling their
-progress counters), so auto picks pull. Re-measure on RDMA/GPU hosts and set a depth there."""
 
 
 @dataclasses.dataclass
@@ -70,6 +68,8 @@ class GroupResult:
     compiled: bool = False
     """A graph was compiled synchronously by this call."""
     compile_s: float = 0.0
+    why: str = ""
+    """Why this path was taken (``path="auto"``: the measurement that decided)."""
     error: Optional[str] = None
     """Why the graph path failed (``path == "fallback"``)."""
     plan_drawing: str = ""
@@ -81,6 +81,7 @@ class _Entry:
     dag: Any
     actor_ids: frozenset
     compile_s: float
+    max_inflight: int
     uses: int = 0
 
 
@@ -103,6 +104,8 @@ class GraphCache:
         self.submit_timeout_s = submit_timeout_s
         self.compiles = 0
         """Graphs compiled so far (tests pin reuse with it)."""
+        self.choice = PathChooser()
+        """What each path measured per topology (``path="auto"`` decides from it)."""
         self.teardowns = 0
         self.compile_s: list[float] = []
         self._graphs: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
@@ -122,10 +125,18 @@ class GraphCache:
             e.uses += 1
             return e.dag
 
+    def inflight(self, key: tuple) -> int:
+        """Executions the graph for ``key`` was compiled to keep in flight."""
+        with self._lock:
+            e = self._graphs.get(key)
+            return e.max_inflight if e is not None else self.max_inflight
+
     def compile(self, key: tuple, actors: Sequence, plan: Plan) -> Any:
         """Compile (and cache) the graph for ``plan`` over ``actors``, first tearing down every
         cached graph that shares an actor (Ray: one live graph per actor) and the least recently
-        used ones past ``graphs_max``. Blocks for the compile (0.1-0.5 s on small machines)."""
+        used ones past ``graphs_max``. Blocks for the compile (0.1-3 s on small machines). The
+        graph keeps ``max(max_inflight, depth + 2)`` executions in flight: every member of the
+        chain works on its own batch at once."""
         from ray.dag import DAGContext, InputNode, MultiOutputNode
 
         ids = frozenset(_actor_key(a) for a in actors)
@@ -148,14 +159,15 @@ class GraphCache:
             # not from the compile argument: set both, so every buffer is small.
             ctx = DAGContext.get_current()
             saved, ctx.buffer_size_bytes = ctx.buffer_size_bytes, self.buffer_bytes
+            inflight = max(self.max_inflight, plan.depth + 2)
             try:
                 compiled = dag.experimental_compile(
-                    _max_inflight_executions=self.max_inflight, _buffer_size_bytes=self.buffer_bytes,
+                    _max_inflight_executions=inflight, _buffer_size_bytes=self.buffer_bytes,
                     _submit_timeout=self.submit_timeout_s)
             finally:
                 ctx.buffer_size_bytes = saved
             dt = time.perf_counter() - t
-            self._graphs[key] = _Entry(compiled, ids, dt)
+            self._graphs[key] = _Entry(compiled, ids, dt, inflight)
             self.compiles += 1
             self.compile_s.append(dt)
             log.info("compiled graph #%d over %d actors in %.3fs", self.compiles, len(actors), dt)
@@ -215,21 +227,21 @@ default_cache = GraphCache()
 
 
 def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, path: str = "auto",
-                    batches: int = 8, cache: Optional[GraphCache] = None, compile: str = "background",
-                    auto_min_depth: Optional[int] = AUTO_GRAPH_MIN_DEPTH, timeout_s: float = 300.0,
+                    batches: Optional[int] = None, cache: Optional[GraphCache] = None,
+                    compile: str = "background", timeout_s: float = 300.0,
                     where: Optional[str] = None, config=None) -> GroupResult:
     """Replicate version ``spec`` into every actor of ``actors`` (each a :class:`GraphMember`).
 
     Blocks until every member holds the version (or failed: its entry in ``per_member`` is the
     exception). ``update=True`` behaves like ``Hub.update`` (no-op when current), else like
     ``Hub.replicate``. ``path``: ``"graph"`` forces the compiled graph (compiling synchronously
-    on a cache miss), ``"pull"`` the plain concurrent pull path, ``"auto"`` the graph only when
-    it is cached and the chain is at least ``auto_min_depth`` deep (None, the default: never,
-    see :data:`AUTO_GRAPH_MIN_DEPTH`). ``compile="background"``
+    on a cache miss), ``"pull"`` the plain concurrent pull path, ``"auto"`` whichever measured
+    faster for this topology (module doc; ``result.why`` says why). ``compile="background"``
     (auto only) compiles a missing graph after the pull path finished, for the next version;
-    ``"never"`` does not. ``batches`` is fixed per topology (part of the key): batch k covers
-    units ``[end(k-1), end(k))`` of whatever version runs. Raises ``ValueError`` on bad
-    arguments; member failures never raise here, the survivors finish on the pull path.
+    ``"never"`` does not. ``batches`` (None: one per unit, at most ``BATCHES_MAX``) is fixed per
+    topology (part of the key): batch k covers units ``[end(k-1), end(k))``. Raises
+    ``ValueError`` on bad arguments; member failures never raise here, the survivors finish on
+    the pull path.
 
     ``where``: ``"server"`` (the default when no ``cache`` is given) builds, caches and runs the
     graph in the server-side :class:`~tensorhub.actors.graph_coordinator.GraphCoordinator`
@@ -246,8 +258,7 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
             raise ValueError("a cache lives in this process: pass where='local' with it")
         from tensorhub.actors.graph_coordinator import coordinator
 
-        kwargs = dict(update=update, path=path, batches=batches, compile=compile,
-                      auto_min_depth=auto_min_depth, timeout_s=timeout_s)
+        kwargs = dict(update=update, path=path, batches=batches, compile=compile, timeout_s=timeout_s)
         out = ray.get(coordinator(config).replicate_group.remote(list(actors), spec, kwargs))
         drawing = out.pop("plan")
         return GroupResult(**out, plan=None, plan_drawing=drawing)
@@ -255,8 +266,8 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if compile not in ("background", "never"):
         raise ValueError("compile must be 'background' or 'never'")
-    if batches < 1 or not actors:
-        raise ValueError("need batches >= 1 and at least one actor")
+    if (batches is not None and batches < 1) or not actors:
+        raise ValueError("need batches >= 1 (or None) and at least one actor")
     cache = default_cache if cache is None else cache
     t0 = time.perf_counter()
     # Begin one by one in the given order: the core then wires the same chain for every version
@@ -273,19 +284,22 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     if not live:
         return GroupResult("noop", version, time.perf_counter() - t0, per_member)
     members = [actors[i] for i in live]
+    batches = begun[live[0]]["batches"]  # the members resolved None the same way (same layout)
     plan = build_plan([(begun[i]["client_id"], begun[i]["source_id"]) for i in live])
     key = plan.key([_actor_key(a) for a in members]) + (batches,)
     dag = cache.get(key)
-    graph_pays = auto_min_depth is not None and plan.depth >= auto_min_depth
-    use_graph = path == "graph" or (path == "auto" and dag is not None and graph_pays)
-    result = GroupResult("pull", version, 0.0, per_member, plan=plan,
+    why = path
+    if path == "auto":
+        choice, why = cache.choice.choose(key, dag is not None)
+    use_graph = path == "graph" or (path == "auto" and choice == "graph")
+    result = GroupResult("pull", version, 0.0, per_member, plan=plan, why=why,
                          plan_drawing=plan.draw([begun[i]["client_id"] for i in live]))
     if use_graph:
         if dag is None:
             tc = time.perf_counter()
             dag = cache.compile(key, members, plan)
             result.compiled, result.compile_s = True, time.perf_counter() - tc
-        err = _execute(dag, batches, cache.max_inflight, timeout_s)
+        err = _execute(dag, batches, cache.inflight(key), timeout_s)
         if err is None:
             result.path = "graph"
         else:
@@ -297,8 +311,11 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     for i, f in zip(live, finals):
         per_member[i] = f
     result.seconds = time.perf_counter() - t0
-    if (path == "auto" and compile == "background" and graph_pays and cache.get(key) is None
-            and all(isinstance(f, dict) for f in finals)):
+    ok = all(isinstance(f, dict) for f in finals)
+    if ok:
+        cache.choice.record(key, result.path, result.seconds - result.compile_s,
+                            sum(f.get("bytes", 0) for f in finals))
+    if path == "auto" and compile == "background" and cache.get(key) is None and ok:
         cache.compile_in_background(key, members, plan)
     return result
 
@@ -336,8 +353,8 @@ def _execute(dag, batches: int, max_inflight: int, timeout_s: float) -> Optional
 def _check(item, timeout_s: float) -> Optional[str]:
     k, ref = item
     outs = ray.get(ref, timeout=timeout_s)
-    if any(o != k for o in outs):
-        return f"batch {k}: member outputs {outs}"
+    if any(isinstance(o, int) or o[0] != k for o in outs):
+        return f"batch {k}: member outputs {[o if isinstance(o, int) else o[0] for o in outs]}"
     return None
 
 

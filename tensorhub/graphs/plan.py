@@ -98,6 +98,22 @@ def build_plan(assignments: Sequence[tuple[str, str]]) -> Plan:
     return Plan(upstream=upstream, order=tuple(order))
 
 
+BATCHES_MAX = 256
+"""Most batches (graph executions) per read when the caller does not say: one per unit below."""
+UNITS_PER_BATCH_MAX = 4096
+"""A graph edge carries one checksum per unit of its batch: bounded so it fits the channel."""
+
+
+def default_batches(unit_count: int, batches: Optional[int] = None) -> int:
+    """``batches`` if given, else one batch per unit up to :data:`BATCHES_MAX`; never so few
+    that a batch holds more than :data:`UNITS_PER_BATCH_MAX` units. Raises ``ValueError`` for
+    ``batches < 1``."""
+    if batches is not None and batches < 1:
+        raise ValueError("batches must be >= 1")
+    b = batches if batches is not None else min(max(unit_count, 1), BATCHES_MAX)
+    return max(b, -(-unit_count // UNITS_PER_BATCH_MAX))
+
+
 def batch_end(unit_count: int, batches: int, k: int) -> int:
     """End (exclusive) of batch ``k`` of ``batches`` over ``unit_count`` units: batches split the
     units as evenly as possible, so one compiled graph (input = batch index) serves any version

@@ -15,10 +15,12 @@ only when the reader runs out of units it knows to be final.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from tensorhub.config import Config
 from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch, SourceStalled, TransferError
@@ -29,17 +31,55 @@ from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pull"]
+__all__ = ["KnownProgress", "pull"]
 
 _FOLLOW_SILENCE_S = 0.02
 """A following reader still polls the source's counter after this long without a push."""
+
+_verifier_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_verifier_lock = threading.Lock()
+
+
+def _verifier() -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide checksum thread (one: units are verified in order anyway)."""
+    global _verifier_pool
+    with _verifier_lock:
+        if _verifier_pool is None:
+            _verifier_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorhub-verify")
+        return _verifier_pool
+
+
+class KnownProgress:
+    """A source's progress learnt by other means than its control block (a compiled graph's edge
+    signals): checksums of its final units, in order, appended by one thread while a
+    :func:`pull` in another reads them. Thread-safe; append-only."""
+
+    def __init__(self, sums: Sequence[int] = ()) -> None:
+        self._lock = threading.Lock()
+        self._sums: list[int] = [int(c) for c in sums]
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    def extend(self, start: int, sums: Sequence[int]) -> None:
+        """Units ``[start, start + len(sums))`` are final with these (unsigned) checksums.
+        Raises :class:`InvalidState` unless ``start`` is where the known units end."""
+        with self._lock:
+            if start != len(self._sums):
+                raise InvalidState(f"known progress ends at unit {len(self._sums)}, told about {start}+")
+            self._sums.extend(int(c) for c in sums)
+
+    def since(self, n: int) -> list[int]:
+        """Checksums of the known units from unit ``n`` on."""
+        with self._lock:
+            return self._sums[n:]
 
 
 def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
          config: Config, start_unit: int = 0, end_unit: Optional[int] = None,
          on_unit: Optional[Callable[[int], None]] = None,
          should_stop: Optional[Callable[[], bool]] = None,
-         source_sums: Optional[Sequence[int]] = None) -> int:
+         source_sums: Optional[Union[Sequence[int], KnownProgress]] = None) -> int:
     """Read units ``[start_unit, end_unit)`` (``end_unit`` defaults to all) of version
     ``expect_version`` from ``source`` straight into ``region``'s registered tensors. Blocks until
     done, stopped or failed.
@@ -48,8 +88,10 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
       only reads units below the source's published progress and polls the source's control
       block for more, so the source may itself still be receiving.
     - ``source_sums``: the source is already known to hold units ``[0, len(source_sums))`` final,
-      with these (unsigned) checksums, e.g. from a compiled-graph edge signal; then the source's
-      control block is not read at all and ``end_unit`` must not exceed ``len(source_sums)``.
+      with these (unsigned) checksums; then the source's control block is not read at all. A
+      sequence is all there will be (``end_unit`` must not exceed its length); a
+      :class:`KnownProgress` may grow while the pull runs (a compiled graph's edge signals),
+      and the pull waits for it as for a partial source.
     - After each unit completes, in unit order, verifies its checksum (``config.checksums``),
       copies the checksum into the region's control block and advances ``region.progress`` to the
       completed prefix, so another reader can follow this one. ``on_unit(u)`` is called then.
@@ -78,7 +120,7 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
     if region.agent is not source.agent:
         raise TransferError("region and source must use the same agent")
     n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
-    if source_sums is not None and n_units > len(source_sums):
+    if source_sums is not None and not isinstance(source_sums, KnownProgress) and n_units > len(source_sums):
         raise InvalidState(f"end unit {n_units} is past the {len(source_sums)} units the source is known to hold")
     if start_unit == 0:
         region.set_progress(0)
@@ -95,7 +137,7 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
         puller = _Puller(region, source, layout, expect_version, config, start_unit, n_units,
                          on_unit, should_stop)
         if source_sums is not None:
-            puller.know(source_sums)
+            puller.know(source_sums if isinstance(source_sums, KnownProgress) else KnownProgress(source_sums))
         return puller.run()
 
 
@@ -116,7 +158,7 @@ class _Puller:
         self.bytes_read = 0
         self.remote_progress = 0
         self.seen_version = False
-        self.known = False
+        self.known: Optional[KnownProgress] = None
         self.control_reads = 0
         self.control_read_at = time.monotonic()
         self.notes = region.agent.notes
@@ -124,6 +166,8 @@ class _Puller:
         """We asked the source to push its progress (it is partial)."""
         self.followers: dict[str, int] = {}
         """Readers following *this* region: agent name -> units already told."""
+        self.verifying: dict[int, concurrent.futures.Future] = {}
+        """Landed units whose checksum the verifier thread is computing."""
         self.remote_sums: list[int] = []
         self.last_advance = time.monotonic()
         self.source_advanced_at = self.last_advance
@@ -133,12 +177,18 @@ class _Puller:
         self.local = region._local_descs()
         self.remote = source._remote_descs(layout)
 
-    def know(self, sums: Sequence[int]) -> None:
+    def know(self, known: KnownProgress) -> None:
         """The source's progress and checksums are given (signal-driven pull): never poll."""
-        self.known = True
+        self.known = known
         self.seen_version = True
-        self.remote_progress = len(sums)
-        self.remote_sums = [_to_i64(int(c)) for c in sums]
+        self._take_known()
+
+    def _take_known(self) -> None:
+        new = self.known.since(self.remote_progress)
+        if new:
+            self.remote_sums.extend(_to_i64(c) for c in new)
+            self.remote_progress += len(new)
+            self.last_advance = self.source_advanced_at = time.monotonic()
 
     def run(self) -> int:
         try:
@@ -152,6 +202,12 @@ class _Puller:
                     break
                 self._serve_followers()
                 self._post_more()
+                if self.verifying:
+                    self._advance_prefix()
+                    if not self.inflight and self.verifying and self.next_post >= min(self.n_units, self.remote_progress):
+                        # Nothing to read until the next checksum is done: wait for it.
+                        concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
+                        continue
                 if self._reap():
                     if not self.config.checksums:
                         # Seqlock: a unit counts only if the source still holds our version
@@ -167,7 +223,7 @@ class _Puller:
                     raise SourceStalled(
                         f"no read from {self.source.name} completed for {self.config.source_stall_timeout_s}s "
                         f"(unit {min(self.inflight)} posted)")
-                if not self.inflight and self.next_post >= self.remote_progress:
+                if not self.inflight and self.remote_progress <= self.next_post < self.n_units:
                     # Starved for units: take the source's pushes, or look at its counter again.
                     before = self.remote_progress
                     self._take_pushes()
@@ -192,7 +248,7 @@ class _Puller:
             self._drain()
 
     def _refresh_control(self) -> None:
-        if self.known:
+        if self.known is not None:
             return
         clean = not self.inflight and self.control_reads > 0
         t = time.perf_counter()
@@ -219,13 +275,16 @@ class _Puller:
     # ---- progress pushes (tensorhub.transport.follow) ----------------------------------
     def _follow_if_partial(self) -> None:
         """Ask a partial source to push its progress to us (a hint: polling still works)."""
-        if self.known or self.remote_progress >= self.n_units or self.source.name == self.region.agent.name:
+        if self.known is not None or self.remote_progress >= self.n_units or self.source.name == self.region.agent.name:
             return
         agent = self.region.agent
         self.following = self.notes.send(
             self.source.name, Follow(agent.name, agent.metadata(), self.version, self.remote_progress))
 
     def _take_pushes(self) -> None:
+        if self.known is not None:
+            self._take_known()
+            return
         if not self.following:
             return
         self.notes.poll()
@@ -241,6 +300,8 @@ class _Puller:
     def _control_due(self) -> bool:
         """Poll the source's counter: always when not followed by pushes, else only when no push
         came for a while (the source may have finished before it saw our Follow)."""
+        if self.known is not None:
+            return False
         if not self.following:
             return True
         unit = self.pacer.unit_s() or 0.0
@@ -304,6 +365,10 @@ class _Puller:
             h.release()
             self.done.add(u)
             landed.append(u)
+            if self.config.checksums:
+                # Hash in the verifier thread (xxhash drops the GIL) while this one keeps the
+                # reads going: inline, hashing a 1 GiB shard cost a sixth of its transfer.
+                self.verifying[u] = _verifier().submit(checksum_unit, self.region.tensors, self.layout.units[u])
         if landed:
             self.last_advance = time.monotonic()
             self.pacer.on_done(landed, self.last_advance)
@@ -315,7 +380,11 @@ class _Puller:
             u = self.prefix
             expected = self.remote_sums[u]
             if self.config.checksums:
-                got = checksum_unit(region.tensors, self.layout.units[u])
+                fut = self.verifying[u]
+                if not fut.done():
+                    break  # in order: later units wait for this one
+                del self.verifying[u]
+                got = fut.result()
                 if _to_i64(got) != expected:
                     raise ChecksumMismatch(
                         f"unit {u} from {self.source.name}: checksum {got:#018x}, "
