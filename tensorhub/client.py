@@ -334,9 +334,12 @@ class Hub:
         return src
 
     def _drop_source(self, a: m.Assignment) -> None:
+        """A read from ``a``'s source failed: open it afresh (and load its peer's metadata
+        again) if it is assigned again."""
         with self._host_lock:
             src = self._sources.pop(a.source_endpoint, None)
         if src is not None:
+            src.agent.reload_remote(src.name)
             src.close()
 
     def _source_checksums(self, source: tx.Source, version: int) -> Optional[list[int]]:

@@ -109,6 +109,13 @@ class MutabilityViolation(TensorHubError):
     """A published tensor was written before unpublish() returned (detected by checksum)."""
 
 
+class ClusterError(TensorHubError):
+    """The emulated cluster cannot be built, reached or torn down: not root, ``ip``/``tc``
+    missing, a name or subnet collides with something that is not ours, a namespace or link
+    cannot be created, a Ray node does not come up in time (the message carries its log tail),
+    or processes survive teardown. Also raised for an invalid :class:`ClusterSpec`."""
+
+
 class RequestTimeout(TensorHubError, TimeoutError):
     """A blocking call did not finish within its timeout."""
 

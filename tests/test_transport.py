@@ -263,7 +263,10 @@ def test_should_stop_returns_early_with_the_prefix(setup):
     named, layout, _, recv, source = setup
     n = pull(recv, source, layout, expect_version=7, config=CFG.replace(reads_in_flight=1),
              should_stop=lambda: recv.progress >= 2)
-    assert recv.progress == 2 and n == layout.unit_nbytes(0) + layout.unit_nbytes(1)
+    # Checksums are verified in a helper thread, so progress may pass 2 by a few units before
+    # the loop sees it; it stops well before the end with exactly the verified prefix counted.
+    assert 2 <= recv.progress < layout.unit_count
+    assert n == sum(layout.unit_nbytes(u) for u in range(recv.progress))
 
 
 def test_layout_mismatch_between_source_and_reader(agents, setup):
@@ -281,3 +284,19 @@ def test_register_rejects_tensors_that_do_not_match_the_layout(agents):
         Region.register([torch.zeros(10), torch.zeros(6)], layout, CFG, agent=agents[0])
     with pytest.raises(LayoutMismatch):
         Region.register([torch.zeros(10)], layout, CFG, agent=agents[0])
+
+
+def test_newer_metadata_of_a_peer_keeps_prepared_reads_valid(agents, setup):
+    """A peer's metadata grows as it registers memory (a host copy, a scratch block); loading it
+    again (a follower's Follow carries it) must not break reads already prepared against the
+    peer. Removing the peer first did: reads failed with NIXL_ERR_NOT_FOUND (seen on the emulated
+    cluster when a reader that had followed its holder later read from it again)."""
+    named, layout, holder, recv, source = setup
+    pull(recv, source, layout, expect_version=7, config=CFG)
+    more = Region.register([torch.zeros_like(t) for _, t in named], layout, CFG, agent=agents[0])
+    agents[1].ensure_remote(agents[0].name, agents[0].metadata())  # newer metadata of the same peer
+    for t in recv.tensors:
+        t.zero_()
+    pull(recv, source, layout, expect_version=7, config=CFG)  # the same Source, prepared before
+    _assert_same(named, recv.tensors)
+    more.close()

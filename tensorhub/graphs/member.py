@@ -85,8 +85,15 @@ class _ReadState:
     def _move(self, hub) -> None:
         t = time.perf_counter()
         try:
-            hub._pull_range(self.assignment, hub._layout.unit_count, source=self.source, source_sums=self.known,
-                            should_stop=lambda: self.aborted, on_unit=self._wake)
+            try:
+                self._pull(hub)
+            except TransferError as e:
+                # Once more from our own progress through a freshly opened source (a connection
+                # NIXL dropped shows as NIXL_ERR_NOT_FOUND on a source opened earlier).
+                log.info("model=%s version=%d client=%s graph read: %s; reopening the source",
+                         hub.model, self.assignment.version, hub.client_id, e)
+                self.source = hub._open_source(self.assignment)
+                self._pull(hub)
         except Exception as e:  # noqa: BLE001 - reported through fetch's negative int; finish() fails over
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("model=%s version=%d client=%s graph read failed: %s",
@@ -94,6 +101,10 @@ class _ReadState:
         finally:
             self.fetch_s = time.perf_counter() - t
             self._wake()
+
+    def _pull(self, hub) -> None:
+        hub._pull_range(self.assignment, hub._layout.unit_count, source=self.source, source_sums=self.known,
+                        should_stop=lambda: self.aborted, on_unit=self._wake)
 
     def _wake(self, _unit: int = -1) -> None:
         with self.landed:

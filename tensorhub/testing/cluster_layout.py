@@ -34,7 +34,7 @@ import ipaddress
 import re
 from typing import Optional
 
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import ClusterError
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
 RESERVED_NAME_PREFIXES = ("tx",)  # a developer's own experiments use tx* names; never ours
@@ -44,13 +44,6 @@ TBF_BURST_BYTES_MIN = 64 << 10   # >= one 64 KiB GSO segment, so tbf never has t
 TBF_BURST_S = 0.001              # at high rates, one ms of line rate
 TBF_QUEUE_S_MIN = 0.05           # queue at least 50 ms of line rate ...
 TBF_QUEUE_BYTES_MIN = 1 << 20    # ... and at least 1 MiB
-
-
-class ClusterError(TensorHubError):
-    """The emulated cluster cannot be built, reached or torn down: not root, ``ip``/``tc``
-    missing, a name or subnet collides with something that is not ours, a namespace or link
-    cannot be created, a Ray node does not come up in time (the message carries its log tail),
-    or processes survive teardown. Also raised for an invalid :class:`ClusterSpec`."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,18 +145,16 @@ class Agent:
         return self.nixl.get_agent_metadata()
 
     def ensure_remote(self, name: str, metadata: bytes) -> None:
-        """Add peer ``name`` once; re-add it if its metadata changed (a peer that restarted)."""
+        """Add peer ``name``, or load newer metadata of it. A peer's metadata grows as it
+        registers memory (a host copy, a source's scratch block): loading it again adds the new
+        registrations and keeps the handles already prepared against the peer valid (removing
+        the peer first invalidated them: a follower's reads failed with NIXL_ERR_NOT_FOUND). A
+        restarted peer has another name (pid and a uuid are in it), so nothing is removed."""
         if name == self.name:
             return  # reads from a region of this very process: NIXL handles them locally
         with self._lock:
-            known = self._remotes.get(name)
-            if known == metadata:
+            if self._remotes.get(name) == metadata:
                 return
-            if known is not None:
-                try:
-                    self.nixl.remove_remote_agent(name)
-                except Exception:  # noqa: BLE001 - best effort, re-adding is what matters
-                    logger.debug("remove_remote_agent(%s) failed", name, exc_info=True)
             try:
                 got = self.nixl.add_remote_agent(metadata)
             except Exception as e:
@@ -170,6 +168,12 @@ class Agent:
                     logger.debug("remove_remote_agent(%s) failed", got, exc_info=True)
                 raise TransferError(f"metadata for agent {name} names agent {got}")
             self._remotes[name] = metadata
+
+    def reload_remote(self, name: str) -> None:
+        """Load ``name``'s metadata again at the next :meth:`ensure_remote` (after a read from it
+        failed: NIXL may have dropped the peer on a broken connection). Nothing is removed."""
+        with self._lock:
+            self._remotes.pop(name, None)
 
     def forget_remote(self, name: str) -> None:
         """Drop a peer (e.g. one reported dead). Idempotent."""
