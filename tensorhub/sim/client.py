@@ -554,7 +554,9 @@ class SimClient:
     def _send_source_failed(self, rs: ReadState, assign_no: int, session: int) -> None:
         if (self.alive and session == self.session and rs is self.reading and rs.failing
                 and rs.assign_no == assign_no and not self.recovering):
-            self._request(m.SourceFailed(client_id=self.cid, source_id=rs.source, units_done=rs.progress))
+            src = self.world.source_client(rs.source) if rs.source else None
+            self._request(m.SourceFailed(client_id=self.cid, source_id=rs.source, units_done=rs.progress,
+                                         unreachable=src is not None and not src.alive))
 
     def _complete(self, rs: ReadState) -> None:
         if not rs.done_sent:

@@ -107,6 +107,11 @@ class World:
         self.params = params or make_params(rng, workload)
         self.config = config or make_config(rng)
         self.net = Network(self.sim, self.sim.rng("net"))
+        live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
+        self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
+        """Half the scenarios have a cluster manager that reports a crashed process to the server
+        after this delay (Ray's liveness, ``ReferenceCore.declare_dead``); the others rely on
+        leases and readers' reports alone."""
         self.rng_client = self.sim.rng("clients")
         self.clients: dict[str, SimClient] = {}
         self.trainers: list[TrainerDriver] = []
@@ -197,6 +202,8 @@ class World:
             c.reading = None
         c.host_copies = {}
         c.published = None
+        if self.death_report_s is not None:
+            self.sim.after(self.death_report_s, self.server.declare_dead, c.cid)
         if c.driver is not None:
             c.driver.on_crash(c, restart)
 

@@ -42,6 +42,16 @@ class SimServer:
         self.epoch += 1
         self.core = self.core_factory(self.world.config)
 
+    def declare_dead(self, cid: str) -> None:
+        """The cluster manager (Ray, in production) reports client ``cid``'s process gone."""
+        if not self.up:
+            return
+        effects = self.core.declare_dead([cid], self.world.sim.now, "process gone")
+        self.world.sim.trace(f"srv declare_dead {cid}")
+        if effects:
+            self.world.checker.on_server(None, None, None, effects, self.epoch)
+            self._emit(effects)
+
     # ------------------------------------------------------------------ requests
 
     def send(self, client, req: m.Request, session: int, ctx: bool) -> None:
