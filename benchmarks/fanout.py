@@ -111,6 +111,10 @@ class Bench:
         if path == "pull":
             outs = ray.get([r.update.remote(v) for r in group])
             done, digests = [o["done_at"] for o in outs], [o["digest"] for o in outs]
+            names = {o["client_id"]: f"r{i}" for i, o in enumerate(outs)}
+            extra = {"chain": " ".join(
+                f"r{i}<{'/'.join(names.get(s, 'T') for s in o['sources'])}@{o['done_at'] - t0:.2f}"
+                for i, o in enumerate(outs))} if n > 1 else {}
         elif path == "graph":
             from tensorhub.graphs import replicate_group
 
@@ -137,6 +141,7 @@ class Bench:
         say(f"n={n} {path:9s} last {last:7.3f}s mean {mean:7.3f}s bytes {'ok' if ok else 'DIFFER'} {extra or ''}")
         if not ok:
             raise RuntimeError(f"{path} n={n}: received bytes differ from the trainer's")
+        extra.pop("chain", None)
         return {"last_s": last, "mean_s": mean, "bytes_ok": ok, **extra}
 
     def close(self) -> None:

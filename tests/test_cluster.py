@@ -85,11 +85,18 @@ def test_layout_without_latency_has_no_wires():
     (0.15, 0.06, 64 << 10, 2_062_500),       # the queue also covers one RTT of a long link
 ])
 def test_shaping_burst_and_queue_scale_with_rate_and_rtt(gbit, rtt_s, burst, limit):
-    [argv] = shaping_commands("eth0", gbit, rtt_s, netns="ns")
-    assert argv[:3] == ["tc", "-n", "ns"]
-    assert argv[argv.index("rate") + 1] == f"{int(gbit * 1e9)}bit"
-    assert int(argv[argv.index("burst") + 1]) == burst
-    assert int(argv[argv.index("limit") + 1]) == limit
+    cmds = shaping_commands("eth0", gbit, rtt_s, netns="ns")
+    assert all(argv[:3] == ["tc", "-n", "ns"] for argv in cmds)
+    [link] = [a for a in cmds if "class" in a and a[a.index("classid") + 1] == "1:1"]
+    assert link[link.index("rate") + 1] == link[link.index("ceil") + 1] == f"{int(gbit * 1e9)}bit"
+    assert int(link[link.index("burst") + 1]) == burst
+    [bulk] = [a for a in cmds if "bfifo" in a]
+    assert int(bulk[bulk.index("limit") + 1]) == limit
+    # the two classes share the link's rate; small packets (ACKs) are classified ahead of bulk
+    rates = [int(a[a.index("rate") + 1][:-3]) for a in cmds if "class" in a and a[a.index("classid") + 1] != "1:1"]
+    assert sum(rates) == int(gbit * 1e9)
+    [flt] = [a for a in cmds if "filter" in a]
+    assert flt[flt.index("flowid") + 1] == "1:10"
 
 
 def test_parse_datacenters():

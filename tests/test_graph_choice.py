@@ -63,7 +63,7 @@ def test_topologies_are_bounded_and_forgettable():
 
 
 @pytest.mark.parametrize("units, given, expect", [
-    (128, None, 128),            # one batch per unit
+    (16, None, 16),              # one batch per unit
     (1000, None, BATCHES_MAX),   # capped
     (0, None, 1),
     (128, 8, 8),                 # as given

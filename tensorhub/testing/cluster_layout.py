@@ -14,8 +14,8 @@ traffic between two non-zero datacenters crosses two links). The whole cluster i
 segment and one IP subnet: the head is ``subnet + 1`` on dc 0's bridge, host k of datacenter d
 is ``subnet + 256 * (d + 1) + k + 1`` (10.77.2.5 is host 4, in dc 1).
 
-Shaping (:func:`shaping_commands`): every shaped device gets a ``tbf`` (rate, burst, queue
-limit) as its root qdisc. A host NIC is shaped in both directions: upload on ``eth0`` inside
+Shaping (:func:`shaping_commands`): every shaped device gets an ``htb`` root (rate, burst,
+bulk queue limit) that sends small packets (ACKs) ahead of bulk data. A host NIC is shaped in both directions: upload on ``eth0`` inside
 the namespace, download on the root-side end. The inter-datacenter link is shaped on both ends.
 
 Latency: this machine's kernel has no ``sch_netem`` (nor ``fq``, so no EDT delay either), so
@@ -44,6 +44,9 @@ TBF_BURST_BYTES_MIN = 64 << 10   # >= one 64 KiB GSO segment, so tbf never has t
 TBF_BURST_S = 0.001              # at high rates, one ms of line rate
 TBF_QUEUE_S_MIN = 0.05           # queue at least 50 ms of line rate ...
 TBF_QUEUE_BYTES_MIN = 1 << 20    # ... and at least 1 MiB
+SMALL_PACKET_BYTES = 128         # IP packets shorter than this (ACKs) skip the bulk queue
+SMALL_CLASS_SHARE = 0.05         # the small-packet class's guaranteed share (it may use all)
+HTB_QUANTUM = 60000              # bytes per round between classes of one priority
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,16 +216,38 @@ def rtt_budget_s(spec: ClusterSpec) -> float:
 def shaping_commands(dev: str, gbit: float, rtt_s: float, netns: Optional[str] = None) -> list[list[str]]:
     """``tc`` argv lists that shape egress of ``dev`` to ``gbit``.
 
-    The burst is at least one 64 KiB GSO frame (so tbf never splits them) and 1 ms of line
-    rate; the queue holds at least 50 ms (and 1 MiB) of line rate plus one ``rtt_s`` of it, so
-    a single TCP stream keeps the link busy after a loss.
+    An ``htb`` root with two classes sharing the rate: small packets (IP length under
+    :data:`SMALL_PACKET_BYTES`: TCP ACKs, control messages) go first, everything else queues
+    behind them. A plain FIFO (``tbf``) would put a host's ACKs behind its own upload: a host
+    that forwards at line rate (a partial holder serving a follower) then slows what it
+    receives, an artifact a real NIC's flow-fair queueing (Linux's default ``fq_codel``) does
+    not have, and this kernel has neither ``fq_codel`` nor ``prio``.
+
+    The burst is at least one 64 KiB GSO frame (so the shaper never splits them) and 1 ms of
+    line rate; the bulk queue holds at least 50 ms (and 1 MiB) of line rate plus one ``rtt_s``
+    of it, so a single TCP stream keeps the link busy after a loss.
     """
     rate_bytes_s = gbit * 1e9 / 8
     burst_bytes = max(TBF_BURST_BYTES_MIN, int(rate_bytes_s * TBF_BURST_S))
     limit_bytes = max(TBF_QUEUE_BYTES_MIN, int(rate_bytes_s * (TBF_QUEUE_S_MIN + rtt_s)))
+    rate = int(gbit * 1e9)
+    small = max(1, int(rate * SMALL_CLASS_SHARE))
     tc = ["tc"] + (["-n", netns] if netns else [])
-    return [tc + ["qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(gbit * 1e9)}bit",
-                  "burst", str(burst_bytes), "limit", str(limit_bytes)]]
+    shape = ["burst", str(burst_bytes), "cburst", str(burst_bytes)]
+    return [
+        tc + ["qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+        tc + ["class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+              "rate", f"{rate}bit", "ceil", f"{rate}bit", *shape],
+        tc + ["class", "replace", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "prio", "0",
+              "rate", f"{small}bit", "ceil", f"{rate}bit", "quantum", str(HTB_QUANTUM), *shape],
+        tc + ["class", "replace", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "prio", "1",
+              "rate", f"{rate - small}bit", "ceil", f"{rate}bit", "quantum", str(HTB_QUANTUM), *shape],
+        tc + ["qdisc", "replace", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo", "limit", "10000"],
+        tc + ["qdisc", "replace", "dev", dev, "parent", "1:20", "handle", "20:", "bfifo", "limit", str(limit_bytes)],
+        # IPv4 total length (bytes 2-3 of the header) below 128
+        tc + ["filter", "replace", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+              "match", "u16", "0x0000", f"0x{0x10000 - SMALL_PACKET_BYTES:04x}", "at", "2", "flowid", "1:10"],
+    ]
 
 
 def parse_datacenters(text: Optional[str]) -> Optional[tuple[int, ...]]:
