@@ -112,6 +112,8 @@ class Hub:
         self._sources: "collections.OrderedDict[bytes, tx.Source]" = collections.OrderedDict()
         """Sources kept open across reads, by endpoint (see ``_open_source``)."""
         self._seq = 0
+        self._round: tuple[int, int] = (-1, -1)
+        """(seq, version) of the last round the server resolved for this handle."""
         self._progress_units = 0
         self._reading = False
         self._current_source = ""
@@ -220,8 +222,10 @@ class Hub:
             except errors.VersionLost:
                 if isinstance(spec, int):
                     raise
+                # Same round: the server keeps every shard of this replica in one transaction
+                # (it re-resolves the round only if no sibling already holds its version).
                 log.info("model=%s shard=%d update(%r): version lost, retrying", self.model, self.shard, spec)
-                return self._replicate(spec, update=True)
+                return self._replicate(spec, update=True, same_round=True)
 
     def close(self) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
@@ -271,9 +275,9 @@ class Hub:
 
     # ------------------------------------------------------------------ internals
 
-    def _replicate(self, spec: m.VersionSpec, update: bool) -> ReadStats:
+    def _replicate(self, spec: m.VersionSpec, update: bool, same_round: bool = False) -> ReadStats:
         t0 = time.perf_counter()
-        reply = self._begin_read(spec, update)
+        reply = self._begin_read(spec, update, same_round=same_round)
         if isinstance(reply, m.NoChange):
             st = ReadStats(action="noop", version=reply.version, seconds=time.perf_counter() - t0)
         else:
@@ -281,12 +285,20 @@ class Hub:
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
         return st
 
-    def _begin_read(self, spec: m.VersionSpec, update: bool) -> Union[m.Assignment, m.NoChange]:
-        """Phase 1 of a read: resolve, drain the old version if updating, get a source."""
-        self._seq += 1
+    def _begin_read(self, spec: m.VersionSpec, update: bool, same_round: bool = False) -> Union[m.Assignment, m.NoChange]:
+        """Phase 1 of a read: resolve, drain the old version if updating, get a source.
+
+        Every user call is one round (``seq``): the shards of a replica count their calls alike,
+        so round ``seq`` is one transaction across them. An internal retry stays in its round
+        (``same_round``)."""
+        if not same_round or self._seq == 0:
+            self._seq += 1
+            self._recheck_partial()
         req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,
                           resume_version=self._region.version, resume_units=self._partial_units())
         reply = self._call_until_settled(req)
+        if isinstance(reply, (m.NoChange, m.Assignment)):
+            self._round = (self._seq, reply.version)
         if isinstance(reply, m.NoChange):
             return reply
         if isinstance(reply, m.OffloadOrder):
@@ -375,6 +387,25 @@ class Hub:
     def _resume_point(self, version: int) -> int:
         """Units of ``version`` already in place: a read after a failover refetches nothing."""
         return self._region.progress if self._region.version == version else 0
+
+    def _recheck_partial(self) -> None:
+        """A partial read left by an earlier call is resumed only as far as it is still intact:
+        between calls the handle is idle and the user may have written its tensors. Keeps the
+        leading units whose bytes still match the checksums recorded when they landed (none
+        without checksums)."""
+        region = self._region
+        if self._published is not None or region is None or region.version < 0 or region.progress == 0:
+            return
+        keep = 0
+        if self.config.checksums:
+            sums = region.checksums()
+            units = self._layout.units
+            while keep < region.progress and checksum_unit(self._tensors, units[keep]) == sums[keep]:
+                keep += 1
+        if keep < region.progress:
+            log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "
+                     "(the rest changed since)", self.model, self.shard, keep, region.progress, region.version)
+            region.set_progress(keep)
 
     def _partial_units(self) -> int:
         """Units of the region's version already in place (kept across a failed read)."""
@@ -535,8 +566,9 @@ class Hub:
         """What this handle holds, for a (re-)announcement to a fresh server."""
         with self._host_lock:
             hosts = tuple((v, tx.encode_endpoint(r.endpoint())) for v, (r, _) in sorted(self._host.items()))
+        txn = self._round_txn(request.version if isinstance(request, m.ReplicateDone) else self._published)
         if isinstance(request, m.ReplicateDone):
-            return m.Holding(published=request.version, host_copies=hosts)
+            return m.Holding(published=request.version, host_copies=hosts, **txn)
         if isinstance(request, m.OffloadDone):
             # Drained on the old server already; the host copy (in `hosts`) now holds the version.
             return m.Holding(published=None, host_copies=hosts)
@@ -545,7 +577,13 @@ class Hub:
             return m.Holding(host_copies=hosts, reading_version=self._region.version,
                              reading_source=src, reading_units=self._region.progress,
                              txn_seq=self._seq, txn_version=self._region.version)
-        return m.Holding(published=self._published, host_copies=hosts)
+        return m.Holding(published=self._published, host_copies=hosts, **txn)
+
+    def _round_txn(self, version: Optional[int]) -> dict:
+        """The round that gave this handle ``version``, for a fresh server: a sibling shard that
+        asks in that round after the restart gets the same version (not ``latest`` afresh)."""
+        seq, got = self._round
+        return {"txn_seq": seq, "txn_version": got} if version is not None and got == version and seq > 0 else {}
 
     def _announce(self, request: Optional[m.Request] = None) -> Optional[object]:
         """Re-announce; returns a reply that makes retrying ``request`` unnecessary, or None."""

@@ -564,10 +564,26 @@ class ReferenceCore:
                 f"{node.model} replica {node.replica_id} round {req.seq}: shard {node.shard} asked {req.spec!r}, "
                 f"another shard asked {spec!r}"
             )
+        if (not isinstance(req.spec, int) and node.shard in consumed
+                and not self._round_version_held(node, version)):
+            # A retry in this round after its version was lost: re-resolve the round, unless a
+            # sibling already holds (or receives) that version -- then the retry fails with
+            # VersionLost and the next round realigns the replica.
+            version = self._resolve(node, req.spec)
+            consumed = {node.shard}
+            self.txns[key] = (spec, version, consumed)
+            return version
         consumed.add(node.shard)
-        if len(consumed) >= node.num_shards:
-            del self.txns[key]
         return version
+
+    def _round_version_held(self, node: Node, version: int) -> bool:
+        """Whether ``version`` is still a committed, available version, or a sibling shard of
+        ``node``'s replica holds or receives it."""
+        if version in self.available(node.model):
+            return True
+        return any(n.model == node.model and n.replica_id == node.replica_id and n.shard != node.shard
+                   and not n.host and n.version == version and n.state is not S.IDLE
+                   for n in self.nodes.values())
 
     # ------------------------------------------------------------------ unpublish, drain, offload
 
@@ -576,8 +592,20 @@ class ReferenceCore:
             return False
         return not any(
             other != node.id and self.nodes[other].state in VISIBLE_SOURCE and not self.nodes[other].spot
+            and self._heard_lately(self.nodes[other])
             for other in self.groups.get(node.key, ())
         )
+
+    def _heard_lately(self, node: Node) -> bool:
+        """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: heard
+        from within ``2.5 * heartbeat_interval_s``, not reported failed, not unreachable. A holder
+        that died recently is still in the table until its lease runs out; counting it would let
+        the last live copy go (the version is lost when the ghost expires). A false "silent"
+        costs one extra host copy, which is dropped as excess later."""
+        owner = self.nodes.get(node.owner) if node.host else node
+        if owner is None or owner.unreachable or owner.suspected_at is not None:
+            return False
+        return self._now - owner.last_seen <= 2.5 * self.config.heartbeat_interval_s
 
     def _begin_unpublish(self, node: Node) -> None:
         self._drain(node)
