@@ -291,7 +291,7 @@ class Hub:
         Every user call is one round (``seq``): the shards of a replica count their calls alike,
         so round ``seq`` is one transaction across them. An internal retry stays in its round
         (``same_round``)."""
-        if not same_round or self._seq == 0:
+        if not same_round:
             self._seq += 1
             self._recheck_partial()
         req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,

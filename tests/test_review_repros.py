@@ -147,6 +147,9 @@ def test_restart_between_shards_of_a_round_keeps_the_round():
     port.restart()
     st = a[1][0].replicate("latest")
     assert st.version == 1
+    v1 = [t for _, t in workload.allocate(SPEC)]
+    workload.fill_version(v1, 1)
+    assert workload.digest(a[1][1]) == workload.digest(v1)
     for h, _ in a + trainer:
         h.close()
 

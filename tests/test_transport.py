@@ -261,12 +261,14 @@ def test_stall_is_detected_within_the_timeout(setup):
 
 def test_should_stop_returns_early_with_the_prefix(setup):
     named, layout, _, recv, source = setup
-    n = pull(recv, source, layout, expect_version=7, config=CFG.replace(reads_in_flight=1),
+    # Without checksums progress advances in the read loop itself (with them, a helper thread
+    # verifies and may run ahead of the check), so the stop is exact.
+    n = pull(recv, source, layout, expect_version=7, config=CFG.replace(reads_in_flight=1, checksums=False),
              should_stop=lambda: recv.progress >= 2)
-    # Checksums are verified in a helper thread, so progress may pass 2 by a few units before
-    # the loop sees it; it stops well before the end with exactly the verified prefix counted.
-    assert 2 <= recv.progress < layout.unit_count
-    assert n == sum(layout.unit_nbytes(u) for u in range(recv.progress))
+    assert recv.progress == 2
+    assert n == layout.unit_nbytes(0) + layout.unit_nbytes(1)
+    got = [checksum_unit(recv.tensors, layout.units[u]) for u in range(2)]
+    assert got == [checksum_unit([t for _, t in named], layout.units[u]) for u in range(2)]
 
 
 def test_layout_mismatch_between_source_and_reader(agents, setup):
@@ -300,3 +302,10 @@ def test_newer_metadata_of_a_peer_keeps_prepared_reads_valid(agents, setup):
     pull(recv, source, layout, expect_version=7, config=CFG)  # the same Source, prepared before
     _assert_same(named, recv.tensors)
     more.close()
+
+
+def test_metadata_that_names_another_agent_is_rejected(agents):
+    """ensure_remote checks the name NIXL returns: metadata of another agent must not silently
+    alias the peer asked for."""
+    with pytest.raises(TransferError, match="names agent"):
+        agents[1].ensure_remote("not-" + agents[0].name, agents[0].metadata())

@@ -15,8 +15,8 @@ segment and one IP subnet: the head is ``subnet + 1`` on dc 0's bridge, host k o
 is ``subnet + 256 * (d + 1) + k + 1`` (10.77.2.5 is host 4, in dc 1).
 
 Shaping (:func:`shaping_commands`): every shaped device gets an ``htb`` root (rate, burst,
-bulk queue limit) that sends small packets (ACKs) ahead of bulk data. A host NIC is shaped in both directions: upload on ``eth0`` inside
-the namespace, download on the root-side end. The inter-datacenter link is shaped on both ends.
+bulk queue limit) that sends small packets (ACKs) ahead of bulk data. A host NIC is shaped in
+both directions: upload on ``eth0`` inside the namespace, download on the root-side end. The inter-datacenter link is shaped on both ends.
 
 Latency: this machine's kernel has no ``sch_netem`` (nor ``fq``, so no EDT delay either), so
 delay is added in user space by a *wire* (:mod:`tensorhub.testing.cluster_wire`): a link
