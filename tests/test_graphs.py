@@ -233,7 +233,7 @@ def test_server_side_coordinator_builds_caches_and_reuses_the_graph(ray_cluster,
     coordinator next to the reference server, from the plan the core produced, and reused for
     the next version."""
     import tensorhub
-    from tensorhub.actors.graph_coordinator import coordinator
+    from tensorhub.graphs.coordinator import coordinator
     from tensorhub.graphs import replicate_group
 
     ray = ray_cluster

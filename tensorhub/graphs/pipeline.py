@@ -244,7 +244,7 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     the pull path.
 
     ``where``: ``"server"`` (the default when no ``cache`` is given) builds, caches and runs the
-    graph in the server-side :class:`~tensorhub.actors.graph_coordinator.GraphCoordinator`
+    graph in the server-side :class:`~tensorhub.graphs.coordinator.GraphCoordinator`
     (found by ``config``'s server name and namespace), so every driver shares one cache and
     compiled graphs outlive the calling process; ``"local"`` (the default with a ``cache``) runs
     them in this process with ``cache``. With ``"server"`` the result's ``plan`` is None and
@@ -256,7 +256,8 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     if where == "server":
         if cache is not None:
             raise ValueError("a cache lives in this process: pass where='local' with it")
-        from tensorhub.actors.graph_coordinator import coordinator
+        # Lazy: the coordinator module imports this one (its actor runs replicate_group).
+        from tensorhub.graphs.coordinator import coordinator
 
         kwargs = dict(update=update, path=path, batches=batches, compile=compile, timeout_s=timeout_s)
         out = ray.get(coordinator(config).replicate_group.remote(list(actors), spec, kwargs))

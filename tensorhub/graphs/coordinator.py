@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import ray
 
 from tensorhub.config import Config
+from tensorhub.graphs.pipeline import GraphCache, replicate_group
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)
@@ -24,13 +25,9 @@ class GraphCoordinator:
     ``max_concurrency=1``: one group at a time (an actor may be in one live graph only)."""
 
     def __init__(self, cache_kwargs: Optional[dict] = None) -> None:
-        from tensorhub.graphs.pipeline import GraphCache
-
         self.cache = GraphCache(**(cache_kwargs or {}))
 
     def replicate_group(self, actors: Sequence, spec: Any, kwargs: dict) -> dict:
-        from tensorhub.graphs.pipeline import replicate_group
-
         res = replicate_group(list(actors), spec, cache=self.cache, where="local", **kwargs)
         out = {f.name: getattr(res, f.name) for f in dataclasses.fields(res)}
         out["plan"] = res.plan_drawing
