@@ -1,4 +1,4 @@
-"""What the benchmarks share: the replica actor they use (a :class:`tensorhub.actors.replica.Replica`
+"""What the benchmarks share: the replica actor they use (a :class:`tensorhub.testing.replica.Replica`
 plus the baselines' own data paths, so every path moves the same tensors between the same
 processes), the NIXL progress-delay patch, and ``parse_bytes``.
 
@@ -22,8 +22,8 @@ from typing import Optional
 import ray
 import torch
 
-from tensorhub import workload
-from tensorhub.actors.replica import Replica
+from tensorhub.testing import workload
+from tensorhub.testing.replica import Replica
 
 _PATCHED = False
 

@@ -29,8 +29,8 @@ def main() -> int:
 
     import ray
 
-    from tensorhub import workload
-    from tensorhub.actors.replica import spawn_many
+    from tensorhub.testing import workload
+    from tensorhub.testing.replica import spawn_many
 
     ray.init(namespace="tensorhub-bench-failover", num_cpus=8, include_dashboard=False, log_to_driver=False)
     spec = workload.small_spec(args.bytes, big=8, tiny=64)

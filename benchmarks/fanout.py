@@ -58,8 +58,8 @@ class Bench:
     def __init__(self, args) -> None:
         import ray
 
-        from tensorhub import workload
         from tensorhub.graphs import GraphCache
+        from tensorhub.testing import workload
 
         from benchmarks.bench_actors import BenchReplica
 

@@ -36,8 +36,8 @@ if _REPO not in sys.path:  # run as a script from a checkout
 import ray
 
 from benchmarks.bench_actors import BenchReplica, parse_bytes
-from tensorhub import workload
 from tensorhub.graphs import GraphCache, replicate_group
+from tensorhub.testing import workload
 
 log = logging.getLogger("benchmarks.pipeline")
 

@@ -235,7 +235,7 @@ def _stats(nbytes: int, secs: list[float]) -> dict:
 
 def _replicate(shapes, nbytes: int, reps: int, say) -> dict:
     """``hub.replicate(v)`` between two ReplicaActors, default config, timed by the call."""
-    from tensorhub.actors.replica import ReplicaActor
+    from tensorhub.testing.replica import ReplicaActor
 
     spec = [(name, "float32", (n,)) for name, n in shapes]
     ns = f"tensorhub-bench-transfer-{os.getpid()}"

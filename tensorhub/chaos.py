@@ -44,9 +44,9 @@ def run_chaos(*, rounds: int, seed: int = 0, rollouts: int = 4, size_mb: int = 1
               address=None, log=sys.stderr, init_ray: bool = True) -> dict:
     import ray
 
-    from tensorhub import workload
-    from tensorhub.actors.replica import spawn_many
     from tensorhub.config import Config
+    from tensorhub.testing import workload
+    from tensorhub.testing.replica import spawn_many
 
     t_start = time.perf_counter()
     rng = random.Random(seed)

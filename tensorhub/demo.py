@@ -28,9 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from tensorhub import workload
-    from tensorhub.actors.replica import spawn_many
     from tensorhub.config import Config
+    from tensorhub.testing import workload
+    from tensorhub.testing.replica import spawn_many
 
     if args.rollouts < 1 or args.versions < 1 or args.size_mb < 1:
         print("--rollouts, --versions and --size-mb must be >= 1", file=sys.stderr)

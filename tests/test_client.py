@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import tensorhub
-from tensorhub import errors, workload
+from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.port import LocalPort
+from tensorhub.testing import workload
 
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0)
 SPEC = workload.small_spec(2 << 20, big=2, tiny=12)

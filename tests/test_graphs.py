@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tensorhub import workload
 from tensorhub.graphs import PlanError, batch_end, build_plan
+from tensorhub.testing import workload
 
 SPEC = workload.small_spec(12 << 20, big=3, tiny=16)
 CFG = dict(unit_bytes=512 << 10, lease_timeout_s=30.0, heartbeat_interval_s=0.5, source_stall_timeout_s=5.0)
@@ -54,7 +54,7 @@ def test_batches_cover_all_units_once_in_order(units, batches):
 
 
 def _spawn(model, names, spec=SPEC):
-    from tensorhub.actors.replica import spawn_many
+    from tensorhub.testing.replica import spawn_many
 
     return spawn_many(model, spec, names, config=CFG)
 
@@ -106,7 +106,7 @@ def test_member_killed_mid_graph_survivors_finish_by_fallback_with_exact_bytes(r
 
     ray = ray_cluster
     spec = workload.small_spec(24 << 20, big=2, tiny=4)
-    from tensorhub.actors.replica import spawn_many
+    from tensorhub.testing.replica import spawn_many
 
     # Small units and one read in flight make the graph slow enough to kill a member mid-way.
     cfg = dict(CFG, unit_bytes=32 << 10, reads_in_flight=1)

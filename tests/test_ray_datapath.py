@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tensorhub import workload
-from tensorhub.actors.replica import spawn_many
+from tensorhub.testing import workload
+from tensorhub.testing.replica import spawn_many
 
 pytestmark = pytest.mark.ray
 

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from tensorhub import workload
-from tensorhub.actors.replica import spawn_many
+from tensorhub.testing import workload
+from tensorhub.testing.replica import spawn_many
 
 pytestmark = pytest.mark.ray
 

@@ -8,12 +8,13 @@ import time
 import pytest
 
 import tensorhub
-from tensorhub import errors, workload
+from tensorhub import errors
 from tensorhub.client import Hub
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.port import LocalPort
+from tensorhub.testing import workload
 
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0,
              source_stall_timeout_s=1.0, failovers_max=1)

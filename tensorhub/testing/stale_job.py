@@ -38,8 +38,8 @@ def _placement(hosts: Optional[list[int]], i: int) -> dict:
 def publish(model: str, nbytes: int, hosts: Optional[list[int]], config: dict) -> dict:
     import ray
 
-    from tensorhub import workload
-    from tensorhub.actors.replica import ReplicaActor
+    from tensorhub.testing import workload
+    from tensorhub.testing.replica import ReplicaActor
 
     spec = workload.small_spec(nbytes)
     names = ["trainer", "reader-0", "reader-1"]
@@ -56,8 +56,8 @@ def publish(model: str, nbytes: int, hosts: Optional[list[int]], config: dict) -
 def read(model: str, nbytes: int, host: Optional[int], config: dict) -> dict:
     import ray
 
-    from tensorhub import workload
-    from tensorhub.actors.replica import ReplicaActor
+    from tensorhub.testing import workload
+    from tensorhub.testing.replica import ReplicaActor
 
     spec = workload.small_spec(nbytes)
     placement = _placement([host], 0) if host is not None else {}

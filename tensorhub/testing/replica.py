@@ -15,10 +15,10 @@ import ray
 import torch
 
 import tensorhub
-from tensorhub import workload
 from tensorhub.config import Config
 from tensorhub.errors import TensorHubError
 from tensorhub.graphs.member import GraphMember
+from tensorhub.testing import workload
 
 
 class Replica(GraphMember):
