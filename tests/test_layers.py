@@ -1,0 +1,83 @@
+"""Which package may import which, checked by scanning the source with ``ast`` (no imports run).
+
+    tensorhub.testing  ->  product (core, transport, client, actors, graphs, ...)
+    tensorhub.actors   ->  tensorhub.graphs
+
+Arrows point from importer to imported; nothing points back. Fixtures (synthetic weights, the
+ready-made replica actor, the emulated cluster) live in ``tensorhub.testing``, which only the CLI
+commands built on them (``demo``, ``chaos``, ``cli``) and the simulator may import. The rule that
+``tensorhub/core`` imports no ray/torch/time/... is pinned next to the core's own tests
+(``tests/test_core.py::test_core_has_no_forbidden_imports``).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tensorhub"
+
+# Outside tensorhub/testing, these may import it: commands and the simulator built on fixtures.
+TESTING_IMPORTERS = ("tensorhub/demo.py", "tensorhub/chaos.py", "tensorhub/cli.py", "tensorhub/sim/")
+
+
+def _module_of(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports anywhere (top level or inside a function), as absolute
+    names; ``from a import b`` yields both ``a`` and ``a.b`` (``b`` may be a submodule), and
+    relative imports are resolved against the file's own package."""
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from .x / from ..x: (level - 1) packages up from this file's own
+                parts = package.split(".")
+                target = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def _imports_package(path: pathlib.Path, package: str) -> list[str]:
+    return sorted(n for n in imported_modules(path) if n == package or n.startswith(package + "."))
+
+
+def _sources():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_scanner_sees_lazy_and_relative_imports():
+    """The scan would catch a violation: demo.py imports its fixtures inside ``run``."""
+    assert "tensorhub.testing.replica" in imported_modules(PACKAGE / "demo.py")
+    assert _imports_package(PACKAGE / "demo.py", "tensorhub.testing")
+
+
+def test_graphs_do_not_import_actors():
+    bad = {}
+    for path in sorted((PACKAGE / "graphs").rglob("*.py")):
+        if found := _imports_package(path, "tensorhub.actors"):
+            bad[path.relative_to(ROOT).as_posix()] = found
+    assert not bad, f"graphs import actors: {bad}"
+
+
+def test_only_fixtures_commands_and_sim_import_testing():
+    bad = {}
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tensorhub/testing/") or rel.startswith(TESTING_IMPORTERS):
+            continue
+        if found := _imports_package(path, "tensorhub.testing"):
+            bad[rel] = found
+    assert not bad, f"product modules import test fixtures: {bad}"
