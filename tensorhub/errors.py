@@ -101,6 +101,16 @@ class SourceUnreachable(TransferError):
     refused, the first control read fails): most likely its process is gone."""
 
 
+class ReadsNotTerminal(TensorHubError):
+    """A pull failed or was stopped while reads it had posted were still in flight, and NIXL did
+    not report them done or failed within ``source_stall_timeout_s``: a late READ may still write
+    units of the reader's region at or past its progress. The region keeps those reads and
+    refuses other pulls until ``Region.settle()`` returns True; until then do not report the
+    source failed or drained (its holder could rewrite the bytes still being read) and do not
+    reuse those units. Not a :class:`TransferError`, so that a handler failing over to another
+    source does not catch it by accident. The pull's own error, if any, is its ``__cause__``."""
+
+
 class ChecksumMismatch(TensorHubError):
     """A unit's bytes did not match the checksum its publisher computed."""
 

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from tensorhub.config import Config
-from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch, SourceStalled, TransferError
+from tensorhub.errors import (
+    ChecksumMismatch,
+    InvalidState,
+    LayoutMismatch,
+    ReadsNotTerminal,
+    SourceStalled,
+    TransferError,
+)
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.transport import (
     Agent,
@@ -20,6 +27,8 @@ from tensorhub.transport import (
     open_source,
     pull,
 )
+from tensorhub.transport import reader
+from tensorhub.transport.nixl import _await_terminal, _unit_desc_index
 
 CFG = Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10, reads_in_flight=4,
              source_stall_timeout_s=2.0)
@@ -309,3 +318,202 @@ def test_metadata_that_names_another_agent_is_rejected(agents):
     alias the peer asked for."""
     with pytest.raises(TransferError, match="names agent"):
         agents[1].ensure_remote("not-" + agents[0].name, agents[0].metadata())
+
+
+# --------------------------------------------------------------------------- reads in flight
+#
+# The reader's agent keeps its real NIXL agent; the READs of chosen units are scripted
+# (_ScriptedRead), so a test decides when, and how, a read ends.
+
+
+class _ScriptedRead:
+    """A READ handle whose state the test drives: ``PROC`` until :meth:`finish`. Releasing it is
+    recorded with the state it was in (releasing a ``PROC`` handle is NIXL's abort, which does
+    not stop a UCX READ: the bug these tests pin)."""
+
+    def __init__(self):
+        self.state = "PROC"
+        self.posts = 0
+        self.released_in = None
+
+    def finish(self, state="DONE", land=None):
+        """The read ends now; ``land()`` first writes the bytes it copies (a late READ)."""
+        if land is not None:
+            land()
+        self.state = state
+
+    def release(self):
+        assert self.released_in is None, "released twice"
+        self.released_in = self.state
+
+
+class _ScriptedNixl:
+    """The reader agent's nixl_agent with the first READ of each unit in ``script`` scripted;
+    everything else goes to the real agent."""
+
+    def __init__(self, real, layout, script):
+        self._real = real
+        self._unit_of = {tuple(idx): u for u, idx in enumerate(_unit_desc_index(layout))}
+        self.script = script
+        self.posted_units = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def make_prepped_xfer(self, op, local, lidx, remote, ridx, *args, **kwargs):
+        u = self._unit_of[tuple(lidx)]
+        self.posted_units.append(u)
+        h = self.script.get(u)
+        if h is not None and h.posts == 0:
+            return h
+        return self._real.make_prepped_xfer(op, local, lidx, remote, ridx, *args, **kwargs)
+
+    def transfer(self, h, *args, **kwargs):
+        if isinstance(h, _ScriptedRead):
+            h.posts += 1
+            return h.state
+        return self._real.transfer(h, *args, **kwargs)
+
+    def check_xfer_state(self, h):
+        if isinstance(h, _ScriptedRead):
+            return h.state
+        return self._real.check_xfer_state(h)
+
+
+def _scripted(monkeypatch, agent, layout, **script):
+    nx = _ScriptedNixl(agent.nixl, layout, {int(k[1:]): v for k, v in script.items()})
+    monkeypatch.setattr(agent, "nixl", nx)
+    return nx
+
+
+def _overwrite_unit(tensors, layout, u, byte):
+    for p in layout.units[u]:
+        tensors[p.tensor_index].reshape(-1).view(torch.uint8)[p.offset:p.offset + p.nbytes] = byte
+
+
+def test_a_read_stuck_in_flight_is_never_released_and_the_region_refuses_pulls_until_it_lands(
+        setup, agents, monkeypatch):
+    """Review item 6. A READ that never ends must not be released after a bounded wait (that
+    does not stop it) while the caller goes on: it could land later, over a unit a retry has
+    re-read and verified. pull raises ReadsNotTerminal (from the SourceStalled), the region keeps
+    the read and refuses pulls; once the late bytes have landed and the read is terminal,
+    settle() releases it and a resumed pull repairs the unit: nothing is lost."""
+    named, layout, _, recv, source = setup
+    cfg = CFG.replace(source_stall_timeout_s=0.3, reads_in_flight=1)
+    stuck = _ScriptedRead()
+    nx = _scripted(monkeypatch, agents[1], layout, u3=stuck)
+    t0 = time.monotonic()
+    with pytest.raises(ReadsNotTerminal, match=r"units \[3\]") as err:
+        pull(recv, source, layout, expect_version=7, config=cfg)
+    assert time.monotonic() - t0 < 2.0
+    assert isinstance(err.value.__cause__, SourceStalled)
+    assert stuck.released_in is None, "an in-flight READ was released"
+    assert recv.unsettled_units == [3] and recv.progress == 3 and not recv.settle()
+
+    posted = len(nx.posted_units)
+    with pytest.raises(ReadsNotTerminal):
+        pull(recv, source, layout, expect_version=7, config=cfg, start_unit=recv.progress)
+    assert len(nx.posted_units) == posted and recv.progress == 3  # refused before posting anything
+
+    stuck.finish("DONE", land=lambda: _overwrite_unit(recv.tensors, layout, 3, 0xAB))  # the late bytes
+    assert recv.settle(1.0) and recv.unsettled_units == []
+    assert stuck.released_in == "DONE"
+    pull(recv, source, layout, expect_version=7, config=cfg, start_unit=recv.progress)
+    _assert_same(named, recv.tensors)
+
+
+def test_a_read_still_in_flight_when_the_pull_fails_is_waited_for_then_released(setup, agents, monkeypatch):
+    """The drain waits for a read to end by itself (within source_stall_timeout_s): the pull then
+    raises its own error, with every read released only once terminal."""
+    _, layout, _, recv, source = setup
+    cfg = CFG.replace(source_stall_timeout_s=0.3, reads_in_flight=1)
+    slow = _ScriptedRead()
+    _scripted(monkeypatch, agents[1], layout, u3=slow)
+    t0 = time.monotonic()
+    timer = threading.Timer(0.45, slow.finish, ("ERR",))  # after the stall was detected (0.3 s)
+    timer.start()
+    with pytest.raises(SourceStalled):
+        pull(recv, source, layout, expect_version=7, config=cfg)
+    timer.join()
+    assert time.monotonic() - t0 >= 0.45
+    assert slow.released_in == "ERR" and recv.unsettled_units == []
+
+
+def test_a_checksum_that_never_finishes_ends_the_pull_within_the_stall_timeout(setup, monkeypatch):
+    """Review item 7: every wait of the read loop is bounded by source_stall_timeout_s, also the
+    wait for a unit's checksum (the loop used to poll it forever)."""
+    _, layout, _, recv, source = setup
+    cfg = CFG.replace(source_stall_timeout_s=0.3)
+    blocked = threading.Event()
+    real = reader.checksum_unit
+
+    def checksum(tensors, unit):
+        if unit is layout.units[2]:
+            blocked.wait(30)
+        return real(tensors, unit)
+
+    monkeypatch.setattr(reader, "checksum_unit", checksum)
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(pull(recv, source, layout, expect_version=7, config=cfg))
+        except Exception as e:  # noqa: BLE001 - inspected below
+            outcome.append(e)
+
+    th = threading.Thread(target=run)
+    t0 = time.monotonic()
+    th.start()
+    try:
+        th.join(3.0)
+        took = time.monotonic() - t0
+    finally:
+        blocked.set()
+        th.join()
+    assert took < 3.0, "the pull waited for the checksum past the stall timeout"
+    assert isinstance(outcome[0], SourceStalled) and "checksum of unit 2" in str(outcome[0])
+    assert recv.progress == 2
+
+
+def test_a_control_read_that_times_out_is_neither_posted_again_nor_released_in_flight(setup, agents, monkeypatch):
+    """The same rule for the source's control block: a control read past its timeout may still
+    land in the scratch block, so it is not re-posted, and closing the source keeps it."""
+    _, layout, holder, _, _ = setup
+    source = open_source(holder.endpoint(), agent=agents[1])
+    real_handle = source._ctl_handle
+    ctl = _ScriptedRead()
+    source._ctl_handle = ctl
+    _scripted(monkeypatch, agents[1], layout)
+    with pytest.raises(SourceStalled):
+        source.read_control(timeout_s=0.05)
+    with pytest.raises(SourceStalled, match="still in flight"):
+        source.read_control(timeout_s=0.05)
+    assert ctl.posts == 1 and ctl.released_in is None
+    ctl.finish("DONE")
+    source.close()
+    assert ctl.released_in == "DONE"
+    real_handle.release()
+
+
+@pytest.mark.parametrize("case, states, timeout_s, kept", [
+    ("done at once", ["DONE"], 0.0, False),
+    ("failed at once", ["ERR"], 0.0, False),
+    ("done after a while", ["PROC"] * 5 + ["DONE"], 1.0, False),
+    ("in flight past the wait", ["PROC"] * 1000, 0.01, True),
+    ("state unreadable", [RuntimeError("nixl")] * 1000, 0.01, True),
+])
+def test_await_terminal_releases_a_read_only_once_it_is_terminal(case, states, timeout_s, kept):
+    class Nixl:
+        def check_xfer_state(self, h):
+            s = h.states.pop(0) if len(h.states) > 1 else h.states[0]
+            if isinstance(s, Exception):
+                raise s
+            h.state = s
+            return s
+
+    h = _ScriptedRead()
+    h.states = list(states)
+    handles = {7: h}
+    _await_terminal(Nixl(), handles, timeout_s)
+    assert (7 in handles) == kept, case
+    assert h.released_in is None if kept else h.released_in in ("DONE", "ERR"), case

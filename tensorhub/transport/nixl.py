@@ -11,6 +11,14 @@ process can read from it at the same time (pipeline replication: ``holder -> r1 
 Ordering rule for writers of a control block: write a unit's bytes, then its checksum, then the
 progress counter. Readers only read units below the progress they saw.
 
+A posted READ is released only once NIXL reports it terminal (``DONE`` or ``ERR``). Releasing a
+handle still in progress is NIXL's only abort (``nixlAgent::releaseXferReq`` asks the backend to
+release the request), and for UCX it does not stop the READ: ``ucp_request_cancel`` cancels only
+tag receives, and ``ucp_request_free`` frees a request when it completes, so the bytes may land
+after the release, with no handle left to tell when. A read that does not become terminal is
+therefore kept, never released: by its region (:meth:`Region.settle`), or by
+:data:`_kept_alive` with the memory it writes into.
+
 One NIXL agent per process (:func:`get_agent`); a NIXL agent is not thread-safe, so transfers on
 one :class:`Agent` are serialised by its ``xfer_lock`` (:func:`pull`, :meth:`Source.read_control`).
 Updating a control block (``set_progress`` etc.) is a plain memory write and may happen from any
@@ -64,6 +72,51 @@ _NO_VERSION = -1
 _POLL_MAX_S = 2e-3
 _CONTROL_POLL_S = 50e-6
 _CONTROL_FINE_S = 5e-3
+
+_kept_alive: list[Any] = []
+"""Regions and sources closed while a READ into their memory was still in flight: kept, still
+registered, so that the late bytes land in memory nobody else uses (logged when it happens)."""
+
+
+def _is_terminal(nx: Any, handle: Any) -> bool:
+    """Whether NIXL reports the transfer done or failed. A state that cannot be read is not
+    terminal (nothing is known about the bytes)."""
+    try:
+        return nx.check_xfer_state(handle) != XferState.PROC
+    except Exception:  # noqa: BLE001 - unknown state: keep the handle
+        logger.debug("check_xfer_state failed", exc_info=True)
+        return False
+
+
+def _release_terminal(nx: Any, handles: dict[Any, Any]) -> None:
+    """Release and drop the handles whose transfer is terminal; keep the others."""
+    for key, h in list(handles.items()):
+        if _is_terminal(nx, h):
+            del handles[key]
+            try:
+                h.release()
+            except Exception:  # noqa: BLE001 - terminal: nothing can land any more
+                logger.warning("releasing a finished transfer failed", exc_info=True)
+
+
+def _await_terminal(nx: Any, handles: dict[Any, Any], timeout_s: float,
+                    lock: Optional[threading.RLock] = None) -> None:
+    """Poll ``handles`` (any keys) until each is terminal, releasing and dropping it then, for at
+    most ``timeout_s`` (0: look once). What is left in ``handles`` is still in flight. ``lock``
+    is taken around each look, not across the sleeps. One look when every read is already done."""
+    deadline = time.monotonic() + timeout_s
+    delay = _CONTROL_POLL_S
+    while True:
+        if lock is None:
+            _release_terminal(nx, handles)
+        else:
+            with lock:
+                _release_terminal(nx, handles)
+        left = deadline - time.monotonic()
+        if not handles or left <= 0:
+            return
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, _POLL_MAX_S)
 
 
 def _to_i64(u: int) -> int:
@@ -262,6 +315,8 @@ class Region:
         self.mem_type = mem_type
         self._local_dlist: Any = None
         self._closed = False
+        self._unsettled: dict[int, Any] = {}
+        """Reads into this region that a pull left in flight (unit -> handle): see :meth:`settle`."""
 
     @classmethod
     def register(cls, tensors: Sequence[torch.Tensor], layout: Layout, config: Config,
@@ -375,10 +430,41 @@ class Region:
         if self._closed:
             raise TransferError("region is closed")
 
+    # ---- reads a pull left in flight ------------------------------------------------
+    @property
+    def unsettled_units(self) -> list[int]:
+        """Units a READ of an earlier pull may still write (that pull raised
+        :class:`~tensorhub.errors.ReadsNotTerminal`); empty normally."""
+        with self.agent.xfer_lock:
+            return sorted(self._unsettled)
+
+    def _keep_unsettled(self, reads: dict[int, Any]) -> None:
+        """Take over reads into this region that are not terminal (never released until they are)."""
+        assert not self._unsettled.keys() & reads.keys(), "a unit read twice at once"
+        self._unsettled.update(reads)
+
+    def settle(self, timeout_s: float = 0.0) -> bool:
+        """Wait up to ``timeout_s`` (0: look once) for the reads an earlier pull left in flight
+        (:class:`~tensorhub.errors.ReadsNotTerminal`) to become terminal, releasing each as it
+        does. True when none is left: only then may another pull (or anyone) write the region's
+        units past its progress, and the failed source be reported. Idempotent; thread-safe
+        (takes the agent's ``xfer_lock`` for each look only); cheap when nothing is left."""
+        if self._unsettled:
+            _await_terminal(self.agent.nixl, self._unsettled, timeout_s, self.agent.xfer_lock)
+        return not self._unsettled
+
     def close(self) -> None:
         """Deregister everything. Idempotent. Readers of this region fail afterwards (their
-        reads error out); callers must drain readers first (the unpublish contract)."""
+        reads error out); callers must drain readers first (the unpublish contract). If reads
+        into this region are still in flight (:meth:`settle` is False), nothing is deregistered:
+        the region and its tensors are kept alive for the late bytes (logged)."""
         if self._closed:
+            return
+        if not self.settle(0.0):
+            logger.error("region on %s closed with reads into units %s still in flight: kept registered",
+                         self.agent.name, self.unsettled_units)
+            self._closed = True
+            _kept_alive.append(self)
             return
         self._closed = True
         if self._local_dlist is not None:
@@ -433,6 +519,9 @@ class Source:
             raise TransferError(f"cannot prepare reads from {endpoint.agent_name}: {e}") from e
         self._remote_dlist: Any = None
         self._closed = False
+        self._ctl_in_flight = False
+        """A control read timed out: it may still land in the scratch block, so the handle is
+        neither posted again nor released until NIXL reports it terminal."""
         self.reached = False
         """A control read from this source succeeded once (the peer was reachable)."""
         self.control_reads = 0
@@ -454,6 +543,8 @@ class Source:
         if self._closed:
             raise TransferError("source is closed")
         nx = self.agent.nixl
+        if self._ctl_in_flight and not self._ctl_settled():
+            raise SourceStalled(f"an earlier control read from {self.name} is still in flight")
         self.control_reads += 1
         try:
             state = nx.transfer(self._ctl_handle)
@@ -462,6 +553,7 @@ class Source:
             while state == XferState.PROC:
                 now = time.monotonic()
                 if now > deadline:
+                    self._ctl_in_flight = True
                     raise SourceStalled(f"control read from {self.name} took over {timeout_s}s")
                 # A round trip is 0.1-1 ms over a link: poll finely for the first few ms (an
                 # exponential backoff noticed a 1.3 ms answer at 2.5 ms, on every starved poll
@@ -477,6 +569,13 @@ class Source:
         self.reached = True
         return self._scratch
 
+    def _ctl_settled(self) -> bool:
+        """Whether the control read that timed out is terminal now (then it may be posted again)."""
+        with self.agent.xfer_lock:
+            if _is_terminal(self.agent.nixl, self._ctl_handle):
+                self._ctl_in_flight = False
+        return not self._ctl_in_flight
+
     def _remote_descs(self, layout: Layout) -> Any:
         if self._remote_dlist is None:
             ep = self.endpoint
@@ -488,10 +587,15 @@ class Source:
         return self._remote_dlist
 
     def close(self) -> None:
-        """Release handles and the scratch registration. Idempotent; the peer stays added."""
+        """Release handles and the scratch registration. Idempotent; the peer stays added. A
+        control read still in flight keeps its handle and the scratch block alive (logged)."""
         if self._closed:
             return
         self._closed = True
+        if self._ctl_in_flight and not self._ctl_settled():
+            logger.error("source %s closed with a control read in flight: scratch kept registered", self.name)
+            _kept_alive.append(self)
+            return
         for h in (self._ctl_handle, self._remote_dlist):
             if h is not None:
                 try:

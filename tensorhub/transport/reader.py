@@ -11,6 +11,11 @@ read (the link never waits for our bookkeeping); verify the unit's checksum (byt
 version fail it, which is why checksums replace the seqlock read); copy the checksum into our
 control block; then advance our progress counter. The source's control block is otherwise read
 only when the reader runs out of units it knows to be final.
+
+Every wait of the loop (a read in flight, a checksum being computed, a source with nothing new)
+ends in :class:`SourceStalled` once nothing has moved for ``source_stall_timeout_s``. A read is
+released only once NIXL reports it terminal; one that is not, when the pull ends, stays with the
+region (see :func:`pull` and :mod:`tensorhub.transport.nixl`).
 """
 
 from __future__ import annotations
@@ -23,10 +28,26 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from tensorhub.config import Config
-from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch, SourceStalled, TransferError
+from tensorhub.errors import (
+    ChecksumMismatch,
+    InvalidState,
+    LayoutMismatch,
+    ReadsNotTerminal,
+    SourceStalled,
+    TransferError,
+)
 from tensorhub.layout import Layout, checksum_unit
 from tensorhub.transport.follow import Advanced, Follow
-from tensorhub.transport.nixl import _HEADER, Region, Source, XferState, _to_i64, _to_u64, _unit_desc_index
+from tensorhub.transport.nixl import (
+    _HEADER,
+    Region,
+    Source,
+    XferState,
+    _await_terminal,
+    _to_i64,
+    _to_u64,
+    _unit_desc_index,
+)
 from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
 
 logger = logging.getLogger(__name__)
@@ -98,17 +119,34 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
     - ``start_unit == 0`` resets the region to (``expect_version``, progress 0). ``start_unit > 0``
       resumes: the region must already hold ``expect_version`` with ``progress >= start_unit``
       (else :class:`InvalidState`); progress is set to ``start_unit``.
-    - ``should_stop()`` (polled between completions) makes pull wait for posted reads and return
-      early; the region's progress is the completed prefix.
+    - ``should_stop()`` (polled between completions) makes pull wait for posted reads (as below)
+      and return early; the region's progress is the completed prefix.
 
     Raises :class:`TransferError` (NIXL error, remote gone, or the source's version is not
-    ``expect_version``: the source moved on), :class:`SourceStalled` (the source's progress did not
-    advance for ``config.source_stall_timeout_s`` while units were still needed),
-    :class:`ChecksumMismatch` naming the unit (only when ``config.checksums``), or
-    :class:`LayoutMismatch`. On every error ``region.progress`` is the completed prefix, so
-    ``pull(..., start_unit=region.progress)`` from another source resumes without refetching.
-    Every posted read has reached a terminal state (or the bounded drain gave up and logged it)
-    when pull returns or raises. Returns the number of bytes read.
+    ``expect_version``: the source moved on), :class:`SourceStalled` (nothing moved for
+    ``config.source_stall_timeout_s`` while units were still needed: no read completed, no
+    checksum finished, the source's progress did not grow), :class:`ChecksumMismatch` naming the
+    unit (only when ``config.checksums``), or :class:`LayoutMismatch`. On every error
+    ``region.progress`` is the completed prefix, so ``pull(..., start_unit=region.progress)`` from
+    another source resumes without refetching.
+
+    When pull returns or raises any of those, every read it posted is terminal (done or failed)
+    and released: no byte of this pull lands afterwards. Reads still in flight when it ends are
+    waited for, at most ``config.source_stall_timeout_s``; they are never released (NIXL's only
+    abort, releasing the handle, does not stop a posted UCX READ). If some are still in flight
+    then, pull raises :class:`ReadsNotTerminal` instead (the original error, if any, is its
+    ``__cause__``) and the region keeps those reads. After it, the caller:
+
+    - must not report the source failed or drained, nor let it be reused for another version:
+      its holder could rewrite bytes a late READ still copies;
+    - must not write, read as final, or re-read units at or past ``region.progress`` (units below
+      it are complete and verified); another ``pull`` into the region raises
+      :class:`ReadsNotTerminal` at once;
+    - waits for ``region.settle(timeout_s)`` to return True (every such read terminal and
+      released; each later ``pull`` also looks once), and only then reports the source failed
+      and resumes from ``region.progress`` as after any other error.
+
+    Returns the number of bytes read.
     """
     ep = source.endpoint
     if region.layout.unit_signature != layout.unit_signature:
@@ -119,6 +157,10 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
             f"{layout.fingerprint[:12]}, or different unit settings)")
     if region.agent is not source.agent:
         raise TransferError("region and source must use the same agent")
+    if not region.settle(0.0):
+        raise ReadsNotTerminal(
+            f"reads of an earlier pull into units {region.unsettled_units} are still in flight "
+            "(Region.settle)")
     n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
     if source_sums is not None and not isinstance(source_sums, KnownProgress) and n_units > len(source_sums):
         raise InvalidState(f"end unit {n_units} is past the {len(source_sums)} units the source is known to hold")
@@ -170,6 +212,7 @@ class _Puller:
         """Landed units whose checksum the verifier thread is computing."""
         self.remote_sums: list[int] = []
         self.last_advance = time.monotonic()
+        """When something last moved: a read landed, a unit was verified, the source advanced."""
         self.source_advanced_at = self.last_advance
         """When the source's published progress was last seen to grow."""
         self.pacer = Pacer(config.reads_in_flight)
@@ -191,61 +234,77 @@ class _Puller:
             self.last_advance = self.source_advanced_at = time.monotonic()
 
     def run(self) -> int:
+        """The pull (see :func:`pull`); every posted read is terminal when it returns or raises,
+        else it raises :class:`ReadsNotTerminal`."""
         try:
-            self._refresh_control()
-            self._refresh_control()  # the first read paid for connecting: this one times the link
-            self._follow_if_partial()
-            starved_delay = POLL_MIN_S
-            while self.prefix < self.n_units:
-                if self.should_stop is not None and self.should_stop():
-                    logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
-                    break
-                self._serve_followers()
-                self._post_more()
-                if self.verifying:
-                    self._advance_prefix()
-                    if not self.inflight and self.verifying and self.next_post >= min(self.n_units, self.remote_progress):
-                        # Nothing to read until the next checksum is done: wait for it.
-                        concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
-                        continue
-                if self._reap():
-                    if not self.config.checksums:
-                        # Seqlock: a unit counts only if the source still holds our version
-                        # after its bytes arrived. Checksums make this round trip unnecessary
-                        # (bytes of another version fail them), and skipping it matters: on a
-                        # link it queues behind the next read's bytes, a whole unit late.
-                        self._refresh_control()
-                    self._post_more()  # refill before the checksums
-                    self._advance_prefix()
+            n = self._loop()
+        except BaseException as e:
+            self._drain(e)
+            raise
+        self._drain(None)
+        return n
+
+    def _loop(self) -> int:
+        self._refresh_control()
+        self._refresh_control()  # the first read paid for connecting: this one times the link
+        self._follow_if_partial()
+        starved_delay = POLL_MIN_S
+        while self.prefix < self.n_units:
+            if self.should_stop is not None and self.should_stop():
+                logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
+                break
+            self._serve_followers()
+            self._post_more()
+            if self.verifying:
+                self._advance_prefix()
+                if not self.inflight and self.verifying and self.next_post >= min(self.n_units, self.remote_progress):
+                    # Nothing to read until the next checksum is done: wait for it (bounded too).
+                    self._raise_if_stalled()
+                    concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
+                    continue
+            if self._reap():
+                if not self.config.checksums:
+                    # Seqlock: a unit counts only if the source still holds our version
+                    # after its bytes arrived. Checksums make this round trip unnecessary
+                    # (bytes of another version fail them), and skipping it matters: on a
+                    # link it queues behind the next read's bytes, a whole unit late.
+                    self._refresh_control()
+                self._post_more()  # refill before the checksums
+                self._advance_prefix()
+                starved_delay = POLL_MIN_S
+                continue
+            if not self.inflight and self.remote_progress <= self.next_post < self.n_units:
+                # Starved for units: take the source's pushes, or look at its counter again.
+                before = self.remote_progress
+                self._take_pushes()
+                if self.remote_progress == before and self._control_due():
+                    self._refresh_control()
+                if self.remote_progress > before:
                     starved_delay = POLL_MIN_S
                     continue
-                if self.inflight and time.monotonic() - self.last_advance > self.config.source_stall_timeout_s:
-                    raise SourceStalled(
-                        f"no read from {self.source.name} completed for {self.config.source_stall_timeout_s}s "
-                        f"(unit {min(self.inflight)} posted)")
-                if not self.inflight and self.remote_progress <= self.next_post < self.n_units:
-                    # Starved for units: take the source's pushes, or look at its counter again.
-                    before = self.remote_progress
-                    self._take_pushes()
-                    if self.remote_progress == before and self._control_due():
-                        self._refresh_control()
-                    if self.remote_progress > before:
-                        starved_delay = POLL_MIN_S
-                        continue
-                    if time.monotonic() - self.last_advance > self.config.source_stall_timeout_s:
-                        raise SourceStalled(
-                            f"source {self.source.name} stuck at {self.remote_progress}/"
-                            f"{self.n_units} units for {self.config.source_stall_timeout_s}s")
-                now = time.monotonic()
-                if self.inflight:
-                    time.sleep(self.pacer.sleep_s(now, starved_delay))
-                else:
-                    time.sleep(self.pacer.starved_s(now, self.source_advanced_at, starved_delay))
-                if not self.inflight:
-                    starved_delay = min(starved_delay * 2, POLL_MAX_S)
-            return self.bytes_read
-        finally:
-            self._drain()
+            self._raise_if_stalled()  # every path that waits passes here or above
+            now = time.monotonic()
+            if self.inflight:
+                time.sleep(self.pacer.sleep_s(now, starved_delay))
+            else:
+                time.sleep(self.pacer.starved_s(now, self.source_advanced_at, starved_delay))
+            if not self.inflight:
+                starved_delay = min(starved_delay * 2, POLL_MAX_S)
+        return self.bytes_read
+
+    def _raise_if_stalled(self) -> None:
+        """Raise :class:`SourceStalled` if nothing moved for ``source_stall_timeout_s``."""
+        timeout = self.config.source_stall_timeout_s
+        if time.monotonic() - self.last_advance <= timeout:
+            return
+        if self.inflight:
+            raise SourceStalled(
+                f"no read from {self.source.name} completed for {timeout}s (unit {min(self.inflight)} posted)")
+        if self.verifying:
+            raise SourceStalled(
+                f"checksum of unit {min(self.verifying)} from {self.source.name} not done for {timeout}s")
+        raise SourceStalled(
+            f"source {self.source.name} stuck at {self.remote_progress}/{self.n_units} units for {timeout}s")
 
     def _refresh_control(self) -> None:
         if self.known is not None:
@@ -394,21 +453,30 @@ class _Puller:
             self.bytes_read += self.layout.unit_nbytes(u)
             self.prefix = u + 1
             region.set_progress(self.prefix)  # after the checksum: followers rely on the order
+            self.last_advance = time.monotonic()
             if self.on_unit is not None:
                 self.on_unit(u)
         if self.followers:
             self._tell_followers()
 
-    def _drain(self) -> None:
-        """Wait (bounded) for posted reads, then release them; never raises."""
-        deadline = time.monotonic() + max(1.0, self.config.source_stall_timeout_s)
-        for u, h in list(self.inflight.items()):
-            try:
-                while self.nx.check_xfer_state(h) == XferState.PROC and time.monotonic() < deadline:
-                    time.sleep(POLL_MIN_S)
-                h.release()
-            except Exception:  # noqa: BLE001 - already failing; a leaked handle is logged by nixl
-                logger.warning("could not release read of unit %d from %s", u,
-                               self.source.name, exc_info=True)
-        self.inflight.clear()
+    def _drain(self, failure: Optional[BaseException]) -> None:
+        """Wait for every posted read to be terminal, releasing each then. Free when none is
+        posted (a pull that read everything). A read still in flight after
+        ``source_stall_timeout_s`` is not released (that would not stop it: see
+        :mod:`tensorhub.transport.nixl`): the region keeps it, and :class:`ReadsNotTerminal`
+        is raised from ``failure``."""
         self.pacer.forget_inflight()
+        if not self.inflight:
+            return
+        timeout = self.config.source_stall_timeout_s
+        _await_terminal(self.nx, self.inflight, timeout)
+        if not self.inflight:
+            return
+        units = sorted(self.inflight)
+        self.region._keep_unsettled(self.inflight)
+        self.inflight = {}
+        why = f"failed ({type(failure).__name__}: {failure})" if failure is not None else "stopped"
+        msg = (f"reads of units {units} from {self.source.name} still in flight {timeout}s after the "
+               f"pull {why}: they may still write those units (Region.settle)")
+        logger.error(msg)
+        raise ReadsNotTerminal(msg) from failure
