@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ import torch
 
 from tensorhub import errors, metrics
 from tensorhub.config import Config
+from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.port import ServerPort
@@ -45,11 +45,8 @@ _SOURCES_KEPT = 4
 NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
 
 
-class HubState(enum.Enum):
-    OPEN = "open"  # not registered yet
-    IDLE = "idle"  # registered, holds nothing visible
-    PUBLISHED = "published"
-    CLOSED = "closed"
+HubState = hm.Phase
+"""The handle's lifecycle phase (``OPEN`` until register, ``IDLE``, ``PUBLISHED``, ``CLOSED``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +77,11 @@ class ReadStats:
 
 
 class Hub:
-    """One shard handle. Build with :func:`tensorhub.open`."""
+    """One shard handle. Build with :func:`tensorhub.open`.
+
+    A thin driver of :class:`tensorhub.core.handle.HandleMachine`: the machine decides (rounds,
+    retries, failover, re-announce, aborts); this class carries out its commands with the server
+    port, the NIXL transport and threads, and feeds back what happened."""
 
     def __init__(self, model: str, port: ServerPort, *, shard: int = 0, num_shards: int = 1,
                  replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
@@ -100,47 +101,50 @@ class Hub:
         self.config = config or Config()
         self.client_id = f"{model}/{self.replica}/{shard}/{uuid.uuid4().hex[:6]}"
         self._port = port
-        self._state = HubState.OPEN
+        self._machine = hm.HandleMachine(self.client_id, request_timeout_s=self.config.request_timeout_s,
+                                         reconnects_max=self.config.reconnects_max,
+                                         failovers_max=self.config.failovers_max)
         self._layout: Optional[Layout] = None
         self._tensors: list[torch.Tensor] = []
         self._region: Optional[tx.Region] = None
-        self._register_msg: Optional[m.Register] = None
-        self._published: Optional[int] = None
         self._checksums: list[int] = []
         self._host: dict[int, tuple[tx.Region, list[torch.Tensor]]] = {}
         self._host_pool: list[tuple[tx.Region, list[torch.Tensor]]] = []
         self._sources: "collections.OrderedDict[bytes, tx.Source]" = collections.OrderedDict()
         """Sources kept open across reads, by endpoint (see ``_open_source``)."""
-        self._seq = 0
-        self._round: tuple[int, int] = (-1, -1)
-        """(seq, version) of the last round the server resolved for this handle."""
-        self._progress_units = 0
-        self._reading = False
-        self._current_source = ""
+        self._pending_pull: Optional[hm.Pull] = None
+        """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
+        self._read_t0 = 0.0
+        self._t_assigned = 0.0
+        self._finished_at = 0.0
         self._hb_stop = threading.Event()
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()  # one blocking call at a time
+        self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
         self._host_lock = threading.Lock()  # host copies are freed from the heartbeat thread
 
     # ------------------------------------------------------------------ public API
 
     @property
     def state(self) -> HubState:
-        return self._state
+        return self._machine.phase
 
     @property
     def version(self) -> Optional[int]:
         """The version this handle currently publishes, or None."""
-        return self._published
+        return self._machine.published
+
+    @property
+    def _published(self) -> Optional[int]:
+        return self._machine.published
 
     def register(self, tensors: NamedTensors) -> None:
         """Declare the tensors this shard holds, in order (a state dict works). Registers their
         memory with the transport once. The layout must match the model's layout for this shard
         index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle."""
         with self._lock:
-            self._check_open()
-            if self._state is not HubState.OPEN:
-                raise errors.InvalidState("register() was already called on this handle")
+            if self._machine.phase is not HubState.OPEN:
+                self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
             layout = Layout.for_config(tensors, self.config)
             items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
             ts = [t for _, t in items]
@@ -151,13 +155,14 @@ class Hub:
                 endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
                 process=self._port.process(),
             )
+            self._layout, self._tensors, self._region = layout, ts, region
+            self._machine.unit_count = layout.unit_count
             try:
-                self._expect(self._port.call(msg), m.Ok)
+                self._run(hm.RegisterOp(msg))
             except BaseException:
+                self._layout, self._tensors, self._region = None, [], None
                 region.close()
                 raise
-            self._layout, self._tensors, self._region, self._register_msg = layout, ts, region, msg
-            self._state = HubState.IDLE
             self._start_heartbeat()
             log.info("model=%s replica=%s shard=%d registered %d tensors, %d bytes, %d units",
                      self.model, self.replica, self.shard, len(ts), layout.total_bytes, layout.unit_count)
@@ -165,28 +170,23 @@ class Hub:
     def publish(self, version: int) -> None:
         """Declare that the registered tensors hold ``version``; from now until ``unpublish()``
         returns the caller must not write them. Idempotent for the same version. Raises
-        ``InvalidState`` if another version is published (unpublish first)."""
+        ``InvalidState`` if another version is published (unpublish first).
+
+        CUDA tensors: the current stream is synchronized first, so that readers never see bytes
+        of kernels still queued (with checksums off nothing else would catch them)."""
         with self._lock:
-            self._check_registered()
             if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                 raise errors.BadVersionSpec(f"publish() needs an int version >= 0, got {version!r}")
-            if self._published == version:
-                return
-            if self._published is not None:
-                raise errors.InvalidState(f"version {self._published} is published: unpublish() first")
-            need_sums = self.config.checksums or self.config.verify_mutability
-            sums = checksum_all(self._tensors, self._layout) if need_sums else []
-            self._region.publish_complete(version, sums or None)
-            try:
-                self._expect(self._call(m.Publish(self.client_id, version)), m.Ok)
-            except BaseException:
-                self._region.set_progress(0)
-                self._region.set_version(-1)
-                raise
-            self._checksums = sums
-            self._published = version
+            if self._machine.phase in (HubState.IDLE, HubState.PUBLISHED) and self._machine.published is None:
+                _sync_devices(self._tensors)
+                need_sums = self.config.checksums or self.config.verify_mutability
+                sums = checksum_all(self._tensors, self._layout) if need_sums else []
+            else:
+                sums = []
+            self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
+            if self._machine.published == version and sums:
+                self._checksums = sums
             metrics.record_publish(self.model)
-            self._state = HubState.PUBLISHED
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 
     def unpublish(self) -> None:
@@ -194,58 +194,60 @@ class Hub:
         for the last non-spot copy of a retained version, until a host copy is published).
         After it returns the caller may write the tensors. Idempotent."""
         with self._lock:
-            self._check_registered()
-            if self._published is None:
-                return
-            reply = self._call(m.Unpublish(self.client_id), wait=True)
-            self._finish_unpublish(reply)
+            out = self._run(hm.UnpublishOp())
+            if out.was_published is not None and self.config.verify_mutability:
+                self._verify_unchanged(out.was_published)
 
-    def replicate(self, spec: m.VersionSpec = "latest") -> ReadStats:
+    def replicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
         """Fetch version ``spec`` (an int, ``"latest"``, ``"latest-k"``) into the registered
         tensors, then serve it as a holder. Raises ``InvalidState`` while a version is published
-        (use ``update()``), ``VersionNotFound`` / ``VersionExpired`` / ``VersionLost``."""
-        with self._lock:
-            self._check_registered()
-            if self._published is not None:
-                raise errors.InvalidState(f"version {self._published} is published: unpublish() first, or update()")
-            return self._replicate(spec, update=False)
+        (use ``update()``), ``VersionNotFound`` / ``VersionExpired`` / ``VersionLost``.
 
-    def update(self, spec: m.VersionSpec = "latest") -> ReadStats:
+        ``round`` (sharded replicas): the call's round number, the same on every shard of the
+        replica (e.g. the rollout iteration); the shards' calls of one round get one version. By
+        default the handle counts its calls, which is exact while the shards call in lock step;
+        pass ``round`` when shard processes may restart on their own (a restarted process cannot
+        know which round its siblings are in)."""
+        with self._lock:
+            return self._replicate(spec, update=False, round_no=_check_round(round))
+
+    def update(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
         """Atomically move to ``spec``: a no-op (``action="noop"``) when this handle already
         publishes that version; otherwise drain and unpublish the current version, then
         replicate the new one. If the version is lost mid-read and ``spec`` is relative,
-        retries once with the newest available version."""
+        retries once in the same round (the shards of a replica stay in one transaction).
+        ``round``: as for :meth:`replicate`."""
         with self._lock:
-            self._check_registered()
-            try:
-                return self._replicate(spec, update=True)
-            except errors.VersionLost:
-                if isinstance(spec, int):
-                    raise
-                # Same round: the server keeps every shard of this replica in one transaction
-                # (it re-resolves the round only if no sibling already holds its version).
-                log.info("model=%s shard=%d update(%r): version lost, retrying", self.model, self.shard, spec)
-                return self._replicate(spec, update=True, same_round=True)
+            return self._replicate(spec, update=True, round_no=_check_round(round))
 
-    def close(self) -> None:
+    def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
-        close raises ``HandleClosed``."""
+        close raises ``HandleClosed``.
+
+        If this handle serves the last live non-spot copy of a retained version while other
+        clients of the model remain, the server refuses: ``LastCopyHeld`` is raised and the
+        handle stays open (unpublished, serving its host copy) -- close again once another holder
+        has the version, or pass ``drop_last_copy=True`` to drop it. Any other failure still
+        closes the handle (and raises)."""
         with self._lock:
-            if self._state is HubState.CLOSED:
-                raise errors.HandleClosed("handle already closed")
             try:
-                if self._published is not None:
-                    self._finish_unpublish(self._call(m.Unpublish(self.client_id), wait=True))
-            finally:
-                self._state = HubState.CLOSED
-                self._hb_stop.set()
+                self._run(hm.CloseOp(drop_last_copy=drop_last_copy))
+            except errors.LastCopyHeld:
+                raise
+            except errors.HandleClosed:
+                raise
+            except BaseException:
+                with self._mlock:
+                    self._machine.phase = HubState.CLOSED
                 try:
-                    if self._register_msg is not None:
-                        self._port.call(m.Leave(self.client_id))
+                    self._port.call(m.Leave(self.client_id, drop_last_copy=True))
                 except errors.TensorHubError:
                     pass
-                finally:
-                    self._release()
+                self._hb_stop.set()
+                self._release()
+                raise
+            self._hb_stop.set()
+            self._release()
 
     # asyncio twins
     async def aregister(self, tensors: NamedTensors) -> None:
@@ -257,74 +259,209 @@ class Hub:
     async def aunpublish(self) -> None:
         await asyncio.to_thread(self.unpublish)
 
-    async def areplicate(self, spec: m.VersionSpec = "latest") -> ReadStats:
-        return await asyncio.to_thread(self.replicate, spec)
+    async def areplicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
+        return await asyncio.to_thread(lambda: self.replicate(spec, round=round))
 
-    async def aupdate(self, spec: m.VersionSpec = "latest") -> ReadStats:
-        return await asyncio.to_thread(self.update, spec)
+    async def aupdate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
+        return await asyncio.to_thread(lambda: self.update(spec, round=round))
 
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
+    async def aclose(self, drop_last_copy: bool = False) -> None:
+        await asyncio.to_thread(self.close, drop_last_copy)
 
     def __enter__(self) -> "Hub":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._state is not HubState.CLOSED:
+        if self._machine.phase is not HubState.CLOSED:
             self.close()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ the driver
 
-    def _replicate(self, spec: m.VersionSpec, update: bool, same_round: bool = False) -> ReadStats:
-        t0 = time.perf_counter()
-        reply = self._begin_read(spec, update, same_round=same_round)
-        if isinstance(reply, m.NoChange):
-            st = ReadStats(action="noop", version=reply.version, seconds=time.perf_counter() - t0)
+    def _feed(self, event: hm.Event) -> list:
+        with self._mlock:
+            return self._machine.handle(event, time.monotonic())
+
+    def _run(self, op: hm.Op) -> hm.Outcome:
+        """Carry out one operation (the caller holds ``_lock``)."""
+        return self._drive(self._feed(hm.Start(op)))
+
+    def _drive(self, cmds: list, *, pause_at_pull: bool = False):
+        """Carry out the machine's commands until the operation ends: returns its
+        :class:`~tensorhub.core.handle.Outcome`, raises its typed error. ``pause_at_pull``:
+        return the first :class:`~tensorhub.core.handle.Pull` instead of running it (resume
+        with ``_drive([pull])``). Any exception of the driver itself (KeyboardInterrupt, a
+        bug) is fed to the machine, which ends the operation (aborting a read on the server),
+        and re-raised."""
+        while True:
+            awaiting = None
+            for cmd in cmds:
+                match cmd:
+                    case hm.Done(outcome):
+                        return outcome
+                    case hm.Fail(code, message):
+                        raise errors.from_code(code, message)
+                    case hm.SetRegion():
+                        self._set_region(cmd)
+                    case hm.DropHost(version):
+                        self._drop_host_copy(version)
+                    case hm.Send(request, fire=True):
+                        self._fire(request)
+                    case _:
+                        awaiting = cmd
+            assert awaiting is not None, f"{self.client_id}: the machine stopped without an outcome"
+            if pause_at_pull and isinstance(awaiting, hm.Pull):
+                return awaiting
+            try:
+                event = self._execute(awaiting)
+            except BaseException as exc:
+                self._finish_interrupted(exc)
+                raise
+            cmds = self._feed(event)
+
+    def _finish_interrupted(self, exc: BaseException) -> None:
+        for cmd in self._feed(hm.Interrupted(f"{type(exc).__name__}: {exc}")):
+            if isinstance(cmd, hm.Send):
+                self._fire(cmd.request)
+            elif isinstance(cmd, hm.SetRegion):
+                self._set_region(cmd)
+
+    def _fire(self, request: m.Request) -> None:
+        try:
+            self._port.call(request)
+        except errors.TensorHubError:
+            log.info("model=%s shard=%d: %s not delivered", self.model, self.shard, type(request).__name__)
+
+    def _execute(self, cmd) -> hm.Event:
+        match cmd:
+            case hm.Send(request, wait):
+                try:
+                    return hm.Replied(self._port.call(request, self.config.request_timeout_s if wait else 0.0))
+                except errors.ServerUnavailable as e:
+                    log.warning("model=%s shard=%d: reference server unavailable", self.model, self.shard)
+                    return hm.Unavailable(str(e))
+            case hm.Reconnect(delay_s):
+                time.sleep(delay_s)
+                self._port.reconnect()
+                return hm.TimerFired()
+            case hm.Sleep(delay_s):
+                time.sleep(delay_s)
+                return hm.TimerFired()
+            case hm.Recheck(version, units):
+                return hm.Rechecked(self._recheck(version, units))
+            case hm.Pull(assignment, _start):
+                return self._pull(assignment)
+            case hm.Offload(version):
+                return hm.Offloaded(version, self._offload(version))
+        raise AssertionError(f"unknown command {cmd!r}")
+
+    def _set_region(self, cmd: hm.SetRegion) -> None:
+        region = self._region
+        if region is None:
+            return
+        if cmd.version < 0:
+            region.set_progress(0)
+            region.set_version(-1)
+        elif self._layout is not None and cmd.progress >= self._layout.unit_count:
+            region.publish_complete(cmd.version, list(cmd.checksums) if cmd.checksums else None)
         else:
-            st = self._read(reply, t0)
+            region.set_version(cmd.version)
+            region.set_progress(cmd.progress)
+
+    def _pull(self, a: m.Assignment) -> hm.Pulled:
+        """One source, no failover (the machine decides that): every posted read is terminal
+        when this returns, unless ``not_terminal`` says otherwise."""
+        if not self._t_assigned:
+            self._t_assigned = time.perf_counter()
+        if not self._region.settle(self.config.source_stall_timeout_s):
+            # An earlier pull left reads that NIXL never reported ended: none of this region's
+            # units past its progress can be trusted yet.
+            return hm.Pulled(self._region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
+        try:
+            self._pull_range(a, self._layout.unit_count)
+        except errors.ReadsNotTerminal as err:
+            log.error("model=%s version=%d shard=%d: %s", self.model, a.version, self.shard, err)
+            return hm.Pulled(self._region.progress, str(err), not_terminal=True)
+        except (errors.TransferError, errors.ChecksumMismatch) as err:
+            log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
+                        self.model, a.version, self.shard, a.source_id, self._region.progress, err)
+            return hm.Pulled(self._region.progress, str(err) or type(err).__name__,
+                             unreachable=isinstance(err, errors.SourceUnreachable))
+        self._finished_at = time.time()
+        return hm.Pulled(self._region.progress)
+
+    def _recheck(self, version: int, units: int) -> int:
+        """A partial read left by an earlier call is resumed only as far as it is still intact:
+        between calls the handle is idle and the user may have written its tensors. Keeps the
+        leading units whose bytes still match the checksums recorded when they landed (none
+        without checksums)."""
+        region = self._region
+        keep = 0
+        if self.config.checksums and region.version == version:
+            sums = region.checksums()
+            layout_units = self._layout.units
+            while keep < min(units, region.progress) and checksum_unit(self._tensors, layout_units[keep]) == sums[keep]:
+                keep += 1
+        if keep < units:
+            log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "
+                     "(the rest changed since)", self.model, self.shard, keep, units, version)
+        return keep
+
+    def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None) -> ReadStats:
+        self._read_t0 = time.perf_counter()
+        self._t_assigned = 0.0
+        out = self._run(hm.ReplicateOp(spec, update, round_no))
+        st = self._read_stats(out)
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
         return st
 
-    def _begin_read(self, spec: m.VersionSpec, update: bool, same_round: bool = False) -> Union[m.Assignment, m.NoChange]:
-        """Phase 1 of a read: resolve, drain the old version if updating, get a source.
+    def _read_stats(self, out: hm.Outcome) -> ReadStats:
+        t_end = time.perf_counter()
+        dt = t_end - self._read_t0
+        if out.action == "noop":
+            return ReadStats(action="noop", version=out.version, seconds=dt)
+        if self.config.checksums or self.config.verify_mutability:
+            self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
+        nbytes = self._units_bytes(out.start_units, self._layout.unit_count)  # each unit fetched once
+        log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
+                 self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
+        first = out.first
+        return ReadStats(action="replicated", version=out.version, seconds=dt,
+                         transfer_s=t_end - (self._t_assigned or t_end), bytes=nbytes, sources=out.sources,
+                         partial_source=bool(first and first.source_partial),
+                         cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
+                         finished_at=self._finished_at)
 
-        Every user call is one round (``seq``): the shards of a replica count their calls alike,
-        so round ``seq`` is one transaction across them. An internal retry stays in its round
-        (``same_round``)."""
-        if not same_round:
-            self._seq += 1
-            self._recheck_partial()
-        req = m.Replicate(self.client_id, spec, seq=self._seq, update=update,
-                          resume_version=self._region.version, resume_units=self._partial_units())
-        reply = self._call_until_settled(req)
-        if isinstance(reply, (m.NoChange, m.Assignment)):
-            self._round = (self._seq, reply.version)
-        if isinstance(reply, m.NoChange):
-            return reply
-        if isinstance(reply, m.OffloadOrder):
-            reply = self._call(self._offload(reply.version), wait=True)
-            if isinstance(reply, m.UnpublishDone):
-                # The server restarted during the offload: we are unpublished now; ask again.
-                self._published = None
-                self._state = HubState.IDLE
-                reply = self._call_until_settled(req)
-        if update and self._published is not None:
-            # The server drained and unpublished the old version before answering.
-            self._published = None
-            self._state = HubState.IDLE
-        return self._expect(reply, m.Assignment)
+    # ---- a compiled graph's member moves the bytes of the first pull itself
 
-    def _call_until_settled(self, req: m.Replicate) -> object:
-        """Replicate, retried while the server says "not yet" (sibling shards still
-        registering, holders still re-announcing after a restart), up to request_timeout_s."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        reply = self._call(req, wait=True)
-        while (isinstance(reply, m.ErrorReply) and reply.code in ("ReplicaIncomplete", "ServerRecovering")
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
-            reply = self._call(req, wait=True)
-        return reply
+    def _begin_read(self, spec: m.VersionSpec, update: bool) -> Union[m.Assignment, m.NoChange]:
+        """Phase 1 of a read: resolve, drain the old version if updating, get a source; the read
+        pauses at its first pull (the caller moves bytes, then :meth:`_finish_read`, or
+        :meth:`_abort_read`). Returns ``NoChange`` if there is nothing to read."""
+        self._read_t0 = time.perf_counter()
+        self._t_assigned = 0.0
+        res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+        if isinstance(res, hm.Outcome):
+            return m.NoChange(version=res.version)
+        self._pending_pull = res
+        return res.assignment
 
+    def _finish_read(self) -> ReadStats:
+        """Phase 2: pull what is missing (failover included), report done, become a holder."""
+        pull, self._pending_pull = self._pending_pull, None
+        assert pull is not None, "no read paused"
+        st = self._read_stats(self._drive([pull]))
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
+        return st
+
+    def _abort_read(self, why: str) -> None:
+        """End a paused read (the graph's driver is gone): the server must not keep a reader
+        that never finishes."""
+        if self._pending_pull is None:
+            return
+        self._pending_pull = None
+        self._finish_interrupted(errors.TransferError(why))
+
+    # ------------------------------------------------------------------ transport helpers
     def _open_source(self, a: m.Assignment) -> tx.Source:
         """The source of ``a``, kept open across reads (opening one prepares a descriptor per
         piece of the layout: about 40 ms for a 1 GiB shard of 660 tensors, a sixth of its
@@ -388,100 +525,6 @@ class Hub:
         """Units of ``version`` already in place: a read after a failover refetches nothing."""
         return self._region.progress if self._region.version == version else 0
 
-    def _recheck_partial(self) -> None:
-        """A partial read left by an earlier call is resumed only as far as it is still intact:
-        between calls the handle is idle and the user may have written its tensors. Keeps the
-        leading units whose bytes still match the checksums recorded when they landed (none
-        without checksums)."""
-        region = self._region
-        if self._published is not None or region is None or region.version < 0 or region.progress == 0:
-            return
-        keep = 0
-        if self.config.checksums:
-            sums = region.checksums()
-            units = self._layout.units
-            while keep < region.progress and checksum_unit(self._tensors, units[keep]) == sums[keep]:
-                keep += 1
-        if keep < region.progress:
-            log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "
-                     "(the rest changed since)", self.model, self.shard, keep, region.progress, region.version)
-            region.set_progress(keep)
-
-    def _partial_units(self) -> int:
-        """Units of the region's version already in place (kept across a failed read)."""
-        return 0 if self._published is not None else self._region.progress
-
-    def _read(self, reply: object, t0: float) -> ReadStats:
-        a = self._expect(reply, m.Assignment)
-        t_assigned = time.perf_counter()
-        version = a.version
-        first = a
-        sources: list[str] = []
-        failovers = 0
-        stuck, last_progress = 0, -1
-        start_units = self._resume_point(version)
-        self._reading = True
-        try:
-            while True:
-                sources.append(a.source_id)
-                try:
-                    self._current_source = a.source_id
-                    self._pull_range(a, self._layout.unit_count)
-                    finished_at = time.time()
-                    break
-                except (errors.TransferError, errors.ChecksumMismatch) as err:
-                    failovers += 1
-                    log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
-                                self.model, version, self.shard, a.source_id, self._region.progress, err)
-                    # The server first asks Ray whether the source's process is gone; a corpse is
-                    # removed and does not count against the budget (failed_source_gone).
-                    nxt = self._call(m.SourceFailed(self.client_id, a.source_id, self._region.progress,
-                                                    unreachable=isinstance(err, errors.SourceUnreachable)),
-                                     wait=True)
-                    a = self._expect(nxt, m.Assignment)
-                    if a.version != version:
-                        raise errors.InvalidState(f"server reassigned version {a.version} during read of {version}")
-                    if a.failed_source_gone:
-                        continue
-                    stuck = stuck + 1 if self._region.progress == last_progress else 1
-                    last_progress = self._region.progress
-                    if stuck > self.config.failovers_max:
-                        self._call(m.ReplicateAbort(self.client_id))
-                        raise errors.TransferError(
-                            f"{self.model} version {version} shard {self.shard}: {stuck} live sources failed "
-                            f"without progress at unit {last_progress}; last error: {err}") from err
-                    time.sleep(min(0.05 * 2 ** (stuck - 1), 1.0))
-            self._expect(self._call(m.ReplicateDone(self.client_id, version)), m.Ok)
-        except BaseException:
-            self._reading = False
-            raise
-        self._reading = False
-        if self.config.checksums or self.config.verify_mutability:
-            self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
-        self._published = version
-        self._state = HubState.PUBLISHED
-        t_end = time.perf_counter()
-        dt = t_end - t0
-        nbytes = self._units_bytes(start_units, self._layout.unit_count)  # each unit fetched once
-        log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
-                 self.model, version, self.shard, nbytes, dt, " -> ".join(sources))
-        return ReadStats(action="replicated", version=version, seconds=dt, transfer_s=t_end - t_assigned, bytes=nbytes,
-                         sources=tuple(sources), partial_source=first.source_partial,
-                         cross_datacenter=first.cross_datacenter, failovers=failovers,
-                         finished_at=finished_at)
-
-    def _finish_unpublish(self, reply: object) -> None:
-        if isinstance(reply, m.OffloadOrder):
-            reply = self._call(self._offload(reply.version), wait=True)
-        self._expect(reply, m.UnpublishDone)
-        version = self._published
-        self._region.set_progress(0)
-        self._region.set_version(-1)
-        self._published = None
-        self._state = HubState.IDLE
-        if self.config.verify_mutability:
-            self._verify_unchanged(version)
-
     def _verify_unchanged(self, version: Optional[int]) -> None:
         """Verify mode: the bytes must still be what was published (or replicated)."""
         if not self._checksums:
@@ -493,14 +536,12 @@ class Hub:
                     f"{self.model} version {version} shard {self.shard}: unit {u} ({', '.join(names)}) "
                     f"was written while published")
 
-    def _offload(self, version: int) -> m.OffloadDone:
-        """Copy the published tensors to host memory and register that copy as a holder."""
+    def _offload(self, version: int) -> bytes:
+        """Copy the published tensors to host memory, register that copy; returns its endpoint."""
         with self._host_lock:
             existing = self._host.get(version)
             if existing is not None:
-                # Already offloaded this version earlier (it came back to the GPU copy by a
-                # later read): the host copy holds the same bytes; keep serving that one.
-                return m.OffloadDone(self.client_id, version, tx.encode_endpoint(existing[0].endpoint()))
+                return tx.encode_endpoint(existing[0].endpoint())
             pooled = self._host_pool.pop() if self._host_pool else None
         if pooled is None:
             copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in self._tensors]
@@ -514,7 +555,7 @@ class Hub:
             self._host[version] = (region, copies)
         log.info("model=%s version=%d shard=%d offloaded to host (%d bytes)",
                  self.model, version, self.shard, self._layout.total_bytes)
-        return m.OffloadDone(self.client_id, version, tx.encode_endpoint(region.endpoint()))
+        return tx.encode_endpoint(region.endpoint())
 
     def _drop_host_copy(self, version: int) -> None:
         with self._host_lock:
@@ -534,87 +575,6 @@ class Hub:
         if entry is not None or pooled:
             log.info("model=%s version=%d shard=%d host copy freed", self.model, version, self.shard)
 
-    def _call(self, request: m.Request, wait: bool = False) -> object:
-        """One request; survives a server restart: on ``ServerUnavailable`` it reconnects (a
-        new server is created under the same name), on ``UnknownClient`` it re-announces what
-        this handle holds, then retries once per attempt."""
-        timeout = self.config.request_timeout_s if wait else 0.0
-        attempts = self.config.reconnects_max + 1
-        for attempt in range(attempts):
-            last = attempt == attempts - 1
-            try:
-                reply = self._port.call(request, timeout)
-            except errors.ServerUnavailable:
-                if last:
-                    raise
-                log.warning("model=%s shard=%d: reference server unavailable, reconnecting", self.model, self.shard)
-                time.sleep(min(0.2 * 2 ** attempt, 2.0))
-                self._port.reconnect()
-                reply = m.ErrorReply(code="UnknownClient", message="reconnected")
-            if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient" and not last
-                    and self._register_msg is not None and not isinstance(request, (m.Register, m.Announce, m.Leave))):
-                done = self._announce(request)
-                if done is not None:
-                    return done
-                continue
-            break
-        if isinstance(reply, m.Waiting) and wait:
-            raise errors.RequestTimeout(f"{type(request).__name__} did not finish within {self.config.request_timeout_s}s")
-        return reply
-
-    def _holding(self, request: Optional[m.Request] = None) -> m.Holding:
-        """What this handle holds, for a (re-)announcement to a fresh server."""
-        with self._host_lock:
-            hosts = tuple((v, tx.encode_endpoint(r.endpoint())) for v, (r, _) in sorted(self._host.items()))
-        txn = self._round_txn(request.version if isinstance(request, m.ReplicateDone) else self._published)
-        if isinstance(request, m.ReplicateDone):
-            return m.Holding(published=request.version, host_copies=hosts, **txn)
-        if isinstance(request, m.OffloadDone):
-            # Drained on the old server already; the host copy (in `hosts`) now holds the version.
-            return m.Holding(published=None, host_copies=hosts)
-        if self._reading and self._region is not None:
-            src = "" if isinstance(request, m.SourceFailed) else self._current_source
-            return m.Holding(host_copies=hosts, reading_version=self._region.version,
-                             reading_source=src, reading_units=self._region.progress,
-                             txn_seq=self._seq, txn_version=self._region.version)
-        return m.Holding(published=self._published, host_copies=hosts, **txn)
-
-    def _round_txn(self, version: Optional[int]) -> dict:
-        """The round that gave this handle ``version``, for a fresh server: a sibling shard that
-        asks in that round after the restart gets the same version (not ``latest`` afresh)."""
-        seq, got = self._round
-        return {"txn_seq": seq, "txn_version": got} if version is not None and got == version and seq > 0 else {}
-
-    def _announce(self, request: Optional[m.Request] = None) -> Optional[object]:
-        """Re-announce; returns a reply that makes retrying ``request`` unnecessary, or None."""
-        reply = self._port.call(m.Announce(self._register_msg, self._holding(request)))
-        if isinstance(reply, m.ErrorReply):
-            raise errors.from_code(reply.code, reply.message)
-        log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)
-        if isinstance(request, m.ReplicateDone):
-            return m.Ok()  # announced as a complete holder already
-        if isinstance(request, m.OffloadDone):
-            return m.UnpublishDone(version=request.version)  # announced as unpublished + host copy
-        return None
-
-    def _expect(self, reply: object, kind: type):
-        if isinstance(reply, kind):
-            return reply
-        if isinstance(reply, (m.ErrorReply, m.Failed)):
-            raise errors.from_code(reply.code, reply.message)
-        if isinstance(reply, m.Evicted):
-            raise errors.UnknownClient(f"evicted by the server: {reply.reason}")
-        raise errors.TensorHubError(f"unexpected reply {reply!r}, wanted {kind.__name__}")
-
-    def _check_open(self) -> None:
-        if self._state is HubState.CLOSED:
-            raise errors.HandleClosed("handle is closed")
-
-    def _check_registered(self) -> None:
-        self._check_open()
-        if self._state is HubState.OPEN:
-            raise errors.NotRegistered("register() the tensors first")
-
     def _start_heartbeat(self) -> None:
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"tensorhub-hb-{self.client_id}", daemon=True)
         self._hb_thread.start()
@@ -622,29 +582,45 @@ class Hub:
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):
             try:
-                reading = self._reading
-                try:
-                    reply = self._port.call(m.Progress(self.client_id, self._region.progress) if reading
-                                            else m.Heartbeat(self.client_id))
-                except errors.ServerUnavailable:
-                    self._port.reconnect()
-                    reply = m.ErrorReply(code="UnknownClient", message="reconnected")
-                if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
-                    # A reader announces its edge at once (the holder's drain waits for it); an
-                    # idle handle only when no call is in flight (that call re-announces itself).
-                    if reading:
-                        self._announce()
-                    elif self._lock.acquire(blocking=False):
-                        try:
-                            if self._state not in (HubState.CLOSED, HubState.OPEN):
-                                self._announce()
-                        finally:
-                            self._lock.release()
-                for note in self._port.notes(self.client_id):
-                    if isinstance(note, m.DropHostCopy):
-                        self._drop_host_copy(note.version)
+                self._heartbeat_once()
             except Exception:  # noqa: BLE001 - the heartbeat must survive a flaky server
                 log.debug("heartbeat failed", exc_info=True)
+
+    def _heartbeat_once(self) -> None:
+        with self._mlock:
+            reading = self._machine.reading
+        region = self._region
+        if region is None:
+            return
+        try:
+            reply = self._port.call(m.Progress(self.client_id, region.progress) if reading
+                                    else m.Heartbeat(self.client_id))
+        except errors.ServerUnavailable:
+            self._port.reconnect()
+            reply = m.ErrorReply(code="UnknownClient", message="reconnected")
+        if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
+            # A reader announces its edge at once (the holder's drain waits for it); an idle
+            # handle only when no call is in flight (that call re-announces itself).
+            if reading:
+                self._announce_now()
+            elif self._lock.acquire(blocking=False):
+                try:
+                    if self._machine.phase in (HubState.IDLE, HubState.PUBLISHED):
+                        self._announce_now()
+                finally:
+                    self._lock.release()
+        for note in self._port.notes(self.client_id):
+            for cmd in self._feed(hm.Noted(note)):
+                if isinstance(cmd, hm.DropHost):
+                    self._drop_host_copy(cmd.version)
+
+    def _announce_now(self) -> None:
+        with self._mlock:
+            req = self._machine.announce_request(reading_units=self._region.progress)
+        reply = self._port.call(req)
+        if isinstance(reply, m.ErrorReply):
+            raise errors.from_code(reply.code, reply.message)
+        log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)
 
     def _release(self) -> None:
         with self._host_lock:
@@ -660,6 +636,20 @@ class Hub:
         if self._region is not None:
             self._region.close()
             self._region = None
+
+
+
+def _check_round(round_no: Optional[int]) -> Optional[int]:
+    if round_no is not None and (not isinstance(round_no, int) or isinstance(round_no, bool) or round_no < 1):
+        raise errors.BadVersionSpec(f"round must be an int >= 1, got {round_no!r}")
+    return round_no
+
+
+def _sync_devices(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for queued kernels on every CUDA device the tensors live on (publish: the bytes a
+    reader may fetch must be final)."""
+    for dev in sorted({t.device.index or 0 for t in tensors if t.is_cuda}):
+        torch.cuda.synchronize(dev)
 
 
 def _layout_info(layout: Layout) -> m.LayoutInfo:

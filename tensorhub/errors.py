@@ -80,6 +80,12 @@ class UnknownClient(TensorHubError):
     re-registers and re-announces what it holds."""
 
 
+class LastCopyHeld(InvalidState):
+    """``close()`` would drop the last live non-spot copy of a retained version while other
+    clients of the model remain (they could no longer read it). The handle stays open and keeps
+    serving the copy; close again once another holder has it, or ``close(drop_last_copy=True)``."""
+
+
 class HandleClosed(TensorHubError):
     """The handle was closed; open a new one."""
 

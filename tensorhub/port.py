@@ -83,16 +83,20 @@ def is_blocking(request: m.Request) -> bool:
     return isinstance(request, (m.Unpublish, m.Replicate, m.SourceFailed, m.OffloadDone))
 
 
-def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now: float) -> tuple[object, bool]:
+def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now: float,
+                  tap=None) -> tuple[object, bool]:
     """The part of serving one request that every server shares: a blocking request first drops
     events left from the previous one, the core answers, effects go to mailboxes, a leaving
-    client's mailbox is forgotten. Returns (reply, whether anybody got an event)."""
+    client's mailbox is forgotten. Returns (reply, whether anybody got an event). ``tap(reply,
+    effects)`` sees both before they are routed (the simulator's checkers)."""
     client_id = getattr(request, "client_id", None)
     if client_id and is_blocking(request):
         mail.clear_terminal(client_id)
     reply, effects = core.handle(request, now)
+    if tap is not None:
+        tap(reply, effects)
     woken = bool(mail.route(effects))
-    if isinstance(request, m.Leave):
+    if isinstance(request, m.Leave) and isinstance(reply, m.Ok):
         mail.forget(request.client_id)
     return reply, woken
 

@@ -55,7 +55,7 @@ def test_in_process_publish_replicate_update_byte_exact(port):
     st = reader.update("latest")
     assert st.version == 2 and workload.digest(rt) == workload.digest(tt)
     assert reader.version == 2 and reader.state is tensorhub.HubState.PUBLISHED
-    reader.close(); trainer.close()
+    reader.close(drop_last_copy=True); trainer.close(drop_last_copy=True)
 
 
 def test_publish_rollback_when_server_rejects(port):
@@ -69,7 +69,7 @@ def test_publish_rollback_when_server_rejects(port):
     with pytest.raises(errors.VersionExpired):
         a.publish(5)
     assert a.version is None and a.state is tensorhub.HubState.IDLE
-    a.close(); b.close()
+    a.close(drop_last_copy=True); b.close(drop_last_copy=True)
 
 
 def test_asyncio_twins(port):
@@ -81,7 +81,7 @@ def test_asyncio_twins(port):
         workload.fill_version(tt, 3)
         await t.apublish(3)
         st = await r.aupdate("latest")
-        await r.aclose(); await t.aclose()
+        await r.aclose(drop_last_copy=True); await t.aclose(drop_last_copy=True)
         return st, workload.digest(tt) == workload.digest(rt)
 
     st, same = asyncio.run(go())
@@ -122,7 +122,7 @@ def test_cuda_tensors_round_trip():
     r = tensorhub.open("gpu", port=port, config=CFG, replica="r"); r.register(named_r)
     r.replicate(4)
     assert workload.digest([x for _, x in named_r]) == workload.digest([x for _, x in named_t])
-    r.close(); t.close()
+    r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 
 def test_server_restart_clients_reannounce_and_carry_on(port):
@@ -145,7 +145,7 @@ def test_server_restart_clients_reannounce_and_carry_on(port):
     status = port.core.status("m").models[0]
     assert {h.client_id for h in status.holders} >= {t.client_id, r1.client_id, r2.client_id}
     for h in (r1, r2, t):
-        h.close()
+        h.close(drop_last_copy=True)
 
 
 def test_verify_mode_detects_write_while_published_naming_the_tensor():
@@ -162,7 +162,7 @@ def test_verify_mode_detects_write_while_published_naming_the_tensor():
     with pytest.raises(errors.MutabilityViolation, match=named[5][0].replace(".", r"\.")):
         hub.unpublish()
     assert hub.version is None  # the unpublish itself completed
-    hub.close()
+    hub.close(drop_last_copy=True)
 
 
 # ------------------------------------------------------------------ bad inputs, one table
@@ -195,7 +195,7 @@ BAD_CALLS = [
     ("closed", lambda h, t: h.replicate(1), errors.HandleClosed),
     ("closed", lambda h, t: h.update("latest"), errors.HandleClosed),
     ("closed", lambda h, t: h.unpublish(), errors.HandleClosed),
-    ("closed", lambda h, t: h.close(), errors.HandleClosed),
+    ("closed", lambda h, t: h.close(drop_last_copy=True), errors.HandleClosed),
 ]
 
 
@@ -213,7 +213,7 @@ def test_bad_call_raises_typed_error_and_changes_nothing(port, state, call, erro
     if state == "published":
         hub.publish(1)
     if state == "closed":
-        hub.close()
+        hub.close(drop_last_copy=True)
     before = _state_snapshot(port, hub, tensors)
     with pytest.raises(error):
         call(hub, named)
@@ -244,7 +244,7 @@ def test_server_restart_during_offload_of_an_update_recovers():
     st = r.update("latest")
     assert st.version == 2 and workload.digest(rt) == workload.digest(tt)
     assert any(h.host and h.version == 1 for h in port.core.status("m").models[0].holders)
-    r.close(); t.close()
+    r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 
 def test_metrics_recording_never_raises(monkeypatch):
@@ -278,7 +278,7 @@ def test_second_offload_of_the_same_version_reuses_the_host_copy(port):
     t.unpublish()  # last GPU holder again; the host copy still serves, no new offload needed
     assert t._host[1][0] is first
     done = t._offload(1)
-    assert t._host[1][0] is first and done.endpoint == tx_endpoint(first)
+    assert t._host[1][0] is first and done == tx_endpoint(first)
     r, rt = _hub(port, replica="r")
     r.replicate(1)
     assert workload.digest(rt) == workload.digest(tt)

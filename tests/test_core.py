@@ -41,7 +41,7 @@ class World:
 
     def reg(self, cid, replica=None, shard=0, num_shards=1, dc="a", spot=False, layout=LAYOUT, model="pol"):
         reply = self.send(m.Register(cid, model, replica or cid, shard, num_shards, layout, cid.encode(), dc, spot))
-        assert reply == m.Ok(), reply
+        assert isinstance(reply, m.Registered), reply
         return cid
 
     def state(self, cid):
@@ -657,7 +657,7 @@ def test_lost_version_does_not_push_held_versions_out_of_retention():
     w.reg("t"); w.reg("r")
     w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
     w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
-    w.send(m.Leave("t"))
+    w.send(m.Leave("t", drop_last_copy=True))  # gone: nobody copied 2
     assert w.core.retained("pol") == [1]
     w.reg("t2")
     w.send(m.Publish("t2", 3))
@@ -729,7 +729,7 @@ def test_unreachable_source_is_no_candidate_for_anyone_until_it_talks_again():
 def test_registration_keeps_the_process_id():
     w = World()
     pid = m.ProcessId(job_id="02000000", actor_id="abc", worker_id="w", node_id="n", pid=42)
-    assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Ok()
+    assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Registered()
     assert w.core.processes() == {"c": pid}
     # re-registering the same client with the same parameters is idempotent
-    assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Ok()
+    assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Registered()

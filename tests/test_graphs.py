@@ -164,7 +164,7 @@ def test_graph_member_mixin_on_a_foreign_actor_class(ray_cluster, model_name, ca
             return workload.digest([t for _, t in self.weights])
 
         def stop(self) -> None:
-            self.tensorhub_handle.close()
+            self.tensorhub_handle.close(drop_last_copy=True)
 
     (trainer,) = _spawn(model_name, ["trainer"])
     d = ray.get(trainer.publish.remote(5))

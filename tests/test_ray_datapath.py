@@ -138,11 +138,11 @@ def test_bad_inputs_raise_typed_errors_and_change_nothing(ray_cluster, model_nam
     with pytest.raises(errors.BadVersionSpec):
         h.replicate("newest")
     assert workload.digest([t for _, t in good]) == before, "failed calls must not touch the tensors"
-    h.close()
+    h.close(drop_last_copy=True)
     with pytest.raises(errors.HandleClosed):
         h.replicate("latest")
     with pytest.raises(errors.HandleClosed):
-        h.close()
+        h.close(drop_last_copy=True)
 
     other = hub(replica="x")
     with pytest.raises(errors.UnknownModel):
@@ -151,8 +151,8 @@ def test_bad_inputs_raise_typed_errors_and_change_nothing(ray_cluster, model_nam
         try:
             lonely.replicate("latest")
         finally:
-            lonely.close()
-    other.close()
+            lonely.close(drop_last_copy=True)
+    other.close(drop_last_copy=True)
     # the trainer's published version is untouched by all of that
     assert ray.get(trainer.digest.remote()) == d
     assert ray.get(trainer.version.remote()) == 1
@@ -172,7 +172,7 @@ def test_handles_work_from_a_task_and_from_the_driver(ray_cluster, model_name):
         named = workload.allocate(SPEC)
         hub.register(named)
         st = hub.replicate("latest")
-        hub.close()
+        hub.close(drop_last_copy=True)
         return st.version, workload.digest([t for _, t in named])
 
     assert ray.get(rollout_task.remote(model_name)) == (4, d)
@@ -181,7 +181,7 @@ def test_handles_work_from_a_task_and_from_the_driver(ray_cluster, model_name):
     hub.register(named)
     assert hub.replicate("latest").version == 4
     assert workload.digest([t for _, t in named]) == d
-    hub.close()
+    hub.close(drop_last_copy=True)
     ray.get(trainer.close.remote())
 
 

@@ -152,7 +152,12 @@ class OffloadDone(_Msg, frozen=True):
 
 
 class Leave(_Msg, frozen=True):
+    """Leave the server. Refused with ``LastCopyHeld`` when this client serves the last live
+    non-spot copy of a retained version and other clients of the model remain, unless
+    ``drop_last_copy``."""
+
     client_id: str
+    drop_last_copy: bool = False
 
 
 class Query(_Msg, frozen=True):
@@ -170,6 +175,13 @@ Request = Union[
 
 class Ok(_Msg, frozen=True):
     pass
+
+
+class Registered(_Msg, frozen=True):
+    """Register accepted. ``round_seq``: the newest replicate round of this client's replica the
+    server knows (a restarted shard continues its siblings' count from there)."""
+
+    round_seq: int = 0
 
 
 class ErrorReply(_Msg, frozen=True):
@@ -258,7 +270,7 @@ class Status(_Msg, frozen=True):
     models: tuple[ModelView, ...]
 
 
-Reply = Union[Ok, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status]
+Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status]
 Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, Failed, Evicted]
 
 
@@ -271,7 +283,7 @@ class Deliver(msgspec.Struct, frozen=True):
 
 _REQ_DECODER = msgspec.msgpack.Decoder(Request)
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
-    Ok, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
+    Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
     DropHostCopy, Failed, Evicted,
 ])
 _ENCODER = msgspec.msgpack.Encoder()

@@ -35,6 +35,7 @@ from tensorhub.core import scheduler, versions
 from tensorhub.core.state import COMPLETE, LEGAL, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import (
     InvalidState,
+    LastCopyHeld,
     LayoutMismatch,
     ReplicaIncomplete,
     ServerRecovering,
@@ -233,11 +234,33 @@ class ReferenceCore:
         existing = self.nodes.get(req.client_id)
         if existing is not None:
             if self._registration_of(existing) == req:
-                return m.Ok()
+                return m.Registered(round_seq=self._rounds_done(req))
             raise InvalidState(f"client {req.client_id} is already registered with other parameters")
         self._check_registration(req)
+        if req.num_shards > 1 and now < self._recovering_until:
+            present = sum(1 for n in self.nodes.values()
+                          if not n.host and n.model == req.model and n.replica_id == req.replica_id)
+            if present < req.num_shards - 1:
+                # After a restart the replica's rounds are known only from its shards'
+                # announcements: a fresh process waits for them to count on with its siblings.
+                raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
+                                       f"are still re-announcing; retry")
         self._add_node(req, now)
-        return m.Ok()
+        return m.Registered(round_seq=self._rounds_done(req))
+
+    def _rounds_done(self, req: m.Register) -> int:
+        """The rounds of this shard's replica that a (restarted) process of this shard counts as
+        behind it: its first replicate joins the newest round while a sibling is still reading in
+        it, else starts the next one. A best effort: only the caller knows for sure which round a
+        restarted process is in (``replicate(..., round=)``)."""
+        keys = [k for k in self.txns if k[:2] == (req.model, req.replica_id)]
+        if not keys:
+            return 0
+        newest = max(k[2] for k in keys)
+        version = self.txns[(req.model, req.replica_id, newest)][1]
+        inside = any(n.model == req.model and n.replica_id == req.replica_id and not n.host and n.shard != req.shard
+                     and n.state in (S.WAITING, S.READING) and n.version == version for n in self.nodes.values())
+        return newest - 1 if inside else newest
 
     def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
         """A client re-registers after a server restart (or an eviction) with what it holds.
@@ -276,7 +299,9 @@ class ReferenceCore:
         for version, endpoint in hold.host_copies:
             self._add_host_copy(node, version, endpoint)
         if hold.txn_seq >= 0 and node.num_shards > 1:
-            self.txns.setdefault((node.model, node.replica_id, hold.txn_seq), ("announced", hold.txn_version, {node.shard}))
+            txn = self.txns.setdefault((node.model, node.replica_id, hold.txn_seq), ("announced", hold.txn_version, set()))
+            if txn[1] == hold.txn_version:
+                txn[2].add(node.shard)
         return m.Ok()
 
     def _on_Heartbeat(self, req: m.Heartbeat, now: float) -> m.Reply:
@@ -383,6 +408,13 @@ class ReferenceCore:
         return m.Waiting(version=req.version)
 
     def _on_Leave(self, req: m.Leave, now: float) -> m.Reply:
+        if not req.drop_last_copy:
+            held = self._last_copies(self.nodes[req.client_id])
+            if held:
+                raise LastCopyHeld(
+                    f"{self._describe(self.nodes[req.client_id])} serves the last live non-spot copy of "
+                    f"retained version(s) {held} while other clients of the model remain: the handle stays open "
+                    f"(close(drop_last_copy=True) drops it)")
         self._remove(req.client_id)
         self._forget_empty_models()
         return m.Ok()
@@ -596,6 +628,23 @@ class ReferenceCore:
             for other in self.groups.get(node.key, ())
         )
 
+    def _last_copies(self, node: Node) -> list[int]:
+        """Retained versions of which ``node`` (or a host copy it serves) is the last live non-spot
+        copy, while clients other than ``node`` remain in its model (else nobody could read them)."""
+        if not any(n.model == node.model and not n.host and n.id != node.id for n in self.nodes.values()):
+            return []
+        retained = self.retained(node.model)
+        mine = [node] + [n for n in self.nodes.values() if n.owner == node.id]
+        held = set()
+        for n in mine:
+            if n.spot or n.version not in retained or n.state not in COMPLETE:
+                continue
+            others = [self.nodes[o] for o in self.groups.get(n.key, ()) if o != n.id]
+            if not any(o.state in COMPLETE and not o.spot and o.owner != node.id and self._heard_lately(o)
+                       for o in others):
+                held.add(n.version)
+        return sorted(held)
+
     def _heard_lately(self, node: Node) -> bool:
         """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: heard
         from within ``2.5 * heartbeat_interval_s``, not reported failed, not unreachable. A holder
@@ -781,8 +830,8 @@ class ReferenceCore:
                 continue
             self._deliver(nid, m.Evicted(reason=reason))
             self._remove(nid)
-        for k in [k for k in self.txns if k[:2] == (model, replica_id)]:
-            del self.txns[k]
+        # The replica's rounds stay: its members re-announce (or restart) and go on counting from
+        # them; a round whose version is gone is re-resolved by the next shard that asks.
         self._forget_empty_models()
 
     def _remove(self, node_id: str) -> None:

@@ -68,6 +68,7 @@ class _ReadState:
         self.landed = threading.Condition()
         self.start_units = 0
         self.fetch_s = 0.0
+        self.watchdog: Optional[threading.Timer] = None
 
     def start(self, hub, sums: Optional[list]) -> None:
         """Open the source and start the mover (first batch)."""
@@ -127,7 +128,10 @@ class _ReadState:
         return True
 
     def stop(self) -> None:
-        """Stop the mover (if still running). Idempotent. (The source belongs to the hub.)"""
+        """Stop the mover (if still running) and the watchdog. Idempotent. (The source belongs
+        to the hub.)"""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         if self.mover is not None and self.mover.is_alive():
             self.aborted = True
             self.mover.join()
@@ -163,13 +167,19 @@ class GraphMember:
         with self._th_lock():
             t0 = time.perf_counter()
             batches = default_batches(hub._layout.unit_count, batches)
+            self._th_drop_unfinished(hub, "a new graph read began before the last one finished")
             reply = hub._begin_read(spec, update)
             out = {"client_id": hub.client_id, "unit_count": hub._layout.unit_count, "batches": batches}
             if isinstance(reply, m.NoChange):
                 self.__dict__["_th_graph_read"] = None
                 return {**out, "action": "noop", "version": reply.version, "source_id": None}
-            self.__dict__["_th_graph_read"] = _ReadState(reply, t0, batches)
-            hub._reading = True  # heartbeats report progress while the graph reads
+            st = self.__dict__["_th_graph_read"] = _ReadState(reply, t0, batches)
+            # The driver may die between begin and finish: then nobody would ever finish this
+            # read, and the server would keep a reader that never ends (its source's unpublish
+            # would wait for it). Abort it once a finish is overdue.
+            st.watchdog = threading.Timer(hub.config.request_timeout_s, self._th_expire, args=(st,))
+            st.watchdog.daemon = True
+            st.watchdog.start()
             return {**out, "action": "assigned", "version": reply.version, "source_id": reply.source_id}
 
     def th_graph_fetch(self, signal) -> Union[int, tuple]:
@@ -232,10 +242,7 @@ class GraphMember:
             st.stop()
             graph_progress = hub._resume_point(st.assignment.version)
             graph_bytes = hub._units_bytes(st.start_units, graph_progress) if st.mover is not None else 0
-            try:
-                rs = hub._read(st.assignment, st.t0)
-            finally:
-                hub._reading = False
+            rs = hub._finish_read()
             return {
                 "action": rs.action, "client_id": hub.client_id, "version": rs.version,
                 "seconds": rs.seconds, "bytes": graph_bytes + rs.bytes, "graph_bytes": graph_bytes,
@@ -243,6 +250,24 @@ class GraphMember:
                 "batches_done": st.batches_done, "sources": list(rs.sources), "failovers": rs.failovers,
                 "failed": st.failed, "done_at": time.time(),
             }
+
+    def _th_expire(self, st: _ReadState) -> None:
+        """Watchdog: ``th_graph_finish`` did not come within ``request_timeout_s`` of begin."""
+        hub = self.tensorhub_hub()
+        with self._th_lock():
+            if self._th_state() is st:
+                log.warning("model=%s version=%d client=%s: graph read not finished within %.0fs; aborting it",
+                            hub.model, st.assignment.version, hub.client_id, hub.config.request_timeout_s)
+                self._th_drop_unfinished(hub, "the graph's driver did not finish the read")
+
+    def _th_drop_unfinished(self, hub, why: str) -> None:
+        """End a begun, unfinished read on the server too (lock held)."""
+        st = self._th_state()
+        if st is None:
+            return
+        self.__dict__["_th_graph_read"] = None
+        st.stop()
+        hub._abort_read(why)
 
     def th_graph_setup(self, buffer_bytes: int) -> int:
         """Called by :class:`~tensorhub.graphs.GraphCache` before a compile: channels this actor

@@ -1,24 +1,31 @@
-"""A simulated shard handle that follows the client side of the protocol.
+"""A simulated shard handle: a thin driver of the shipped handle machine.
 
-Memory is a list of per-unit content tags ``(version, shard, unit)``; the trainer writes
-them, a reader copies the source's tag at the END of each unit transfer (the read spans an
-interval, so a write to the source during it is visible as a torn unit). A reader verifies
-each unit (the checksum model) and treats a bad unit as a failed source.
+Every decision (rounds, retries, re-announce, failover budget, aborts, what a restart announces)
+is :class:`tensorhub.core.handle.HandleMachine`, the same code :class:`tensorhub.Hub` drives.
+This module only carries out its commands in the simulated world:
 
-Control requests go out one at a time (a FIFO queue); heartbeats and progress reports are
-fire-and-forget. ``UnknownClient`` (the server restarted) starts recovery: ``Announce`` what
-is held, then re-drive the operation in progress (an in-flight read is re-issued with
-``resume_version``/``resume_units``). ``Evicted`` drops all server-side state; the workload
-re-registers.
+- ``Send``: a call through :class:`~tensorhub.sim.server.SimServer` (the server actor's
+  request path: mailboxes and long polls); a crashed server answers ``Unavailable``.
+- ``Pull``: the simulated transport. Memory is a list of per-unit content tags
+  ``(version, shard, unit)``; a read copies the source's tag at the END of its transfer (a
+  write to the source during it makes a torn unit); each unit is verified (the checksum
+  model), a bad one fails the pull. A failed pull cancels its posted reads and answers
+  ``Pulled`` only once every one of them has ended (a cancelled read lands junk when it ends:
+  a driver that went on before that would be caught writing over verified units).
+- ``Offload``/``DropHost``: host copies (tags), ``Recheck``: the leading units that still hold
+  their version, ``Sleep``/``Reconnect``: virtual timers.
 
-Every user operation (register, publish, unpublish, replicate, leave) is an :class:`Op` that
-ends exactly once with ``"ok"`` or an error code; the checkers time them.
+Heartbeats carry progress while reading and poll background notes; ``UnknownClient`` on a
+heartbeat re-announces (at once while reading: the holder's drain waits for the edge).
+Every user operation is an :class:`Op` that ends exactly once with ``"ok"`` or an error code;
+the checkers time them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 
 DIRTY = ("dirty",)
@@ -35,34 +42,27 @@ def version_tags(version: int, shard: int, units: int) -> list:
 
 
 class Op:
-    __slots__ = ("kind", "cid", "start", "cb", "version", "spec", "seq", "update")
+    __slots__ = ("kind", "cid", "start", "cb")
 
-    def __init__(self, kind: str, cid: str, start: float, cb: Optional[Callback], **kw: Any) -> None:
+    def __init__(self, kind: str, cid: str, start: float, cb: Optional[Callback]) -> None:
         self.kind, self.cid, self.start, self.cb = kind, cid, start, cb
-        self.version = kw.get("version", -1)
-        self.spec = kw.get("spec", "latest")
-        self.seq = kw.get("seq", 0)
-        self.update = kw.get("update", False)
 
 
-class ReadState:
-    """One replicate round of this shard, from request to ReplicateDone."""
+class Pulling:
+    """One :class:`~tensorhub.core.handle.Pull` in the simulated transport."""
 
-    def __init__(self, spec, seq: int, update: bool) -> None:
-        self.spec, self.seq, self.update = spec, seq, update
-        self.version = -1
-        self.started = False  # memory is being overwritten with ``version``
-        self.assign_no = 0
-        self.source: Optional[str] = None
-        self.partial = False
-        self.progress = 0  # contiguous verified units of ``version``
+    def __init__(self, a: m.Assignment, progress: int) -> None:
+        self.version = a.version
+        self.source = a.source_id
+        self.partial = a.source_partial
+        self.assign_no = a.assign_no
+        self.progress = progress  # contiguous verified units of ``version``
         self.have: set[int] = set()
         self.inflight: dict[int, Any] = {}
         self.failing = False
         self.dead_pending = False
-        self.done_sent = False
         self.stall_token = 0
-        self.reported = 0
+        self.token = 0
 
 
 class SimClient:
@@ -72,32 +72,39 @@ class SimClient:
         self.cid = cid
         self.replica_id, self.shard, self.num_shards = replica_id, shard, num_shards
         self.host, self.dc, self.spot, self.role = host, dc, spot, role
-        p = world.params
+        p, cfg = world.params, world.config
         self.units = p.units
         self.unit_bytes = p.unit_bytes
+        self.machine = hm.HandleMachine(cid, request_timeout_s=cfg.request_timeout_s,
+                                        reconnects_max=cfg.reconnects_max, failovers_max=cfg.failovers_max,
+                                        unit_count=p.units)
         self.mem: list = [None] * self.units
         self.mem_wtime: list[float] = [0.0] * self.units
-        self.published: Optional[int] = None
+        self.region_version = -1
+        self.region_progress = 0
+        """The region's control block: which version it holds and how many units are final."""
         self.host_copies: dict[int, list] = {}
         self.alive = True
         self.retired = False
-        self.registered = False
-        self.recovering = False
-        self.recover_at = 0.0
-        self.session = 0
-        self.queue: list = []
-        self.outstanding = None
-        self.sent_at = 0.0
         self.op: Optional[Op] = None
-        self.reading: Optional[ReadState] = None
-        self.offload_token = 0
+        self.reading: Optional[Pulling] = None
+        self.token = 0
+        """Answers to the awaited command carry this; a stale one is dropped."""
+        self.hb_busy = False
         self.waiters: dict[str, bool] = {}
-        self.last_txn = (-1, -1)
         self.driver = None
         self.index = 0
-        world.sim.after(world.rng_client.random() * world.config.heartbeat_interval_s, self._heartbeat)
+        world.sim.after(world.rng_client.random() * cfg.heartbeat_interval_s, self._heartbeat)
 
-    # ------------------------------------------------------------------ identity
+    # ------------------------------------------------------------------ identity and views
+
+    @property
+    def published(self) -> Optional[int]:
+        return self.machine.published
+
+    @property
+    def registered(self) -> bool:
+        return self.machine.phase in (hm.Phase.IDLE, hm.Phase.PUBLISHED)
 
     def registration(self) -> m.Register:
         w = self.world
@@ -112,41 +119,30 @@ class SimClient:
 
     def served_units(self, version: int) -> int:
         """The progress counter a reader sees for ``version`` (0: this memory does not hold it)."""
-        if not self.alive:
+        if not self.alive or self.region_version != version:
             return 0
-        if self.published == version:
-            return self.units
-        rs = self.reading
-        if rs is not None and rs.started and rs.version == version:
-            return rs.progress
-        return 0
+        return self.region_progress
 
     # ------------------------------------------------------------------ user operations
 
     def register(self, cb: Callback) -> None:
-        self._begin(Op("register", self.cid, self.world.sim.now, cb))
-        self._request(self.registration())
+        self._begin("register", cb, hm.RegisterOp(self.registration()))
 
     def publish(self, version: int, cb: Callback) -> None:
-        self._begin(Op("publish", self.cid, self.world.sim.now, cb, version=version))
-        self._request(m.Publish(client_id=self.cid, version=version))
+        self._begin("publish", cb, hm.PublishOp(version))
 
     def unpublish(self, cb: Callback) -> None:
-        self._begin(Op("unpublish", self.cid, self.world.sim.now, cb))
-        self._request(m.Unpublish(client_id=self.cid))
+        self._begin("unpublish", cb, hm.UnpublishOp())
 
-    def replicate(self, spec, seq: int, update: bool, cb: Callback) -> None:
-        self._begin(Op("replicate", self.cid, self.world.sim.now, cb, spec=spec, seq=seq, update=update))
-        self.reading = ReadState(spec, seq, update)
-        self._request(m.Replicate(client_id=self.cid, spec=spec, seq=seq, update=update))
+    def replicate(self, spec, update: bool, cb: Callback, round: Optional[int] = None) -> None:
+        self._begin("replicate", cb, hm.ReplicateOp(spec, update, round))
 
     def leave(self, cb: Callback) -> None:
-        self._begin(Op("leave", self.cid, self.world.sim.now, cb))
-        self._request(m.Leave(client_id=self.cid))
+        self._begin("leave", cb, hm.CloseOp())
 
-    # trainer-side memory writes (the training step)
+    # user writes (the training step; a rollout scribbling on idle tensors)
     def mutate(self) -> None:
-        """Start overwriting the registered tensors (allowed only after UnpublishDone)."""
+        """Overwrite the registered tensors (allowed while nothing is published)."""
         self.world.checker.on_write(self.cid, None, DIRTY_VERSION)
         self.mem = [DIRTY] * self.units
         self.mem_wtime = [self.world.sim.now] * self.units
@@ -166,13 +162,76 @@ class SimClient:
         self.retired = True
         self.mem = [FREED] * self.units
 
-    # ------------------------------------------------------------------ op bookkeeping
+    def die(self) -> None:
+        """The process crashed: its operation ends with it (no reply will come), reads stop."""
+        self.alive = False
+        if self.op is not None:
+            self.world.checker.op_abandon(self.op)
+            self.op = None
+        if self.reading is not None:
+            for rd in self.reading.inflight.values():
+                rd.dead = True
+                self.world.net.unregister(rd)
+            self.reading = None
+        self.host_copies = {}
 
-    def _begin(self, op: Op) -> None:
-        assert self.op is None, f"{self.cid}: {op.kind} while {self.op.kind} is in progress"
+    # ------------------------------------------------------------------ driving the machine
+
+    def _begin(self, kind: str, cb: Optional[Callback], op: hm.Op) -> None:
+        assert self.op is None, f"{self.cid}: {kind} while {self.op.kind} is in progress"
         assert self.alive
-        self.op = op
-        self.world.checker.op_start(op)
+        self.op = Op(kind, self.cid, self.world.sim.now, cb)
+        self.world.checker.op_start(self.op)
+        self._feed(hm.Start(op))
+
+    def _feed(self, event: hm.Event) -> None:
+        if not self.alive:
+            return
+        self._run(self.machine.handle(event, self.world.sim.now))
+
+    def _answer(self, token: int, event: hm.Event) -> None:
+        if self.alive and token == self.token:
+            self._feed(event)
+
+    def _run(self, cmds: list) -> None:
+        w = self.world
+        for cmd in cmds:
+            match cmd:
+                case hm.Done(outcome):
+                    if self.op is not None and self.op.kind == "replicate":
+                        w.checker.on_replicated(self, outcome.version)
+                    self._finish("ok", outcome.version)
+                case hm.Fail(code, _message):
+                    self._finish(code)
+                case hm.SetRegion(version, progress):
+                    self.region_version, self.region_progress = version, progress
+                case hm.DropHost(version):
+                    if version in self.host_copies:
+                        self._free_host(version)
+                case hm.Send(request, wait, fire):
+                    if fire:
+                        w.server.call(self, request, False, None)
+                    else:
+                        self.token += 1
+                        w.server.call(self, request, wait, self.token)
+                case hm.Sleep(delay_s):
+                    self.token += 1
+                    w.sim.after(delay_s, self._answer, self.token, hm.TimerFired())
+                case hm.Reconnect(delay_s):
+                    self.token += 1
+                    w.sim.after(delay_s, self._reconnect, self.token, w.sim.now + delay_s + w.config.request_timeout_s)
+                case hm.Recheck(version, units):
+                    self.token += 1
+                    w.sim.after(0.0, self._answer, self.token, hm.Rechecked(self._recheck(version, units)))
+                case hm.Pull(assignment, start_unit):
+                    self.token += 1
+                    self._start_pull(assignment, start_unit, self.token)
+                case hm.Offload(version):
+                    self.token += 1
+                    dur = self.units * self.unit_bytes / w.params.host_bw
+                    w.sim.after(dur, self._offloaded, version, self.token)
+                case _:
+                    raise AssertionError(f"unknown command {cmd!r}")
 
     def _finish(self, code: str, version: int = -1) -> None:
         op = self.op
@@ -183,269 +242,111 @@ class SimClient:
         if op.cb is not None:
             self.world.sim.after(0.0, op.cb, code, version)
 
-    def abandon(self) -> None:
-        """The process died: its operation ends with it (no reply will come)."""
-        if self.op is not None:
-            self.world.checker.op_abandon(self.op)
-            self.op = None
+    def on_reply(self, token: Optional[int], reply) -> None:
+        """The server answered a call (``token`` None: fire and forget)."""
+        if token is not None:
+            self._answer(token, hm.Replied(reply))
 
-    # ------------------------------------------------------------------ sending
+    def on_unavailable(self, token: Optional[int]) -> None:
+        if token is not None:
+            self._answer(token, hm.Unavailable("server gone"))
 
-    def _request(self, req) -> None:
-        self.queue.append(req)
-        self._pump()
+    def _reconnect(self, token: int, deadline: float) -> None:
+        # RayPort.reconnect: find (or create) the server under its name, up to a deadline.
+        if self.world.server.up or self.world.sim.now >= deadline:
+            self._answer(token, hm.TimerFired())
+        elif self.alive and token == self.token:
+            self.world.sim.after(0.1, self._reconnect, token, deadline)
 
-    def _pump(self) -> None:
-        if self.outstanding is None and self.queue and self.alive:
-            req = self.queue.pop(0)
-            self.outstanding = req
-            self.sent_at = self.world.sim.now
-            self.world.server.send(self, req, self.session, True)
-
-    def _fire(self, req) -> None:
-        self.world.server.send(self, req, self.session, True)
-
-    def _heartbeat(self) -> None:
-        if not self.alive:
-            return
-        w = self.world
-        if self.registered and not self.recovering:
-            self._fire(m.Heartbeat(client_id=self.cid))
-        timeout = 3 * w.config.heartbeat_interval_s + 1.0
-        if self.outstanding is not None and w.sim.now - self.sent_at > timeout:
-            # The request or its reply was lost (the server crashed): start over.
-            if self.registered or self.recovering:
-                self.recovering = False
-                self._recover()
-            else:
-                req, self.outstanding = self.outstanding, None
-                self.queue.insert(0, req)
-                self._pump()
-        w.sim.after(w.config.heartbeat_interval_s, self._heartbeat)
-
-    # ------------------------------------------------------------------ replies
-
-    def on_reply(self, req, reply, session: int) -> None:
-        if not self.alive or session != self.session:
-            return
-        if req is self.outstanding:
-            self.outstanding = None
-        if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient"
-                and not isinstance(req, (m.Register, m.Announce))):
-            self._recover()
-            return
-        kind = type(req).__name__
-        if kind in ("Heartbeat", "Progress"):
-            pass
-        elif kind == "Register":
-            if isinstance(reply, m.Ok):
-                self.registered = True
-                self._finish("ok")
-            else:
-                self._finish(reply.code)
-        elif kind == "Announce":
-            self._announced(reply)
-        elif kind == "Publish":
-            if isinstance(reply, m.Ok):
-                self.published = req.version
-                self._finish("ok", req.version)
-            else:
-                self._finish(reply.code)
-        elif kind == "ReplicateDone":
-            if isinstance(reply, m.Ok):
-                self._replicated()
-            elif self.reading is not None:
-                # The server moved us back to WAITING (our source died as we finished):
-                # report done again with the next assignment, or fail with the version.
-                self.reading.done_sent = False
-        elif kind == "Leave":
-            self.registered = False
-            self._finish("ok" if isinstance(reply, m.Ok) else reply.code)
-        elif kind == "SourceFailed" and isinstance(reply, m.ErrorReply):
-            pass  # a Failed or Evicted event says what happened
-        else:  # Replicate, Unpublish, OffloadDone, SourceFailed
-            if isinstance(reply, m.ErrorReply):
-                if kind == "Replicate":
-                    self.reading = None
-                self._finish(reply.code)
-            elif isinstance(reply, m.NoChange):
-                self._nochange(reply.version)
-            elif isinstance(reply, m.Waiting):
-                rs = self.reading
-                if kind == "Replicate" and rs is not None and not rs.started and reply.version >= 0:
-                    rs.version = reply.version
-            elif not isinstance(reply, m.Ok):
-                self.on_event(reply)
-        self._pump()
-
-    def on_event(self, ev) -> None:
-        if not self.alive:
-            return
-        if isinstance(ev, m.Assignment):
-            self._on_assignment(ev)
-        elif isinstance(ev, m.UnpublishDone):
-            if self.op is not None and self.op.kind == "unpublish":
-                self.published = None
-                self._finish("ok", ev.version)
-        elif isinstance(ev, m.OffloadOrder):
-            if self.published == ev.version:
-                self._start_offload(ev.version)
-        elif isinstance(ev, m.DropHostCopy):
-            if ev.version in self.host_copies:
-                self._free_host(ev.version)
-        elif isinstance(ev, m.Failed):
-            if self.op is not None and self.op.kind == "replicate" and self.reading is not None:
-                self._cancel_reads(self.reading)
-                self.reading = None
-                self._finish(ev.code)
-        elif isinstance(ev, m.Evicted):
-            self._evicted()
-
-    # ------------------------------------------------------------------ recovery
-
-    def _recover(self) -> None:
-        if not self.registered or self.recovering:
-            return
-        self.world.stats_recoveries += 1
-        self.session += 1
-        self.outstanding = None
-        self.queue = []
-        self.recovering = True
-        self.offload_token += 1
-        rs = self.reading
-        published = self.published
-        txn = self.last_txn
-        if rs is not None:
-            self._cancel_reads(rs)
-            rs.failing = False
-            rs.dead_pending = False
-            rs.done_sent = False
-            rs.assign_no = 0  # a fresh server numbers assignments from scratch
-            if rs.started and rs.progress >= self.units:
-                published = rs.version
-            if rs.version >= 0:
-                txn = (rs.seq, rs.version)
-        holding = m.Holding(
-            published=published,
-            host_copies=tuple((v, f"host:{self.cid}:{v}".encode()) for v in sorted(self.host_copies)),
-            txn_seq=txn[0] if txn[1] >= 0 else -1, txn_version=txn[1] if txn[1] >= 0 else -1,
-        )
-        self.outstanding = m.Announce(register=self.registration(), holding=holding)
-        self.sent_at = self.world.sim.now
-        self.world.server.send(self, self.outstanding, self.session, True)
-
-    def _announced(self, reply) -> None:
-        self.recovering = False
-        if isinstance(reply, m.ErrorReply):
-            self.registered = False
-            self.reading = None
-            self._finish(reply.code)
-            return
-        op, rs = self.op, self.reading
-        self.queue = []  # anything queued meanwhile belongs to ``op`` and is re-driven below
-        if op is None:
-            return
-        if op.kind == "register":
-            self._finish("ok")
-        elif op.kind == "publish":
-            self._request(m.Publish(client_id=self.cid, version=op.version))
-        elif op.kind == "unpublish":
-            self._request(m.Unpublish(client_id=self.cid))
-        elif op.kind == "leave":
-            self._request(m.Leave(client_id=self.cid))
-        elif op.kind == "replicate" and rs is not None:
-            if rs.started and rs.progress >= self.units:
-                self._replicated()  # announced as a complete holder
-            elif rs.started:
-                self._request(m.Replicate(
-                    client_id=self.cid, spec=rs.version, seq=rs.seq, update=False,
-                    resume_version=rs.version, resume_units=rs.progress,
-                ))
-            else:
-                self._request(m.Replicate(client_id=self.cid, spec=rs.spec, seq=rs.seq, update=rs.update))
-
-    def _evicted(self) -> None:
-        self.world.checker.note_loss("evicted")
-        if self.driver is not None:
-            self.driver.broken = True
-        self.session += 1
-        self.outstanding = None
-        self.queue = []
-        self.recovering = False
-        self.registered = False
-        self.published = None
-        self.offload_token += 1
-        for v in sorted(self.host_copies):
-            self._free_host(v)
-        if self.reading is not None:
-            self._cancel_reads(self.reading)
-            self.reading = None
-        self._finish("Evicted")
-
-    # ------------------------------------------------------------------ unpublish / offload
-
-    def _start_offload(self, version: int) -> None:
-        self.offload_token += 1
-        dur = self.units * self.unit_bytes / self.world.params.host_bw
-        self.world.sim.after(dur, self._offloaded, version, self.offload_token)
+    def _recheck(self, version: int, units: int) -> int:
+        keep = 0
+        while keep < units and self.region_version == version and self.mem[keep] == (version, self.shard, keep):
+            keep += 1
+        return keep
 
     def _offloaded(self, version: int, token: int) -> None:
-        if not self.alive or token != self.offload_token or self.published != version:
+        if not self.alive or token != self.token:
             return
         self.host_copies[version] = list(self.mem)
-        self._request(m.OffloadDone(client_id=self.cid, version=version,
-                                    endpoint=f"host:{self.cid}:{version}".encode()))
+        self._feed(hm.Offloaded(version, f"host:{self.cid}:{version}".encode()))
 
     def _free_host(self, version: int) -> None:
         self.world.checker.on_write(f"{self.cid}#host{version}", None, FREED_VERSION)
         del self.host_copies[version]
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ heartbeats and notes
 
-    def _on_assignment(self, a: m.Assignment) -> None:
-        rs = self.reading
-        if rs is None or a.assign_no <= rs.assign_no:
+    def _heartbeat(self) -> None:
+        if not self.alive:
             return
-        if rs.started and rs.version != a.version:
-            rs.progress, rs.have = 0, set()
-        rs.version = a.version
-        rs.assign_no = a.assign_no
-        if not rs.started:
-            rs.started = True
-            self.published = None  # from here on the memory holds the new version's units
-        self._cancel_reads(rs)
-        rs.source, rs.partial = a.source_id, a.source_partial
-        rs.failing = rs.dead_pending = False
-        rs.stall_token += 1
+        w = self.world
+        if self.registered and not self.hb_busy:
+            self.hb_busy = True
+            req = (m.Progress(self.cid, self.region_progress) if self.machine.reading
+                   else m.Heartbeat(self.cid))
+            w.server.call(self, req, False, None, on_reply=self._heartbeat_reply)
+        w.sim.after(w.config.heartbeat_interval_s, self._heartbeat)
+
+    def _heartbeat_reply(self, reply) -> None:
+        self.hb_busy = False
+        if not self.alive:
+            return
+        if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
+            # A reader announces its edge at once; an idle handle only when no operation is in
+            # flight (that operation re-announces itself).
+            if self.machine.reading or (self.op is None and self.registered):
+                self.world.stats_recoveries += 1
+                self.world.server.call(self, self.machine.announce_request(reading_units=self.region_progress),
+                                       False, None)
+        self.world.server.notes(self, self._notes)
+
+    def _notes(self, notes: list) -> None:
+        for note in notes:
+            if isinstance(note, m.Evicted):
+                self.world.checker.note_loss("evicted")
+                if self.driver is not None:
+                    self.driver.broken = True
+            self._feed(hm.Noted(note))
+
+    # ------------------------------------------------------------------ the simulated transport
+
+    def _start_pull(self, a: m.Assignment, start: int, token: int) -> None:
+        if start == 0:
+            self.region_version, self.region_progress = a.version, 0
+        rs = Pulling(a, self.region_progress if self.region_version == a.version else 0)
+        rs.token = token
+        self.reading = rs
         if rs.progress >= self.units:
-            self._complete(rs)
+            self._pull_done(rs)
         else:
             self._issue(rs)
 
-    def _cancel_reads(self, rs: ReadState) -> float:
-        """Stop using the posted reads (they stay physically in flight until they end)."""
+    def _cancel_reads(self, rs: Pulling) -> float:
+        """Cancel the posted reads; returns when the last of them reaches a terminal state (a
+        cancelled read may still land, with junk, until then)."""
         end = self.world.sim.now
         for rd in rs.inflight.values():
             rd.dead = True
+            rd.cancelled = True
             end = max(end, rd.end)
         rs.inflight = {}
         return end
 
-    def _next_unit(self, rs: ReadState) -> int:
+    def _next_unit(self, rs: Pulling) -> int:
         k = rs.progress
         while k < self.units and (k in rs.have or k in rs.inflight):
             k += 1
         return k
 
-    def _issue(self, rs: ReadState) -> None:
+    def _issue(self, rs: Pulling) -> None:
         w = self.world
-        if rs.failing or rs.source is None or rs.progress >= self.units:
+        if rs.failing or rs is not self.reading or rs.progress >= self.units:
             return
         src = w.source_client(rs.source)
         if src is None or not src.alive or (rs.source != src.cid and rs.source not in src.serves()):
             if not rs.dead_pending:  # the read will fail after the transport's detection delay
                 rs.dead_pending = True
-                w.sim.after(w.params.detect_delay_s, self._dead_detected, rs, rs.assign_no)
+                w.sim.after(w.params.detect_delay_s, self._dead_detected, rs)
             return
         limit = src.served_units(rs.version) if (rs.partial and rs.source == src.cid) else self.units
         while len(rs.inflight) < w.config.reads_in_flight:
@@ -463,35 +364,35 @@ class SimClient:
                 end += nbytes / w.params.host_bw
             rd = w.net.post(self.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
             rs.inflight[k] = rd
-            w.sim.at(end, self._read_end, rd)
+            w.sim.at(end, self._read_end, rd, rs)
 
-    def _read_end(self, rd) -> None:
+    def _read_end(self, rd, rs: Pulling) -> None:
         w = self.world
         w.net.unregister(rd)
-        if rd.dead or not self.alive:
+        if not self.alive:
             return
-        rs = self.reading
-        if rs is None or rs.inflight.get(rd.unit) is not rd:
+        if rd.dead:
+            if rd.cancelled:
+                self._write_unit(rd.unit, TORN, self.region_version)  # what a cancelled read leaves
+            return
+        if rs is not self.reading or rs.inflight.get(rd.unit) is not rd:
             return
         del rs.inflight[rd.unit]
         tag = w.read_tag(rd)
         self._write_unit(rd.unit, tag, rs.version)
         if tag != (rs.version, self.shard, rd.unit):
             w.stats_bad_units += 1
-            self._source_failed(rs)  # the checksum does not match: a bad source
+            self._pull_failed(rs, "checksum mismatch")
             return
         rs.have.add(rd.unit)
         while rs.progress in rs.have:
             rs.progress += 1
+        self.region_progress = rs.progress
         rs.stall_token += 1
         self._notify_waiters()
-        step = max(1, self.units // 4)
         if rs.progress >= self.units:
-            self._complete(rs)
+            self._pull_done(rs)
             return
-        if rs.progress - rs.reported >= step:
-            rs.reported = rs.progress
-            self._fire(m.Progress(client_id=self.cid, units_done=rs.progress))
         self._issue(rs)
 
     def _write_unit(self, unit: int, tag, version: int) -> None:
@@ -514,18 +415,19 @@ class SimClient:
         rs = self.reading
         if not self.alive or rs is None or rs.failing:
             return
-        if rs.source == source_cid or (rs.source or "").startswith(source_cid + "#"):
+        if rs.source == source_cid or rs.source.startswith(source_cid + "#"):
             rs.stall_token += 1
             self._issue(rs)
 
-    def _stall_check(self, rs: ReadState, token: int) -> None:
+    def _stall_check(self, rs: Pulling, token: int) -> None:
         if self.alive and rs is self.reading and token == rs.stall_token and not rs.failing:
             self.world.stats_stalls += 1
-            self._source_failed(rs)
+            self._pull_failed(rs, "source stalled")
 
-    def _dead_detected(self, rs: ReadState, assign_no: int) -> None:
-        if self.alive and rs is self.reading and rs.assign_no == assign_no and not rs.failing:
-            self._source_failed(rs)
+    def _dead_detected(self, rs: Pulling) -> None:
+        if self.alive and rs is self.reading and not rs.failing:
+            src = self.world.source_client(rs.source)
+            self._pull_failed(rs, "source unreachable", unreachable=src is None or not src.alive)
 
     def source_died(self) -> None:
         """Called by the world when our source crashed: posted reads from it are lost."""
@@ -537,44 +439,24 @@ class SimClient:
         rs.inflight = {}
         if not rs.dead_pending:
             rs.dead_pending = True
-            self.world.sim.after(self.world.params.detect_delay_s, self._dead_detected, rs, rs.assign_no)
+            self.world.sim.after(self.world.params.detect_delay_s, self._dead_detected, rs)
 
-    def _source_failed(self, rs: ReadState) -> None:
+    def _pull_failed(self, rs: Pulling, error: str, unreachable: bool = False) -> None:
         if rs.failing:
             return
         rs.failing = True
         end = self._cancel_reads(rs)
-        src = self.world.source_client(rs.source) if rs.source else None
+        src = self.world.source_client(rs.source)
         if src is not None:
             src.waiters.pop(self.cid, None)
-        # Report only once our posted reads have ended: the source must not be handed back
-        # (and written) while we still read from it.
-        self.world.sim.at(end, self._send_source_failed, rs, rs.assign_no, self.session)
+        self.world.sim.at(end, self._pull_ended, rs, hm.Pulled(rs.progress, error, unreachable=unreachable))
 
-    def _send_source_failed(self, rs: ReadState, assign_no: int, session: int) -> None:
-        if (self.alive and session == self.session and rs is self.reading and rs.failing
-                and rs.assign_no == assign_no and not self.recovering):
-            src = self.world.source_client(rs.source) if rs.source else None
-            self._request(m.SourceFailed(client_id=self.cid, source_id=rs.source, units_done=rs.progress,
-                                         unreachable=src is not None and not src.alive))
+    def _pull_done(self, rs: Pulling) -> None:
+        self.world.sim.after(0.0, self._pull_ended, rs, hm.Pulled(rs.progress))
 
-    def _complete(self, rs: ReadState) -> None:
-        if not rs.done_sent:
-            rs.done_sent = True
-            self._request(m.ReplicateDone(client_id=self.cid, version=rs.version))
-
-    def _replicated(self) -> None:
-        rs = self.reading
+    def _pull_ended(self, rs: Pulling, ev: hm.Pulled) -> None:
+        if rs is not self.reading:
+            return
         self.reading = None
-        self.published = rs.version
-        self.last_txn = (rs.seq, rs.version)
-        self.world.checker.on_replicated(self, rs.version)
-        self._finish("ok", rs.version)
-
-    def _nochange(self, version: int) -> None:
-        rs = self.reading
-        self.reading = None
-        if rs is not None:
-            self.last_txn = (rs.seq, version)
-        self.world.checker.on_replicated(self, version)
-        self._finish("ok", version)
+        self.region_progress = ev.progress
+        self._answer(rs.token, ev)

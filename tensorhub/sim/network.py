@@ -29,14 +29,17 @@ class Resource:
 
 class Read:
     """One posted unit read: the reader copies ``unit`` of ``source`` into its own memory.
-    Physically in flight from ``t0`` (posted) to ``end``; ``dead`` reads deliver nothing."""
+    Physically in flight from ``t0`` (posted) to ``end``; ``dead`` reads deliver nothing to the
+    reader's bookkeeping."""
 
-    __slots__ = ("rid", "reader", "source", "version", "unit", "t0", "end", "epoch", "assign_no", "dead")
+    __slots__ = ("rid", "reader", "source", "version", "unit", "t0", "end", "epoch", "assign_no", "dead", "cancelled")
 
     def __init__(self, rid, reader, source, version, unit, t0, end, epoch, assign_no) -> None:
         self.rid, self.reader, self.source, self.version, self.unit = rid, reader, source, version, unit
         self.t0, self.end, self.epoch, self.assign_no = t0, end, epoch, assign_no
         self.dead = False
+        self.cancelled = False
+        """Cancelled by the reader: it may still land (junk) until ``end``."""
 
 
 class Host:

@@ -186,8 +186,7 @@ class World:
         self.sim.trace(f"crash {c.cid}")
         self.checker.note_loss("crash")
         keys = set(c.serves())
-        c.alive = False
-        c.abandon()
+        c.die()
         for k in sorted(keys):
             for rd in self.net.reads_from(k):
                 rd.dead = True
@@ -195,13 +194,6 @@ class World:
         for x in self.clients_alive():
             if x.reading is not None and x.reading.source in keys:
                 x.source_died()
-        if c.reading is not None:
-            for rd in c.reading.inflight.values():
-                rd.dead = True
-                self.net.unregister(rd)
-            c.reading = None
-        c.host_copies = {}
-        c.published = None
         if self.death_report_s is not None:
             self.sim.after(self.death_report_s, self.server.declare_dead, c.cid)
         if c.driver is not None:

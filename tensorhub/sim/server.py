@@ -1,8 +1,15 @@
-"""The simulated reference server: a ReferenceCore driven in virtual time.
+"""The simulated reference server: the server actor's request path in virtual time.
 
-Requests are applied when they arrive; replies and effects travel back over the network.
-The server ticks every ``server_tick_s``. A crash loses all state and every message in
-flight to or from it (the connections break: the epoch changes); a restart is a fresh core.
+Requests go through :func:`tensorhub.port.apply_request` and :class:`~tensorhub.port.Mailboxes`
+like in the Ray actor: a blocking request (``wait``) whose reply is ``Waiting`` is held as a long
+poll and answered with the client's next terminal event, or ``Waiting`` after
+``request_timeout_s``; background events (DropHostCopy, Evicted) wait in the mailbox for the
+client's ``notes`` poll. The server ticks every ``server_tick_s``.
+
+A crash loses all state and every message in flight to or from it (the epoch changes); every
+call that had not been answered fails with ``Unavailable`` after the cluster's detection delay
+(Ray raises ``RayActorError``), and so does a call sent while the server is down. A restart is a
+fresh core.
 """
 
 from __future__ import annotations
@@ -12,10 +19,18 @@ from typing import Callable, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.port import Mailboxes, apply_request
 
 CoreFactory = Callable[[Config], ReferenceCore]
 
 NAME = "server"
+
+
+class Call:
+    __slots__ = ("client", "req", "wait", "token", "on_reply", "epoch")
+
+    def __init__(self, client, req, wait: bool, token: Optional[int], on_reply, epoch: int) -> None:
+        self.client, self.req, self.wait, self.token, self.on_reply, self.epoch = client, req, wait, token, on_reply, epoch
 
 
 class SimServer:
@@ -25,6 +40,11 @@ class SimServer:
         self.epoch = 0
         self.up = True
         self.core: Optional[ReferenceCore] = self.core_factory(world.config)
+        self.mail = Mailboxes()
+        self.calls: set[Call] = set()
+        """Calls sent and not answered yet (a crash fails them)."""
+        self.polls: dict[str, Call] = {}
+        """Long polls: a blocking call waiting for its client's next terminal event."""
         self.requests = 0
         world.sim.after(world.config.server_tick_s, self._tick)
 
@@ -35,6 +55,11 @@ class SimServer:
         self.up = False
         self.core = None
         self.epoch += 1
+        self.mail = Mailboxes()
+        self.polls = {}
+        calls, self.calls = self.calls, set()
+        for call in sorted(calls, key=lambda c: (c.client.cid, c.token or 0)):
+            self._unavailable(call)
 
     def restart(self) -> None:
         self.world.sim.trace("server RESTART")
@@ -48,51 +73,101 @@ class SimServer:
             return
         effects = self.core.declare_dead([cid], self.world.sim.now, "process gone")
         self.world.sim.trace(f"srv declare_dead {cid}")
-        if effects:
-            self.world.checker.on_server(None, None, None, effects, self.epoch)
-            self._emit(effects)
+        self._route(effects)
 
-    # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ calls
 
-    def send(self, client, req: m.Request, session: int, ctx: bool) -> None:
-        """Client -> server. ``ctx``: the client wants the reply routed to ``on_reply``."""
+    def call(self, client, req: m.Request, wait: bool, token: Optional[int], on_reply=None) -> None:
+        """Client -> server. The answer goes to ``on_reply(reply)`` if given, else to
+        ``client.on_reply(token, reply)`` / ``client.on_unavailable(token)``."""
+        c = Call(client, req, wait, token, on_reply, self.epoch)
         if not self.up:
+            self._unavailable(c)
             return
-        self.world.net.send(client.cid, NAME, self._arrive, client, req, session, ctx, self.epoch)
+        self.calls.add(c)
+        self.world.net.send(client.cid, NAME, self._arrive, c, self.epoch)
 
-    def _arrive(self, client, req: m.Request, session: int, ctx: bool, epoch: int) -> None:
+    def notes(self, client, on_notes) -> None:
+        """The client's background-event poll (``ServerPort.notes``); lost if the server is down."""
+        if self.up:
+            self.world.net.send(client.cid, NAME, self._notes, client, on_notes, self.epoch)
+
+    def _unavailable(self, c: Call) -> None:
+        w = self.world
+        if c.on_reply is not None:
+            w.sim.after(w.params.detect_delay_s, c.on_reply, m.ErrorReply(code="ServerUnavailable", message="down"))
+        else:
+            w.sim.after(w.params.detect_delay_s, c.client.on_unavailable, c.token)
+
+    def _arrive(self, c: Call, epoch: int) -> None:
         sim = self.world.sim
         if not self.up or epoch != self.epoch:
             return
         self.requests += 1
-        reply, effects = self.core.handle(req, sim.now)
-        sim.trace(f"srv {client.cid} {req!r} -> {reply!r}")
-        self.world.checker.on_server(client.cid, req, reply, effects, self.epoch)
-        self.world.net.send(NAME, client.cid, self._reply, client, req, reply, session, self.epoch)
-        self._emit(effects)
+        req = c.req
+        cid = c.client.cid
 
-    def _emit(self, effects: list[m.Deliver]) -> None:
+        def tap(reply, effects):
+            sim.trace(f"srv {cid} {req!r} -> {reply!r}")
+            self.world.checker.on_server(cid, req, reply, effects, self.epoch)
+            for eff in effects:
+                sim.trace(f"evt {eff.client_id} {eff.event!r}")
+
+        reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
+        if isinstance(reply, m.Waiting) and c.wait:
+            self.polls[cid] = c
+            sim.after(self.world.config.request_timeout_s, self._poll_expired, c, reply)
+        else:
+            self._answer(c, reply)
+        self._serve_polls()
+
+    def _poll_expired(self, c: Call, reply) -> None:
+        if self.polls.get(c.client.cid) is c:
+            del self.polls[c.client.cid]
+            self._answer(c, reply)
+
+    def _serve_polls(self) -> None:
+        for cid in sorted(self.polls):
+            ev = self.mail.pop_terminal(cid)
+            if ev is not None:
+                self._answer(self.polls.pop(cid), ev)
+
+    def _answer(self, c: Call, reply) -> None:
+        self.world.net.send(NAME, c.client.cid, self._reply, c, reply, self.epoch)
+
+    def _reply(self, c: Call, reply, epoch: int) -> None:
+        if epoch != self.epoch:
+            return  # the crash already failed this call
+        self.calls.discard(c)
+        if not c.client.alive:
+            return
+        if c.on_reply is not None:
+            c.on_reply(reply)
+        else:
+            c.client.on_reply(c.token, reply)
+
+    def _notes(self, client, on_notes, epoch: int) -> None:
+        if not self.up or epoch != self.epoch:
+            return
+        notes = self.mail.pop_background(client.cid)
+        self.world.net.send(NAME, client.cid, self._notes_reply, client, on_notes, notes, self.epoch)
+
+    def _notes_reply(self, client, on_notes, notes, epoch: int) -> None:
+        if epoch == self.epoch and client.alive:
+            on_notes(notes)
+
+    def _route(self, effects: list[m.Deliver]) -> None:
+        if not effects:
+            return
+        self.world.checker.on_server(None, None, None, effects, self.epoch)
         for eff in effects:
             self.world.sim.trace(f"evt {eff.client_id} {eff.event!r}")
-            self.world.net.send(NAME, eff.client_id, self._event, eff.client_id, eff.event, self.epoch)
-
-    def _reply(self, client, req, reply, session, epoch) -> None:
-        if epoch == self.epoch and client.alive:
-            client.on_reply(req, reply, session)
-
-    def _event(self, client_id: str, event, epoch: int) -> None:
-        if epoch != self.epoch:
-            return
-        client = self.world.clients.get(client_id)
-        if client is not None and client.alive:
-            client.on_event(event)
+        self.mail.route(effects)
+        self._serve_polls()
 
     def _tick(self) -> None:
         if self.up:
-            effects = self.core.tick(self.world.sim.now)
-            if effects:
-                self.world.checker.on_server(None, None, None, effects, self.epoch)
-                self._emit(effects)
+            self._route(self.core.tick(self.world.sim.now))
         self.world.sim.after(self.world.config.server_tick_s, self._tick)
 
     def status(self, model: str = "") -> Optional[m.Status]:

@@ -58,7 +58,7 @@ def run_whatif(num_readers: int, shard_bytes: int, *, unit_bytes: int = 1 << 30,
     def go() -> None:
         state["start"] = w.sim.now
         for r in readers:
-            r.replicate(1, 1, False, reader_done)
+            r.replicate(1, False, reader_done)
 
     def registered(code: str, _v: int) -> None:
         if all(c.registered for c in [trainer] + readers):

@@ -72,14 +72,19 @@ class ReplicaDriver:
 
     def _restart(self, i: int) -> None:
         self.gen += 1
-        self.members[i] = self._spawn(i)
+        c = self.members[i] = self._spawn(i)
         self.restarting -= 1
+        # A restarted process registers as it starts (its siblings may be waiting for it in a
+        # round: ReplicaIncomplete until every shard is registered).
+        self.ensure_registered(c, lambda: None, lambda: None)
 
     def ensure_registered(self, c: SimClient, go: Callable[[], None], done: Callable[[], None]) -> None:
         if not c.alive:
             done()
         elif c.registered:
             go()
+        elif c.op is not None:  # registering already (the restart's own registration)
+            self.world.sim.after(0.2, self.ensure_registered, c, go, done)
         else:
             def registered(code: str, _v: int) -> None:
                 if code == "ok":
@@ -200,7 +205,10 @@ class RolloutDriver(ReplicaDriver):
             def replicated(code: str, v: int) -> None:
                 results[c.index] = (code, v)
                 done()
-            self.ensure_registered(c, lambda: c.replicate("latest", seq, True, replicated), done)
+            # A sharded replica names its rounds (the recommended use: its shards restart
+            # independently); a one-shard replica lets the handle count them.
+            rnd = seq if self.num_shards > 1 else None
+            self.ensure_registered(c, lambda: c.replicate("latest", True, replicated, round=rnd), done)
 
         self.each(one, lambda: self._round_done(results), w.params.shard_skew_s)
 

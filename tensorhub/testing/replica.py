@@ -84,8 +84,10 @@ class Replica(GraphMember):
     def version(self) -> Optional[int]:
         return self.hub.version
 
-    def close(self) -> None:
-        self.hub.close()
+    def close(self, drop_last_copy: bool = True) -> None:
+        """Close the hub. Default: a teardown (the job ends), so the last copy of a retained
+        version may go; ``drop_last_copy=False`` makes the server refuse that (``LastCopyHeld``)."""
+        self.hub.close(drop_last_copy=drop_last_copy)
 
     def _stats(self, st: tensorhub.ReadStats) -> dict:
         out = dataclasses.asdict(st)

@@ -1,0 +1,745 @@
+"""A shard handle's decisions as a pure state machine: events in, commands out.
+
+The shipped handle (:class:`tensorhub.client.Hub`) and the simulator's client
+(:mod:`tensorhub.sim.client`) are two drivers of this one machine: they carry out its commands
+(send a request, pull units, offload to host memory, sleep) and feed back what happened (the
+reply, the pull's outcome, the timer). Nothing here touches a clock, a thread, a transport or
+the server; ``now`` comes with every event.
+
+Rules, in the order they are applied:
+
+1. One operation at a time. ``Start(op)`` is legal only in the phases of :data:`LEGAL`
+   (``InvalidState`` otherwise, nothing changes); an operation ends exactly once, with
+   :class:`Done` or :class:`Fail`.
+2. Rounds. Every replicate/update call is one round ``seq``: the caller's ``round`` when given
+   (the same number on every shard, e.g. the RL iteration), else the next count (``seq += 1``;
+   the shards of one replica count alike). Round ``seq`` is one transaction across the shards.
+   The server says where the replica's rounds are when a process registers
+   (``Registered.round_seq``), so a restarted shard counts on with its siblings (a best effort:
+   a process that restarts mid-round cannot know for sure which round its siblings are in;
+   callers that restart shards independently pass ``round``). An internal retry (``VersionLost``
+   on a relative spec) stays in its round.
+3. A read that was asked for (``Replicate`` sent) ends on the server too: every exit that is not
+   ``ReplicateDone``/``NoChange``/a server-side failure sends ``ReplicateAbort`` first -- a
+   typed error, a timeout, a failover budget spent, or the driver's own exception
+   (:class:`Interrupted`, e.g. KeyboardInterrupt).
+4. A pull ends only when every posted read is terminal (the driver's contract for
+   :class:`Pulled`); a failed pull is reported (``SourceFailed``) only then, so the server never
+   hands the source back to its writer while a read of ours may still land. A pull whose reads
+   could not be brought to an end (``Pulled.not_terminal``) keeps nothing and aborts.
+5. Failover: after each failed pull the server assigns another source; a pull that failed on a
+   source the server found dead costs nothing; ``failovers_max`` failures in a row without
+   progress end the read with ``TransferError``, with a growing pause between them.
+6. A partial read left by an earlier call is resumed only as far as its units still match their
+   recorded checksums (:class:`Recheck`): between calls the user may write the tensors.
+7. Server restarts: ``UnknownClient`` in a reply re-announces what this handle holds
+   (:meth:`HandleMachine.holding`, with the round that gave it the version) and re-sends the
+   request; ``ServerUnavailable`` reconnects with a growing pause, ``reconnects_max`` times.
+8. ``close()`` by the last live non-spot holder of a retained version, while other clients of
+   the model remain, is refused by the server (``LastCopyHeld``): the handle stays open and keeps
+   serving its host copy; ``close(drop_last_copy=True)`` drops it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Union
+
+from tensorhub.core import messages as m
+
+RETRY_PAUSE_S = 0.1
+"""Pause before asking again when the server says "not yet" (siblings still registering)."""
+
+
+class Phase(enum.Enum):
+    OPEN = "open"  # not registered yet
+    IDLE = "idle"  # registered, holds nothing visible
+    PUBLISHED = "published"
+    CLOSED = "closed"
+
+
+# --------------------------------------------------------------------------- operations
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterOp:
+    request: m.Register
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishOp:
+    version: int
+    checksums: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class UnpublishOp:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicateOp:
+    spec: m.VersionSpec
+    update: bool
+    round: Optional[int] = None
+    """The caller's round number (the same on every shard of the replica), or None: count calls."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CloseOp:
+    drop_last_copy: bool = False
+
+
+Op = Union[RegisterOp, PublishOp, UnpublishOp, ReplicateOp, CloseOp]
+
+LEGAL: dict[type, tuple[Phase, ...]] = {
+    RegisterOp: (Phase.OPEN,),
+    PublishOp: (Phase.IDLE, Phase.PUBLISHED),
+    UnpublishOp: (Phase.IDLE, Phase.PUBLISHED),
+    ReplicateOp: (Phase.IDLE, Phase.PUBLISHED),
+    CloseOp: (Phase.OPEN, Phase.IDLE, Phase.PUBLISHED),
+}
+"""Which operation may start in which phase."""
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    op: Op
+
+
+@dataclasses.dataclass(frozen=True)
+class Replied:
+    """The reply to the last :class:`Send` (for ``wait=True``: the terminal event, or
+    ``Waiting`` when the wait ran out)."""
+
+    reply: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Unavailable:
+    """The server could not be reached for the last :class:`Send`."""
+
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rechecked:
+    """Of the partial read's units, the first ``units`` still match their checksums."""
+
+    units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """The :class:`Pull` ended; every posted read is terminal unless ``not_terminal``.
+    ``progress``: units of the version in place (a prefix). ``error``: None on success, else
+    what went wrong (``unreachable``: the source could not be reached at all)."""
+
+    progress: int
+    error: Optional[str] = None
+    unreachable: bool = False
+    not_terminal: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+    version: int
+    endpoint: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TimerFired:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Interrupted:
+    """The driver's own exception escaped while a command ran (KeyboardInterrupt, a bug): the
+    operation ends; the machine says what to clean up. The driver re-raises its exception."""
+
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Noted:
+    """A background event from the server (``DropHostCopy``)."""
+
+    event: object
+
+
+Event = Union[Start, Replied, Unavailable, Rechecked, Pulled, Offloaded, TimerFired, Interrupted, Noted]
+
+# --------------------------------------------------------------------------- commands
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Send ``request``; ``wait``: wait up to ``request_timeout_s`` for its outcome (an
+    event). Answer with :class:`Replied` or :class:`Unavailable` unless ``fire``."""
+
+    request: m.Request
+    wait: bool = False
+    fire: bool = False
+    """Fire and forget: no answer expected (an abort on the way out)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconnect:
+    """Pause ``delay_s``, reconnect to the (maybe new) server, answer :class:`TimerFired`."""
+
+    delay_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Sleep:
+    delay_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SetRegion:
+    """Write the region's control block: it holds ``version`` (-1: nothing) with ``progress``
+    units final. ``checksums``: the units' checksums when the whole version is in place."""
+
+    version: int
+    progress: int
+    checksums: Optional[tuple[int, ...]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recheck:
+    """Count the leading units of the region (holding ``version``, ``units`` of it) whose bytes
+    still match their recorded checksums; answer :class:`Rechecked`."""
+
+    version: int
+    units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+    """Read ``assignment.version`` from its source, from unit ``start_unit`` to the end; answer
+    :class:`Pulled` once every posted read is terminal."""
+
+    assignment: m.Assignment
+    start_unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Copy the tensors (holding ``version``) to host memory and serve that copy; answer
+    :class:`Offloaded`."""
+
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DropHost:
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an operation ended well. For reads: ``action`` is ``"replicated"`` or ``"noop"``."""
+
+    action: str = "ok"
+    version: int = -1
+    sources: tuple[str, ...] = ()
+    failovers: int = 0
+    start_units: int = 0
+    first: Optional[m.Assignment] = None
+    was_published: Optional[int] = None
+    """unpublish: the version that was published (the driver's mutability check)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    outcome: Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail:
+    """The operation failed with the typed error named ``code``."""
+
+    code: str
+    message: str
+
+
+Command = Union[Send, Reconnect, Sleep, SetRegion, Recheck, Pull, Offload, DropHost, Done, Fail]
+AWAITING = (Reconnect, Sleep, Recheck, Pull, Offload)
+"""Commands whose answer the machine waits for (and :class:`Send` unless ``fire``)."""
+
+
+class Step(enum.Enum):
+    NONE = "none"
+    SEND = "send"  # the reply to self._req
+    ANNOUNCE = "announce"
+    RECONNECT = "reconnect"
+    RETRY_PAUSE = "retry-pause"
+    BACKOFF = "backoff"
+    RECHECK = "recheck"
+    PULL = "pull"
+    OFFLOAD = "offload"
+
+
+class HandleMachine:
+    """One shard handle's protocol state. Not thread-safe: a driver feeds it from one thread at
+    a time (the shipped handle holds a lock)."""
+
+    def __init__(self, client_id: str, *, request_timeout_s: float, reconnects_max: int, failovers_max: int,
+                 unit_count: int = 0) -> None:
+        self.client_id = client_id
+        self.request_timeout_s = request_timeout_s
+        self.reconnects_max = reconnects_max
+        self.failovers_max = failovers_max
+        self.unit_count = unit_count
+        self.phase = Phase.OPEN
+        self.published: Optional[int] = None
+        self.region_version = -1
+        self.region_progress = 0
+        self.host_copies: dict[int, bytes] = {}
+        self.seq = 0
+        self.round: tuple[int, int] = (-1, -1)
+        """(seq, version) of the last round the server resolved for this handle."""
+        self.register_msg: Optional[m.Register] = None
+        # the operation in progress
+        self.op: Optional[Op] = None
+        self.step = Step.NONE
+        self._req: Optional[m.Request] = None
+        self._attempt = 0
+        self._deadline = 0.0
+        self._read_open = False
+        """A Replicate was sent and the read has not ended on the server."""
+        self._retried_lost = False
+        self._assignment: Optional[m.Assignment] = None
+        self._first: Optional[m.Assignment] = None
+        self._sources: list[str] = []
+        self._failovers = 0
+        self._stuck = 0
+        self._last_progress = -1
+        self._start_units = 0
+        self._last_error = ""
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def reading(self) -> bool:
+        """A pull may be writing the region (heartbeats report progress)."""
+        return self.step is Step.PULL or (self._read_open and self._assignment is not None)
+
+    @property
+    def current_source(self) -> str:
+        return self._assignment.source_id if self._assignment is not None and self.step is Step.PULL else ""
+
+    def replicate_request(self) -> m.Replicate:
+        """The Replicate this round sends (also used by a compiled graph's member)."""
+        op = self.op
+        assert isinstance(op, ReplicateOp)
+        return m.Replicate(self.client_id, op.spec, seq=self.seq, update=op.update,
+                           resume_version=self.region_version, resume_units=self._partial_units())
+
+    def holding(self, request: Optional[m.Request] = None, reading_units: Optional[int] = None) -> m.Holding:
+        """What this handle holds, for a (re-)announcement to a fresh server; ``request``: the
+        request that met ``UnknownClient``; ``reading_units``: a pull's progress right now."""
+        hosts = tuple(sorted(self.host_copies.items()))
+        if isinstance(request, m.ReplicateDone):
+            return m.Holding(published=request.version, host_copies=hosts, **self._round_txn(request.version))
+        if isinstance(request, m.OffloadDone):
+            # Drained on the old server already; the host copy (in `hosts`) holds the version.
+            return m.Holding(published=None, host_copies=hosts)
+        if self.reading and self.region_version >= 0:
+            units = self.region_progress if reading_units is None else reading_units
+            src = "" if isinstance(request, m.SourceFailed) else self.current_source
+            return m.Holding(host_copies=hosts, reading_version=self.region_version, reading_source=src,
+                             reading_units=units, txn_seq=self.seq, txn_version=self.region_version)
+        return m.Holding(published=self.published, host_copies=hosts, **self._round_txn(self.published))
+
+    def announce_request(self, request: Optional[m.Request] = None, reading_units: Optional[int] = None) -> m.Announce:
+        assert self.register_msg is not None
+        return m.Announce(self.register_msg, self.holding(request, reading_units))
+
+    def _round_txn(self, version: Optional[int]) -> dict:
+        seq, got = self.round
+        return {"txn_seq": seq, "txn_version": got} if version is not None and got == version and seq > 0 else {}
+
+    def _partial_units(self) -> int:
+        return 0 if self.published is not None else self.region_progress
+
+    # ------------------------------------------------------------------ the one entry point
+
+    def handle(self, event: Event, now: float) -> list[Command]:
+        """Apply ``event``; returns the commands to carry out, in order. At most one of them
+        awaits an answer, and it is the last."""
+        match event:
+            case Start(op):
+                return self._start(op, now)
+            case Noted(ev):
+                return self._noted(ev)
+            case Interrupted(message):
+                return self._interrupted(message)
+        if self.op is None:
+            raise AssertionError(f"{self.client_id}: {event!r} with no operation in progress")
+        match event:
+            case Replied(reply):
+                return self._replied(reply, now)
+            case Unavailable(message):
+                return self._unavailable(message, now)
+            case TimerFired():
+                return self._timer(now)
+            case Rechecked(units):
+                assert self.step is Step.RECHECK
+                self.region_progress = units
+                return [SetRegion(self.region_version, units)] + self._send(self.replicate_request(), True, now)
+            case Pulled():
+                return self._pulled(event, now)
+            case Offloaded(version, endpoint):
+                assert self.step is Step.OFFLOAD
+                self.host_copies[version] = endpoint
+                return self._send(m.OffloadDone(self.client_id, version, endpoint), True, now)
+        raise AssertionError(f"unknown event {event!r}")
+
+    # ------------------------------------------------------------------ starting
+
+    def _start(self, op: Op, now: float) -> list[Command]:
+        if self.op is not None:
+            return [Fail("InvalidState", f"{type(self.op).__name__} is in progress on this handle")]
+        if self.phase is Phase.CLOSED:
+            return [Fail("HandleClosed", "handle is closed")]
+        if self.phase not in LEGAL[type(op)]:
+            if self.phase is Phase.OPEN:
+                return [Fail("NotRegistered", "register() the tensors first")]
+            return [Fail("InvalidState", "register() was already called on this handle")]
+        match op:
+            case PublishOp(version):
+                if self.published == version:
+                    return [Done(Outcome(version=version))]
+                if self.published is not None:
+                    return [Fail("InvalidState", f"version {self.published} is published: unpublish() first")]
+            case UnpublishOp():
+                if self.published is None:
+                    return [Done(Outcome())]
+            case ReplicateOp(spec, update):
+                if not update and self.published is not None:
+                    return [Fail("InvalidState",
+                                 f"version {self.published} is published: unpublish() first, or update()")]
+        self.op = op
+        self._retried_lost = False
+        match op:
+            case RegisterOp(request):
+                self.register_msg = request
+                self._deadline = now + self.request_timeout_s
+                return self._send(request, False, now)
+            case PublishOp(version, sums):
+                self.region_version, self.region_progress = version, self.unit_count
+                return [SetRegion(version, self.unit_count, sums or None)] + self._send(
+                    m.Publish(self.client_id, version), False, now)
+            case UnpublishOp():
+                return self._send(m.Unpublish(self.client_id), True, now)
+            case ReplicateOp(round=round_no):
+                self.seq = round_no if round_no is not None else self.seq + 1
+                self._deadline = now + self.request_timeout_s
+                self._reset_read()
+                if self.published is None and self.region_version >= 0 and self.region_progress > 0:
+                    self.step = Step.RECHECK
+                    return [Recheck(self.region_version, self.region_progress)]
+                return self._send(self.replicate_request(), True, now)
+            case CloseOp():
+                if self.phase is Phase.OPEN:
+                    self.phase = Phase.CLOSED
+                    return self._end([Done(Outcome())])
+                if self.published is not None:
+                    return self._send(m.Unpublish(self.client_id), True, now)
+                return self._send(m.Leave(self.client_id, drop_last_copy=op.drop_last_copy), False, now)
+        raise AssertionError(op)
+
+    def _reset_read(self) -> None:
+        self._read_open = False
+        self._assignment = self._first = None
+        self._sources = []
+        self._failovers = self._stuck = 0
+        self._last_progress = -1
+        self._start_units = 0
+
+    # ------------------------------------------------------------------ sending and recovery
+
+    def _send(self, request: m.Request, wait: bool, now: float, *, fresh: bool = True) -> list[Command]:
+        if fresh:
+            self._attempt = 0
+        self._req = request
+        self.step = Step.SEND
+        if isinstance(request, m.Replicate):
+            self._read_open = True
+        return [Send(request, wait=wait)]
+
+    def _resend(self, now: float) -> list[Command]:
+        req = self._req
+        return self._send(req, _waits(req), now, fresh=False)
+
+    def _unavailable(self, message: str, now: float) -> list[Command]:
+        if self.step not in (Step.SEND, Step.ANNOUNCE):
+            raise AssertionError(f"Unavailable in step {self.step}")
+        self._attempt += 1
+        if self._attempt > self.reconnects_max:
+            return self._fail("ServerUnavailable", message or "the reference server is unavailable")
+        self.step = Step.RECONNECT
+        return [Reconnect(min(0.2 * 2 ** (self._attempt - 1), 2.0))]
+
+    def _announce(self, now: float) -> list[Command]:
+        self.step = Step.ANNOUNCE
+        return [Send(self.announce_request(self._req))]
+
+    def _timer(self, now: float) -> list[Command]:
+        match self.step:
+            case Step.RECONNECT:
+                if self.register_msg is None or isinstance(self._req, (m.Register, m.Leave)):
+                    return self._resend(now)
+                return self._announce(now)
+            case Step.RETRY_PAUSE:
+                return self._resend(now)
+            case Step.BACKOFF:
+                return self._pull()
+        raise AssertionError(f"timer in step {self.step}")
+
+    def _announced(self, reply: object, now: float) -> list[Command]:
+        if isinstance(reply, m.ErrorReply):
+            return self._fail(reply.code, reply.message)
+        req = self._req
+        if isinstance(req, m.ReplicateDone):
+            return self._replied_to(req, m.Ok(), now)  # announced as a complete holder already
+        if isinstance(req, m.OffloadDone):
+            return self._replied_to(req, m.UnpublishDone(version=req.version), now)  # announced unpublished
+        if isinstance(req, m.Replicate):
+            self._read_open = False
+            req = self.replicate_request()  # with what is in place now
+        return self._send(req, _waits(req), now, fresh=False)
+
+    # ------------------------------------------------------------------ replies
+
+    def _replied(self, reply: object, now: float) -> list[Command]:
+        if self.step is Step.ANNOUNCE:
+            return self._announced(reply, now)
+        if self.step is not Step.SEND:
+            raise AssertionError(f"a reply in step {self.step}")
+        req = self._req
+        if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient"
+                and not isinstance(req, (m.Register, m.Announce, m.Leave)) and self.register_msg is not None):
+            self._attempt += 1
+            if self._attempt <= self.reconnects_max:
+                return self._announce(now)
+        if isinstance(reply, m.Waiting) and _waits(req):
+            return self._fail("RequestTimeout",
+                              f"{type(req).__name__} did not finish within {self.request_timeout_s}s")
+        if isinstance(reply, m.Evicted):
+            return self._fail("UnknownClient", f"evicted by the server: {reply.reason}")
+        return self._replied_to(req, reply, now)
+
+    def _replied_to(self, req: m.Request, reply: object, now: float) -> list[Command]:
+        match req:
+            case m.Register():
+                if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering" and now < self._deadline:
+                    self.step = Step.RETRY_PAUSE
+                    return [Sleep(RETRY_PAUSE_S)]
+                if isinstance(reply, m.Registered):
+                    self.seq = max(self.seq, reply.round_seq)
+                    reply = m.Ok()
+                if isinstance(reply, m.Ok):
+                    self.phase = Phase.IDLE
+                    return self._end([Done(Outcome())])
+            case m.Publish(version=version):
+                if isinstance(reply, m.Ok):
+                    self.published = version
+                    self.phase = Phase.PUBLISHED
+                    return self._end([Done(Outcome(version=version))])
+                if _is_error(reply):
+                    return [SetRegion(-1, 0)] + self._region_reset() + self._fail_reply(reply)
+            case m.Unpublish() | m.OffloadDone() if not isinstance(self.op, ReplicateOp):
+                if isinstance(reply, m.OffloadOrder):
+                    return self._offload(reply.version)
+                if isinstance(reply, m.UnpublishDone):
+                    return self._unpublished(now)
+            case m.Replicate() | m.OffloadDone():
+                return self._replicate_reply(reply, now)
+            case m.SourceFailed():
+                if isinstance(reply, m.Assignment):
+                    return self._reassigned(reply, now)
+                if isinstance(reply, m.Failed):
+                    self._read_open = False  # the server ended the read
+            case m.ReplicateDone(version=version):
+                if isinstance(reply, m.Ok):
+                    self._read_open = False
+                    self.published = version
+                    self.phase = Phase.PUBLISHED
+                    return self._end([Done(Outcome(
+                        action="replicated", version=version, sources=tuple(self._sources),
+                        failovers=self._failovers, start_units=self._start_units, first=self._first))])
+            case m.Leave():
+                if isinstance(reply, m.ErrorReply) and reply.code == "LastCopyHeld":
+                    return self._fail_reply(reply)  # stays open: it serves the last copy
+                self.phase = Phase.CLOSED
+                self.published = None
+                return self._end([Done(Outcome())])
+        return self._fail_reply(reply)
+
+    def _replicate_reply(self, reply: object, now: float) -> list[Command]:
+        op = self.op
+        assert isinstance(op, ReplicateOp)
+        if isinstance(reply, m.ErrorReply):
+            if reply.code in ("ReplicaIncomplete", "ServerRecovering") and now < self._deadline:
+                self._read_open = False
+                self.step = Step.RETRY_PAUSE
+                return [Sleep(RETRY_PAUSE_S)]
+            self._read_open = False  # the server refused the read: nothing to abort
+            if reply.code == "VersionLost" and op.update and not isinstance(op.spec, int) and not self._retried_lost:
+                # Same round: the server keeps every shard of this replica in one transaction.
+                self._retried_lost = True
+                return self._send(self.replicate_request(), True, now)
+            return self._fail_reply(reply)
+        if isinstance(reply, m.Failed):
+            self._read_open = False
+            if reply.code == "VersionLost" and op.update and not isinstance(op.spec, int) and not self._retried_lost:
+                self._retried_lost = True
+                return self._send(self.replicate_request(), True, now)
+            return self._fail_reply(reply)
+        if isinstance(reply, m.NoChange):
+            self._read_open = False
+            self.round = (self.seq, reply.version)
+            return self._end([Done(Outcome(action="noop", version=reply.version))])
+        if isinstance(reply, m.OffloadOrder):
+            return self._offload(reply.version)
+        if isinstance(reply, m.UnpublishDone):
+            # The server restarted during the offload: we are unpublished now; ask again.
+            cmds = self._drop_published()
+            return cmds + self._send(self.replicate_request(), True, now)
+        if isinstance(reply, m.Assignment):
+            self.round = (self.seq, reply.version)
+            cmds = self._drop_published() if op.update else []
+            self._first = reply
+            start = self.region_progress if self.region_version == reply.version else 0
+            self._start_units = start
+            if start == 0:
+                self.region_version, self.region_progress = reply.version, 0
+            return cmds + self._assign(reply)
+        return self._fail_reply(reply)
+
+    def _drop_published(self) -> list[Command]:
+        if self.published is None:
+            return []
+        # The server drained and unpublished the old version before answering.
+        self.published = None
+        self.phase = Phase.IDLE
+        return []
+
+    def _offload(self, version: int) -> list[Command]:
+        self.step = Step.OFFLOAD
+        if version in self.host_copies:
+            # Offloaded earlier (the version came back to the tensors by a later read): the host
+            # copy holds the same bytes; keep serving that one.
+            return self.handle(Offloaded(version, self.host_copies[version]), self._deadline)
+        return [Offload(version)]
+
+    def _unpublished(self, now: float) -> list[Command]:
+        was = self.published
+        self.published = None
+        self.phase = Phase.IDLE
+        cmds = [SetRegion(-1, 0)] + self._region_reset()
+        if isinstance(self.op, CloseOp):
+            return cmds + self._send(m.Leave(self.client_id, drop_last_copy=self.op.drop_last_copy), False, now)
+        return cmds + self._end([Done(Outcome(was_published=was))])
+
+    def _region_reset(self) -> list[Command]:
+        self.region_version, self.region_progress = -1, 0
+        return []
+
+    # ------------------------------------------------------------------ reading
+
+    def _assign(self, a: m.Assignment) -> list[Command]:
+        self._assignment = a
+        self._sources.append(a.source_id)
+        return self._pull()
+
+    def _pull(self) -> list[Command]:
+        a = self._assignment
+        self.step = Step.PULL
+        start = self.region_progress if self.region_version == a.version else 0
+        return [Pull(a, start)]
+
+    def _pulled(self, ev: Pulled, now: float) -> list[Command]:
+        assert self.step is Step.PULL
+        a = self._assignment
+        self.region_progress = ev.progress
+        if ev.error is None:
+            assert ev.progress >= self.unit_count
+            return self._send(m.ReplicateDone(self.client_id, a.version), False, now)
+        self._failovers += 1
+        self._last_error = ev.error
+        if ev.not_terminal:
+            # A late read may still land in the region: keep nothing, and do not tell the
+            # server the source failed (it would hand the source back to its writer).
+            self.region_version, self.region_progress = -1, 0
+            return [SetRegion(-1, 0)] + self._fail(
+                "TransferError", f"{a.source_id}: reads could not be stopped: {ev.error}")
+        return self._send(m.SourceFailed(self.client_id, a.source_id, ev.progress, unreachable=ev.unreachable),
+                          True, now)
+
+    def _reassigned(self, a: m.Assignment, now: float) -> list[Command]:
+        if a.version != self._assignment.version:
+            return self._fail("InvalidState",
+                              f"server reassigned version {a.version} during read of {self._assignment.version}")
+        if a.failed_source_gone:
+            return self._assign(a)
+        progress = self.region_progress
+        self._stuck = self._stuck + 1 if progress == self._last_progress else 1
+        self._last_progress = progress
+        if self._stuck > self.failovers_max:
+            return self._fail("TransferError",
+                              f"version {a.version}: {self._stuck} live sources failed without progress at unit "
+                              f"{progress}; last error: {self._last_error}")
+        self._assignment = a
+        self._sources.append(a.source_id)
+        self.step = Step.BACKOFF
+        return [Sleep(min(0.05 * 2 ** (self._stuck - 1), 1.0))]
+
+    # ------------------------------------------------------------------ background, endings
+
+    def _noted(self, ev: object) -> list[Command]:
+        if isinstance(ev, m.DropHostCopy) and ev.version in self.host_copies:
+            # Keep the host copy while an operation may still announce it (the server restarted
+            # mid-offload); otherwise drop it now.
+            del self.host_copies[ev.version]
+            return [DropHost(ev.version)]
+        return []
+
+    def _interrupted(self, message: str) -> list[Command]:
+        if self.op is None:
+            return []
+        return self._fail("Interrupted", message or "interrupted")
+
+    def _fail_reply(self, reply: object) -> list[Command]:
+        if isinstance(reply, (m.ErrorReply, m.Failed)):
+            return self._fail(reply.code, reply.message)
+        return self._fail("TensorHubError", f"unexpected reply {reply!r} to {type(self._req).__name__}")
+
+    def _fail(self, code: str, message: str) -> list[Command]:
+        cmds: list[Command] = []
+        if self._read_open:
+            # Rule 3: the server must not keep a phantom reader (it would attach it to a source
+            # whose unpublish() then waits for a read that never finishes).
+            self._read_open = False
+            cmds.append(Send(m.ReplicateAbort(self.client_id), fire=True))
+        return self._end(cmds + [Fail(code, message)])
+
+    def _end(self, cmds: list[Command]) -> list[Command]:
+        self.op = None
+        self.step = Step.NONE
+        self._req = None
+        self._assignment = None
+        return cmds
+
+
+def _waits(req: m.Request) -> bool:
+    return isinstance(req, (m.Unpublish, m.Replicate, m.SourceFailed, m.OffloadDone))
+
+
+def _is_error(reply: object) -> bool:
+    return isinstance(reply, (m.ErrorReply, m.Failed))
