@@ -117,6 +117,7 @@ class Hub:
         self._read_t0 = 0.0
         self._t_assigned = 0.0
         self._finished_at = 0.0
+        self._pull_from = 0
         self._hb_stop = threading.Event()
         self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()  # one blocking call at a time
@@ -372,6 +373,7 @@ class Hub:
         when this returns, unless ``not_terminal`` says otherwise."""
         if not self._t_assigned:
             self._t_assigned = time.perf_counter()
+            self._pull_from = self._resume_point(a.version)  # units this call did not fetch
         if not self._region.settle(self.config.source_stall_timeout_s):
             # An earlier pull left reads that NIXL never reported ended: none of this region's
             # units past its progress can be trusted yet.
@@ -396,10 +398,12 @@ class Hub:
         without checksums)."""
         region = self._region
         keep = 0
-        if self.config.checksums and region.version == version:
+        if self.config.checksums:
+            # The control block's header may say "nothing" (hidden after the failed call); its
+            # checksum slots still hold what the units had when they landed.
             sums = region.checksums()
             layout_units = self._layout.units
-            while keep < min(units, region.progress) and checksum_unit(self._tensors, layout_units[keep]) == sums[keep]:
+            while keep < units and checksum_unit(self._tensors, layout_units[keep]) == sums[keep]:
                 keep += 1
         if keep < units:
             log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "
@@ -421,7 +425,7 @@ class Hub:
             return ReadStats(action="noop", version=out.version, seconds=dt)
         if self.config.checksums or self.config.verify_mutability:
             self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
-        nbytes = self._units_bytes(out.start_units, self._layout.unit_count)  # each unit fetched once
+        nbytes = self._units_bytes(self._pull_from, self._layout.unit_count)  # each unit fetched once
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
         first = out.first

@@ -178,7 +178,9 @@ def _failed_partial_read(port):
     with pytest.raises(errors.TransferError):
         r.replicate(1)
     del r._pull_range
-    assert (r._region.version, r._region.progress) == (1, 3)
+    # three units of version 1 stay in place for a later call, hidden from followers meanwhile
+    assert (r._machine.region_version, r._machine.region_progress) == (1, 3)
+    assert (r._region.version, r._region.progress) == (-1, 0)
     return t, tt, r, rt
 
 

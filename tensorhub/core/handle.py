@@ -30,8 +30,9 @@ Rules, in the order they are applied:
 5. Failover: after each failed pull the server assigns another source; a pull that failed on a
    source the server found dead costs nothing; ``failovers_max`` failures in a row without
    progress end the read with ``TransferError``, with a growing pause between them.
-6. A partial read left by an earlier call is resumed only as far as its units still match their
-   recorded checksums (:class:`Recheck`): between calls the user may write the tensors.
+6. A partial read left by an earlier call is hidden from its followers when the call fails (the
+   control block says "nothing"), and resumed by a later call only as far as its units still
+   match their recorded checksums (:class:`Recheck`): between calls the user may write them.
 7. Server restarts: ``UnknownClient`` in a reply re-announces what this handle holds
    (:meth:`HandleMachine.holding`, with the round that gave it the version) and re-sends the
    request; ``ServerUnavailable`` reconnects with a growing pause, ``reconnects_max`` times.
@@ -727,6 +728,11 @@ class HandleMachine:
             # whose unpublish() then waits for a read that never finishes).
             self._read_open = False
             cmds.append(Send(m.ReplicateAbort(self.client_id), fire=True))
+            if self.region_version >= 0:
+                # Hide the partial copy from its followers before the user may write the idle
+                # tensors (their reads check the control block); the units and their checksums
+                # stay, for a later call to resume on after a recheck.
+                cmds.append(SetRegion(-1, 0))
         return self._end(cmds + [Fail(code, message)])
 
     def _end(self, cmds: list[Command]) -> list[Command]:

@@ -65,8 +65,8 @@ class Checker:
         if req is not None and not isinstance(reply, m.ErrorReply):
             if isinstance(req, (m.ReplicateDone, m.ReplicateAbort, m.Replicate, m.SourceFailed, m.Leave)):
                 self.assign.pop(cid, None)
-            if isinstance(req, m.Leave):
-                self._revoke_source(cid)
+            if isinstance(req, (m.Leave, m.ReplicateAbort)):
+                self._revoke_source(cid)  # an aborting partial holder's followers are orphaned
             if isinstance(req, m.SourceFailed):
                 self.source_failed_versions.add(-1)
         batch = [(e.client_id, e.event) for e in effects if isinstance(e.event, m.Assignment)]

@@ -147,6 +147,14 @@ class SimClient:
         self.mem = [DIRTY] * self.units
         self.mem_wtime = [self.world.sim.now] * self.units
 
+    def scribble(self, unit: int) -> None:
+        """The user writes one unit of the idle handle's tensors."""
+        assert self.published is None and self.op is None
+        self.world.checker.on_write(self.cid, unit, DIRTY_VERSION)
+        self.mem[unit] = DIRTY
+        self.mem_wtime[unit] = self.world.sim.now
+        self.world.stats_scribbles += 1
+
     def write_version(self, version: int) -> None:
         self.world.checker.on_write(self.cid, None, version)
         self.mem = version_tags(version, self.shard, self.units)
@@ -175,6 +183,27 @@ class SimClient:
             self.reading = None
         self.host_copies = {}
 
+    def interrupt(self) -> bool:
+        """The user interrupts a replicate mid-read (KeyboardInterrupt, a cancelled task): the
+        pull stops once its posted reads have ended (the shipped read loop drains before the
+        exception leaves it), then the machine ends the operation. False if nothing to interrupt."""
+        rs = self.reading
+        if not self.alive or self.op is None or self.op.kind != "replicate" or rs is None or rs.failing:
+            return False
+        rs.failing = True
+        end = self._cancel_reads(rs)
+        src = self.world.source_client(rs.source)
+        if src is not None:
+            src.waiters.pop(self.cid, None)
+        self.token += 1  # the pull's own answer is dropped
+        self.world.sim.at(end, self._interrupted, rs)
+        return True
+
+    def _interrupted(self, rs: Pulling) -> None:
+        if self.alive and rs is self.reading:
+            self.reading = None
+            self._feed(hm.Interrupted("user interrupt"))
+
     # ------------------------------------------------------------------ driving the machine
 
     def _begin(self, kind: str, cb: Optional[Callback], op: hm.Op) -> None:
@@ -195,7 +224,7 @@ class SimClient:
 
     def _run(self, cmds: list) -> None:
         w = self.world
-        for cmd in cmds:
+        for i, cmd in enumerate(cmds):
             match cmd:
                 case hm.Done(outcome):
                     if self.op is not None and self.op.kind == "replicate":
@@ -210,7 +239,11 @@ class SimClient:
                         self._free_host(version)
                 case hm.Send(request, wait, fire):
                     if fire:
-                        w.server.call(self, request, False, None)
+                        # Like the shipped driver, the rest waits until the server has it (or is
+                        # found gone): the user must not see the call end before its abort landed.
+                        rest = cmds[i + 1:]
+                        w.server.call(self, request, False, None, on_reply=lambda _r, rest=rest: self._run(rest))
+                        return
                     else:
                         self.token += 1
                         w.server.call(self, request, wait, self.token)
@@ -260,7 +293,7 @@ class SimClient:
 
     def _recheck(self, version: int, units: int) -> int:
         keep = 0
-        while keep < units and self.region_version == version and self.mem[keep] == (version, self.shard, keep):
+        while keep < units and self.mem[keep] == (version, self.shard, keep):
             keep += 1
         return keep
 

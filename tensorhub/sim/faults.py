@@ -9,13 +9,17 @@ parameters; every injection is traced and counted.
 - ``slow_link``        a NIC or an inter-datacenter link runs ``factor`` times slower for a while.
 - ``msg_delay``        control messages get up to ``max_s`` extra delay for a while (reorders
                        messages across channels).
+- ``interrupt``        the user interrupts a replicate mid-read (KeyboardInterrupt): the handle
+                       must end the read on the server too, and a later call must not resume on
+                       units the user wrote meanwhile.
 """
 
 from __future__ import annotations
 
 import random
 
-FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay")
+FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
+               "interrupt")
 
 BOUNDS = {
     "server_restart.down_s": (0.2, 3.0),
@@ -121,6 +125,10 @@ def inject(world, kind: str, knobs: dict) -> None:
         sim.after(knobs["duration_s"], _unslow, target, knobs["factor"])
         sim.trace(f"fault slow_link {[r.name for r in target]} x{knobs['factor']:.1f}")
         done = True
+    elif kind == "interrupt":
+        reading = [c for c in world.clients_alive() if c.reading is not None and c.op is not None]
+        c = _pick(reading, knobs["pick"])
+        done = c is not None and c.interrupt()
     elif kind == "msg_delay":
         world.net.extra_delay_max_s = knobs["max_s"]
         sim.after(knobs["duration_s"], _undelay, world)

@@ -120,7 +120,7 @@ class World:
         self.faults: dict[str, int] = {}
         self.faults_injected = False
         self.active_end = self.params.active_s
-        self.stats_recoveries = self.stats_stalls = self.stats_bad_units = 0
+        self.stats_recoveries = self.stats_stalls = self.stats_bad_units = self.stats_scribbles = 0
         self._layouts: dict[int, m.LayoutInfo] = {}
         self._hosts = 0
         self.checker = Checker(self)

@@ -178,6 +178,7 @@ class RolloutDriver(ReplicaDriver):
         super().__init__(*a, **kw)
         self.seq = 0
         self.leaving = False
+        self.retry: dict[str, int] = {}
 
     def start(self, delay: float = 0.0) -> None:
         self.world.sim.after(delay + self.rng.uniform(0, 0.5), self._round)
@@ -208,7 +209,10 @@ class RolloutDriver(ReplicaDriver):
             # A sharded replica names its rounds (the recommended use: its shards restart
             # independently); a one-shard replica lets the handle count them.
             rnd = seq if self.num_shards > 1 else None
-            self.ensure_registered(c, lambda: c.replicate("latest", True, replicated, round=rnd), done)
+            # After an interrupted call a one-shard replica asks again for the version it was
+            # reading (a user retrying the call), which resumes on its partial units.
+            spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 else "latest"
+            self.ensure_registered(c, lambda: c.replicate(spec, True, replicated, round=rnd), done)
 
         self.each(one, lambda: self._round_done(results), w.params.shard_skew_s)
 
@@ -216,9 +220,24 @@ class RolloutDriver(ReplicaDriver):
         w = self.world
         w.checker.on_round(self, results)
         ok = len(results) == self.num_shards and all(code == "ok" for code, _ in results.values())
+        if not ok:
+            self._scribble()
+            for i, (code, _v) in results.items():
+                c = self.members[i]
+                if code == "Interrupted" and c.alive and c.machine.region_version >= 0:
+                    self.retry[c.cid] = c.machine.region_version
         p = w.params
         delay = self.rng.uniform(*p.generate_s) if ok else self.rng.uniform(0.3, 1.0)
         w.sim.after(delay, self._round)
+
+    def _scribble(self) -> None:
+        """Between calls the user may write an idle handle's tensors (its engine reuses them):
+        a failed read's partial units are then stale, and the next read must not resume on them."""
+        rng = self.world.sim.rng(f"{self.replica_id}-scribble-{self.seq}")
+        for c in self.members:
+            kept = c.machine.region_progress  # units a later call may resume on
+            if c.alive and c.op is None and c.published is None and kept > 0:
+                c.scribble(rng.randrange(kept))
 
     def _leave(self) -> None:
         def one(c: SimClient, done) -> None:
