@@ -141,11 +141,7 @@ def test_spot_wave_survivors_finish_and_lost_version_moves_on(ray_cluster, model
     ray.get(stable.close.remote())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/handle.py: update('latest') retries a VersionLost only when it answers Replicate; when it "
-    "answers the reader's own SourceFailed (the reader found its source dead mid-read) the match "
-    "falls through to _fail_reply and VersionLost escapes (found by tensorhub chaos, round 3 of "
-    "--rounds 20 --seed 0; passed before d97f974)"))
+@pytest.mark.ray
 def test_trainer_killed_mid_update_latest_moves_on_to_the_retained_version(ray_cluster, model_name):
     """trainer -> r0: r0 holds 1, the trainer publishes 2, r0 update("latest")s to it (keeping
     the last non-spot copy of 1 in host memory) and the trainer is killed mid-read. Version 2 is

@@ -564,8 +564,10 @@ class HandleMachine:
             case m.SourceFailed():
                 if isinstance(reply, m.Assignment):
                     return self._reassigned(reply, now)
-                if isinstance(reply, m.Failed):
+                if _is_error(reply):
                     self._read_open = False  # the server ended the read
+                    if self._may_retry_lost(reply):
+                        return self._retry_lost(now)
             case m.ReplicateDone(version=version):
                 if isinstance(reply, m.Ok):
                     self._read_open = False
@@ -591,16 +593,13 @@ class HandleMachine:
                 self.step = Step.RETRY_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]
             self._read_open = False  # the server refused the read: nothing to abort
-            if reply.code == "VersionLost" and op.update and not isinstance(op.spec, int) and not self._retried_lost:
-                # Same round: the server keeps every shard of this replica in one transaction.
-                self._retried_lost = True
-                return self._send(self.replicate_request(), True, now)
+            if self._may_retry_lost(reply):
+                return self._retry_lost(now)
             return self._fail_reply(reply)
         if isinstance(reply, m.Failed):
             self._read_open = False
-            if reply.code == "VersionLost" and op.update and not isinstance(op.spec, int) and not self._retried_lost:
-                self._retried_lost = True
-                return self._send(self.replicate_request(), True, now)
+            if self._may_retry_lost(reply):
+                return self._retry_lost(now)
             return self._fail_reply(reply)
         if isinstance(reply, m.NoChange):
             self._read_open = False
@@ -622,6 +621,19 @@ class HandleMachine:
                 self.region_version, self.region_progress = reply.version, 0
             return cmds + self._assign(reply)
         return self._fail_reply(reply)
+
+    def _may_retry_lost(self, reply) -> bool:
+        """update() of a relative spec whose version was lost mid-way retries once."""
+        op = self.op
+        return (reply.code == "VersionLost" and isinstance(op, ReplicateOp) and op.update
+                and not isinstance(op.spec, int) and not self._retried_lost)
+
+    def _retry_lost(self, now: float) -> list[Command]:
+        # Same round: the server keeps every shard of this replica in one transaction (it
+        # re-resolves the round only if no sibling holds its version).
+        self._retried_lost = True
+        self._assignment = None
+        return self._send(self.replicate_request(), True, now)
 
     def _drop_published(self) -> list[Command]:
         if self.published is None:

@@ -287,7 +287,9 @@ class ReferenceCore:
             src = self.nodes.get(hold.reading_source)
             if src is not None and src.version == hold.reading_version and src.state is not S.IDLE:
                 self._attach(node, src)
-            elif hold.reading_source:
+            elif hold.reading_source and hold.reading_source not in self.nodes:
+                # Its source has not announced yet: wait for it (it may bring the edge back). One
+                # that announced already without this version is no source: queue normally.
                 node.awaiting_source = hold.reading_source
                 self._pending_edges.setdefault(hold.reading_source, set()).add(node.id)
         for rid in sorted(self._pending_edges.pop(node.id, ())):
@@ -597,7 +599,8 @@ class ReferenceCore:
                 f"another shard asked {spec!r}"
             )
         if (not isinstance(req.spec, int) and node.shard in consumed
-                and not self._round_version_held(node, version)):
+                and not self._round_version_held(node, version)
+                and not self._consumer_unaccounted(node, consumed)):
             # A retry in this round after its version was lost: re-resolve the round, unless a
             # sibling already holds (or receives) that version -- then the retry fails with
             # VersionLost and the next round realigns the replica.
@@ -608,13 +611,21 @@ class ReferenceCore:
         consumed.add(node.shard)
         return version
 
+    def _consumer_unaccounted(self, node: Node, consumed: set[int]) -> bool:
+        """A sibling shard that took this round's version is not registered right now (evicted,
+        or not re-announced yet): it may still hold the version, so the round must not move."""
+        present = {n.shard for n in self.nodes.values()
+                   if not n.host and n.model == node.model and n.replica_id == node.replica_id}
+        return any(sh != node.shard and sh not in present for sh in consumed)
+
     def _round_version_held(self, node: Node, version: int) -> bool:
         """Whether ``version`` is still a committed, available version, or a sibling shard of
-        ``node``'s replica holds or receives it."""
+        ``node``'s replica holds or receives it (or will, once its drain or offload ends)."""
         if version in self.available(node.model):
             return True
         return any(n.model == node.model and n.replica_id == node.replica_id and n.shard != node.shard
-                   and not n.host and n.version == version and n.state is not S.IDLE
+                   and not n.host and ((n.version == version and n.state is not S.IDLE)
+                                       or (n.pending_read is not None and n.pending_read[0] == version))
                    for n in self.nodes.values())
 
     # ------------------------------------------------------------------ unpublish, drain, offload
