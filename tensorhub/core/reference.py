@@ -355,6 +355,12 @@ class ReferenceCore:
         node.progress = max(0, min(req.units_done, node.units))
         node.failed_gone = req.source_id not in self.nodes
         if node.state is S.WAITING:
+            if node.awaiting_source == req.source_id:
+                # Announced after a restart as reading from this source, which it has since found
+                # failed: do not restore that edge when the source announces; schedule anew.
+                node.awaiting_source = None
+                node.suspects.add(req.source_id)
+                self._touched.add(node.key)
             return m.Waiting(version=node.version)
         if node.source != req.source_id:
             return self._assignment(node)  # already moved on; repeat the current one
@@ -473,6 +479,7 @@ class ReferenceCore:
         )
         self.nodes[hid] = host
         self._set_version(host, version, S.PUBLISHED, host.units)
+        self._maybe_commit(host)
         log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
 
     # ------------------------------------------------------------------ versions
@@ -496,24 +503,40 @@ class ReferenceCore:
         return any(self.nodes[i].state in _SERVABLE for i in self.groups.get((model, version, shard), ()))
 
     def _maybe_commit(self, node: Node) -> None:
+        """Commit ``node``'s version once every shard of its replica holds it complete and visible.
+        Host copies count for their owner's replica: only a committed version is ever offloaded,
+        so after a restart they bring its commit back (the replica's GPU copies may have moved on)."""
         mod = self.models[node.model]
         v = node.version
         if v in mod.committed:
             return
-        shards = [n for n in self.nodes.values() if not n.host and n.model == node.model and n.replica_id == node.replica_id]
-        if len(shards) < mod.num_shards or not all(n.state in VISIBLE_SOURCE and n.version == v for n in shards):
+        owner = self.nodes.get(node.owner) if node.host else node
+        if owner is None:
             return
+        replica = owner.replica_id
+        covered = set()
+        for n in self.nodes.values():
+            if n.model != node.model or n.version != v or n.state not in VISIBLE_SOURCE:
+                continue
+            n_owner = self.nodes.get(n.owner) if n.host else n
+            if n_owner is not None and n_owner.replica_id == replica:
+                covered.add(n.shard)
+        if len(covered) == mod.num_shards:
+            self._commit(node.model, v, replica)
+
+    def _commit(self, model: str, v: int, by: str) -> None:
+        mod = self.models[model]
         if v < mod.forgotten_below:
             return
         mod.committed.append(v)
         mod.committed.sort()
-        log.info("model=%s version=%d committed by replica %s", node.model, v, node.replica_id)
+        log.info("model=%s version=%d committed by replica %s", model, v, by)
         keep = self.config.versions_retained
         if len(mod.committed) > keep:
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
-                self._forget(node.model, old)
+                self._forget(model, old)
 
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""

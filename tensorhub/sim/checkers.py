@@ -19,7 +19,10 @@ would), every physical memory write of a client, every finished operation, and t
 (e) ``retention``  while no holder was lost (no crash, preemption, eviction or server
                    restart so far), every retained (committed) version is available whenever
                    no holder of the model is draining or offloading (drains hide a holder by
-                   design): checked at each UnpublishDone and at the end.
+                   design): checked at each UnpublishDone and at the end. After faults too, at
+                   the end, against the ground truth: a retained version that some live replica
+                   still holds whole (every shard's memory or host copy, non-spot) must be
+                   available.
 (f) ``bytes``      a replica that finished a round (all shards ok), and every replica at the
                    end, holds exactly the units the trainer wrote for that version.
 (g) ``cross_dc``   without faults, one cross-datacenter copy per (version, shard, dc): no
@@ -62,6 +65,11 @@ class Checker:
     # ------------------------------------------------------------------ server tap
 
     def on_server(self, cid, req, reply, effects, epoch: int) -> None:
+        if isinstance(req, (m.Publish, m.ReplicateDone, m.Announce)) and isinstance(reply, m.Ok):
+            # Every commit, as it happens (a status sample could miss one lost soon after).
+            mod = self.world.server.core.models.get(self.world.params.model)
+            if mod is not None:
+                self.seen_committed.update(mod.committed)
         if req is not None and not isinstance(reply, m.ErrorReply):
             if isinstance(req, (m.ReplicateDone, m.ReplicateAbort, m.Replicate, m.SourceFailed, m.Leave)):
                 self.assign.pop(cid, None)
@@ -200,6 +208,33 @@ class Checker:
             self.violate("retention", f"at {where}: retained versions {missing} are not available "
                                       f"(newest committed {expected}, available {list(mv.available)})")
 
+    def check_retention_truth(self) -> None:
+        """(e) after faults: the server must list every retained version that live non-spot
+        memory still holds whole (one replica's shards, GPU copy or host copy)."""
+        w = self.world
+        st = w.server.status(w.params.model)
+        if st is None or not st.models or not self.seen_committed:
+            return
+        mv = st.models[0]
+        if any(h.state in ("draining", "offloading") for h in mv.holders):
+            return
+        self.seen_committed.update(mv.committed)
+        expected = sorted(self.seen_committed)[-w.config.versions_retained:]
+        for v in sorted(set(expected) - set(mv.available)):
+            holders = []
+            for d in w.drivers():
+                members = [c for c in d.members if c.alive and not c.spot]
+                if len(members) == d.num_shards and all(self._holds(c, v) for c in members):
+                    holders.append(d.replica_id)
+            if holders:
+                self.violate("retention", f"at end: retained version {v} is not available while replica(s) "
+                                          f"{holders} hold it whole (available {list(mv.available)})")
+
+    @staticmethod
+    def _holds(c, v: int) -> bool:
+        want = [(v, c.shard, k) for k in range(c.units)]
+        return (c.published == v and c.mem == want) or c.host_copies.get(v) == want
+
     def final(self, quiesced: bool) -> None:
         w = self.world
         for op in self.open_ops.values():
@@ -207,6 +242,8 @@ class Checker:
         if not quiesced:
             self.violate("hang", "the workload did not quiesce before the deadline")
         self.check_retention("end")
+        if quiesced:
+            self.check_retention_truth()
         for d in w.rollouts:
             alive = [c for c in d.members if c.alive]
             if len(alive) == d.num_shards and alive[0].published is not None:

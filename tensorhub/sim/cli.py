@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default=None, help="force one workload")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--verbose-trace", action="store_true", help="print every trace line (stderr)")
-    parser.add_argument("--interrupts", action="store_true",
-                        help="also inject the interrupt fault (a user stops a replicate mid-read)")
+    parser.add_argument("--no-interrupts", action="store_true",
+                        help="never inject the interrupt fault (a user stops a replicate mid-read)")
 
 
 def _replay_cmd(seed: int, workload) -> str:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     completed = violations = 0
     digest = hashlib.blake2b(digest_size=16)
     for seed in seeds:
-        res = run_scenario(seed, args.workload, keep_trace=args.verbose_trace, interrupts=args.interrupts)
+        res = run_scenario(seed, args.workload, keep_trace=args.verbose_trace, interrupts=not args.no_interrupts)
         digest.update(res.digest.encode())
         if res.lines is not None:
             for line in res.lines:

@@ -11,8 +11,7 @@ parameters; every injection is traced and counted.
                        messages across channels).
 - ``interrupt``        the user interrupts a replicate mid-read (KeyboardInterrupt): the handle
                        must end the read on the server too, and a later call must not resume on
-                       units the user wrote meanwhile. Opt-in (``interrupts=True``): it still
-                       finds a liveness bug in the core (see tests/test_handle_machine.py).
+                       units the user wrote meanwhile.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class World:
 
     def __init__(self, seed: int, workload: Optional[str] = None, core_factory: Optional[CoreFactory] = None,
                  keep_trace: bool = False, params: Optional[Params] = None, config: Optional[Config] = None,
-                 faults: bool = True, interrupts: bool = False) -> None:
+                 faults: bool = True, interrupts: bool = True) -> None:
         self.sim = Sim(seed, keep_trace=keep_trace)
         self.interrupts = interrupts
         rng = self.sim.rng("scenario")
@@ -269,9 +269,9 @@ def build_workload(w: World, rng: random.Random) -> None:
 
 
 def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Optional[CoreFactory] = None,
-                 keep_trace: bool = False, faults: bool = True, interrupts: bool = False) -> ScenarioResult:
+                 keep_trace: bool = False, faults: bool = True, interrupts: bool = True) -> ScenarioResult:
     """Run one seeded scenario and check every invariant. Deterministic in its arguments.
-    ``interrupts``: also inject the ``interrupt`` fault (user stops a replicate mid-read)."""
+    ``interrupts``: the ``interrupt`` fault may be planned (a user stops a replicate mid-read)."""
     w = World(seed, workload, core_factory, keep_trace=keep_trace, faults=faults, interrupts=interrupts)
     w.run()
     w.sim.trace(f"end violations={len(w.checker.violations)} ops={w.checker.completed} failed={sorted(w.checker.failed.items())}")
