@@ -320,11 +320,29 @@ class Hub:
             cmds = self._feed(event)
 
     def _finish_interrupted(self, exc: BaseException) -> None:
-        for cmd in self._feed(hm.Interrupted(f"{type(exc).__name__}: {exc}")):
-            if isinstance(cmd, hm.Send):
-                self._fire(cmd.request)
-            elif isinstance(cmd, hm.SetRegion):
-                self._set_region(cmd)
+        """The machine's clean-up after the driver's own exception: aborts, region, and an
+        update's old version published again (best effort: a failure here is logged, the
+        original exception is what the caller sees)."""
+        cmds = self._feed(hm.Interrupted(f"{type(exc).__name__}: {exc}"))
+        while cmds:
+            awaiting = None
+            for cmd in cmds:
+                match cmd:
+                    case hm.Send(request, fire=True):
+                        self._fire(request)
+                    case hm.SetRegion():
+                        self._set_region(cmd)
+                    case hm.DropHost(version):
+                        self._drop_host_copy(version)
+                    case hm.Send():
+                        awaiting = cmd
+            if awaiting is None:
+                return
+            try:
+                reply = self._port.call(awaiting.request)
+            except errors.TensorHubError as e:
+                reply = m.ErrorReply(code=type(e).__name__, message=str(e))
+            cmds = self._feed(hm.Replied(reply))
 
     def _fire(self, request: m.Request) -> None:
         try:

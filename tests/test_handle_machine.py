@@ -126,6 +126,25 @@ def test_retry_after_version_lost_stays_in_the_round_and_a_new_call_starts_the_n
     assert cmds[-1].request.seq == 7, "an explicit round is the caller's"
 
 
+def test_update_that_fails_before_writing_publishes_the_old_version_again():
+    """update() is all or nothing: the server drained version 1 for the read of 2, the read
+    failed before any byte of 2 was written, so the tensors still hold 1: publish it again."""
+    mc = _machine()
+    mc.handle(hm.Start(hm.PublishOp(1)), 0.0)
+    mc.handle(hm.Replied(m.Ok()), 0.0)
+    mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
+    cmds = mc.handle(hm.Replied(m.Waiting(version=2)), 0.0)  # RequestTimeout: nothing assigned
+    assert cmds == [ABORT, hm.Send(m.Publish("c", 1))]
+    assert mc.handle(hm.Replied(m.Ok()), 0.0)[-1].code == "RequestTimeout"
+    assert mc.published == 1 and mc.phase is hm.Phase.PUBLISHED
+    # the same when publishing again is refused: the handle ends unpublished, region cleared
+    mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
+    mc.handle(hm.Replied(m.Waiting(version=2)), 0.0)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionExpired", message="old")), 0.0)
+    assert cmds[0] == hm.SetRegion(-1, 0) and cmds[-1].code == "RequestTimeout"
+    assert mc.published is None and mc.phase is hm.Phase.IDLE
+
+
 def test_version_lost_reported_for_a_failed_source_is_retried_in_the_round():
     """Found by ``tensorhub chaos``: the reader's own SourceFailed gets VersionLost (its source
     was the last holder); update("latest") moves on to the retained version, same round."""
@@ -335,13 +354,9 @@ def test_reader_that_reported_its_announced_source_failed_is_scheduled_anew():
 
 
 @pytest.mark.sim
-@pytest.mark.xfail(strict=True, reason=(
-    "open gap: the server fails shard 1's read of v3 (its source, a live trainer, was evicted by lease: "
-    "VersionLost), shard 0 retries the round and gets v2; shard 1 never saw the Failed event (it was "
-    "pulling), finished v3 from the still-live source, and a server restart let it announce v3 as done: "
-    "the round splits. Needs the read to learn of the failure before it reports done (or the new server "
-    "to reconcile announced rounds)"))
 def test_seed_204_round_survives_a_false_eviction_then_a_server_restart():
+    """Shard 1's read of v3 is failed by the server (its live source was evicted by lease), shard
+    0 retries the round; a server restart follows. Once found splitting the round (v2 / v3)."""
     from tensorhub.sim.scenario import run_scenario
 
     assert not run_scenario(204).violations

@@ -22,7 +22,9 @@ Rules, in the order they are applied:
 3. A read that was asked for (``Replicate`` sent) ends on the server too: every exit that is not
    ``ReplicateDone``/``NoChange``/a server-side failure sends ``ReplicateAbort`` first -- a
    typed error, a timeout, a failover budget spent, or the driver's own exception
-   (:class:`Interrupted`, e.g. KeyboardInterrupt).
+   (:class:`Interrupted`, e.g. KeyboardInterrupt). An ``update()`` that fails after the server
+   drained its old version, before any byte of the new one was written, publishes the old
+   version again (all or nothing); if it cannot, the handle ends unpublished.
 4. A pull ends only when every posted read is terminal (the driver's contract for
    :class:`Pulled`); a failed pull is reported (``SourceFailed``) only then, so the server never
    hands the source back to its writer while a read of ours may still land. A pull whose reads
@@ -321,6 +323,10 @@ class HandleMachine:
         self._last_progress = -1
         self._start_units = 0
         self._last_error = ""
+        self._drained_old = False
+        """update(): the server drained and unpublished the old version for this read."""
+        self._restoring: Optional[tuple[str, str]] = None
+        """update() failed after the drain: the old version is being published again; the error."""
 
     # ------------------------------------------------------------------ queries
 
@@ -456,6 +462,8 @@ class HandleMachine:
 
     def _reset_read(self) -> None:
         self._read_open = False
+        self._drained_old = False
+        self._restoring = None
         self._assignment = self._first = None
         self._sources = []
         self._failovers = self._stuck = 0
@@ -529,6 +537,8 @@ class HandleMachine:
             if self._attempt <= self.reconnects_max:
                 return self._announce(now)
         if isinstance(reply, m.Waiting) and _waits(req):
+            if isinstance(req, m.Replicate):
+                self._drained_old = True  # the server took the read (and drained an update's old version)
             return self._fail("RequestTimeout",
                               f"{type(req).__name__} did not finish within {self.request_timeout_s}s")
         if isinstance(reply, m.Evicted):
@@ -547,6 +557,15 @@ class HandleMachine:
                 if isinstance(reply, m.Ok):
                     self.phase = Phase.IDLE
                     return self._end([Done(Outcome())])
+            case m.Publish(version=version) if self._restoring is not None:
+                code, message = self._restoring
+                self._restoring = None
+                if not isinstance(reply, m.Ok):
+                    self.published = None
+                    self.phase = Phase.IDLE
+                    self.region_version, self.region_progress = -1, 0
+                    return self._end([SetRegion(-1, 0), Fail(code, message)])
+                return self._end([Fail(code, message)])
             case m.Publish(version=version):
                 if isinstance(reply, m.Ok):
                     self.published = version
@@ -596,6 +615,8 @@ class HandleMachine:
             if self._may_retry_lost(reply):
                 return self._retry_lost(now)
             return self._fail_reply(reply)
+        if not isinstance(reply, m.NoChange):
+            self._drained_old = True  # the server took the read: an update drained the old version
         if isinstance(reply, m.Failed):
             self._read_open = False
             if self._may_retry_lost(reply):
@@ -740,11 +761,23 @@ class HandleMachine:
             # whose unpublish() then waits for a read that never finishes).
             self._read_open = False
             cmds.append(Send(m.ReplicateAbort(self.client_id), fire=True))
-            if self.region_version >= 0:
+            if self.region_version >= 0 and self.region_version != self.published:
                 # Hide the partial copy from its followers before the user may write the idle
                 # tensors (their reads check the control block); the units and their checksums
                 # stay, for a later call to resume on after a recheck.
                 cmds.append(SetRegion(-1, 0))
+        op = self.op
+        if isinstance(op, ReplicateOp) and op.update and self.published is not None and self._drained_old:
+            old = self.published
+            if self.region_version == old and self.region_progress >= self.unit_count:
+                # update() is all or nothing: no byte of the new version was written, so the
+                # tensors still hold the old one; publish it again.
+                self._restoring = (code, message)
+                self.step = Step.SEND
+                self._req = m.Publish(self.client_id, old)
+                return cmds + [Send(self._req)]
+            self.published = None
+            self.phase = Phase.IDLE
         return self._end(cmds + [Fail(code, message)])
 
     def _end(self, cmds: list[Command]) -> list[Command]:

@@ -549,11 +549,20 @@ class ReferenceCore:
 
     def _resolve(self, node: Node, spec: m.VersionSpec) -> int:
         try:
-            return self._resolve_now(node, spec)
+            version = self._resolve_now(node, spec)
         except (VersionNotFound, UnknownModel, VersionExpired) as err:
             if self._now < self._recovering_until:
                 raise ServerRecovering(f"{err} (holders are still re-announcing after a server restart)") from None
             raise
+        if (self._now < self._recovering_until and not isinstance(spec, int)
+                and version == max(self.available(node.model))
+                and not any(self.nodes[i].state in VISIBLE_SOURCE and not self.nodes[i].host
+                            for i in self.groups.get((node.model, version, node.shard), ()))):
+            # The newest version known is held by host copies alone: those are retained older
+            # versions, so the holders of the newer ones have not re-announced yet.
+            raise ServerRecovering(f"{node.model}: newest known version {version} is held by host copies only "
+                                   f"(holders are still re-announcing after a server restart)")
+        return version
 
     def _resolve_now(self, node: Node, spec: m.VersionSpec) -> int:
         mod = self.models[node.model]

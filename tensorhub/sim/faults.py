@@ -12,6 +12,9 @@ parameters; every injection is traced and counted.
 - ``interrupt``        the user interrupts a replicate mid-read (KeyboardInterrupt): the handle
                        must end the read on the server too, and a later call must not resume on
                        units the user wrote meanwhile.
+- ``trainer_replaced`` the trainer job restarts under a new replica id on new hosts while its
+                       predecessor's processes hang (no death report: their leases still run);
+                       versions go on from where it was.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import random
 
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
-               "interrupt")
+               "interrupt", "trainer_replaced")
 
 BOUNDS = {
     "server_restart.down_s": (0.2, 3.0),
@@ -71,7 +74,7 @@ def fault_end(plan: list[tuple[float, str, dict]], world) -> float:
     p = world.params
     for t, kind, knobs in plan:
         e = t + knobs.get("duration_s", 0.0) + knobs.get("down_s", 0.0)
-        if kind in ("worker_crash", "source_crash", "spot_preemption"):
+        if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced"):
             e += p.restart_delay_s + world.config.lease_timeout_s
         end = max(end, e)
     return end
@@ -130,6 +133,10 @@ def inject(world, kind: str, knobs: dict) -> None:
         reading = [c for c in world.clients_alive() if c.reading is not None and c.op is not None]
         c = _pick(reading, knobs["pick"])
         done = c is not None and c.interrupt()
+    elif kind == "trainer_replaced":
+        done = world.replace_trainer()
+        if done:
+            world.checker.note_loss("trainer replaced")
     elif kind == "msg_delay":
         world.net.extra_delay_max_s = knobs["max_s"]
         sim.after(knobs["duration_s"], _undelay, world)

@@ -181,7 +181,24 @@ class World:
             return TORN
         return owner.mem[rd.unit]
 
-    def crash(self, c: SimClient, restart: bool) -> None:
+    def replace_trainer(self) -> bool:
+        """The trainer job restarts under a new replica id on new hosts (a resubmitted job) while
+        its predecessor's processes hang: no death report, their leases still run."""
+        old = next((d for d in self.trainers if not d.gone), None)
+        if old is None or old.idle:
+            return False
+        for c in list(old.members):
+            self.crash(c, restart=False, report=False)
+        n = len(self.trainers)
+        hosts = [self.add_host("dc0") for _ in range(old.num_shards)]
+        new = TrainerDriver(self, f"trainer-{n}", hosts, "dc0", False, self.sim.rng(f"trainer-{n}"),
+                            max_versions=old.max_versions)
+        new.version = old.version  # the job resumes from its checkpoint: versions go on
+        self.trainers.append(new)
+        self.sim.after(self.params.restart_delay_s, new.start)
+        return True
+
+    def crash(self, c: SimClient, restart: bool, report: bool = True) -> None:
         if not c.alive:
             return
         self.sim.trace(f"crash {c.cid}")
@@ -195,7 +212,7 @@ class World:
         for x in self.clients_alive():
             if x.reading is not None and x.reading.source in keys:
                 x.source_died()
-        if self.death_report_s is not None:
+        if self.death_report_s is not None and report:
             self.sim.after(self.death_report_s, self.server.declare_dead, c.cid)
         if c.driver is not None:
             c.driver.on_crash(c, restart)

@@ -125,6 +125,9 @@ class TrainerDriver(ReplicaDriver):
 
     def _step(self) -> None:
         w = self.world
+        if self.gone:
+            self.idle = True
+            return
         if self.restarting:
             w.sim.after(0.5, self._step)
             return
