@@ -6,12 +6,8 @@ This module only carries out its commands in the simulated world:
 
 - ``Send``: a call through :class:`~tensorhub.sim.server.SimServer` (the server actor's
   request path: mailboxes and long polls); a crashed server answers ``Unavailable``.
-- ``Pull``: the simulated transport. Memory is a list of per-unit content tags
-  ``(version, shard, unit)``; a read copies the source's tag at the END of its transfer (a
-  write to the source during it makes a torn unit); each unit is verified (the checksum
-  model), a bad one fails the pull. A failed pull cancels its posted reads and answers
-  ``Pulled`` only once every one of them has ended (a cancelled read lands junk when it ends:
-  a driver that went on before that would be caught writing over verified units).
+- ``Pull``: the simulated transport (:mod:`tensorhub.sim.transport`). Memory is a list of
+  per-unit content tags ``(version, shard, unit)``.
 - ``Offload``/``DropHost``: host copies (tags), ``Recheck``: the leading units that still hold
   their version, ``Sleep``/``Reconnect``: virtual timers.
 
@@ -27,10 +23,10 @@ from typing import Any, Callable, Optional
 
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.sim.transport import TORN, SimTransport
 
 DIRTY = ("dirty",)
 FREED = ("freed",)
-TORN = ("torn",)
 DIRTY_VERSION = -2
 FREED_VERSION = -3
 
@@ -46,23 +42,6 @@ class Op:
 
     def __init__(self, kind: str, cid: str, start: float, cb: Optional[Callback]) -> None:
         self.kind, self.cid, self.start, self.cb = kind, cid, start, cb
-
-
-class Pulling:
-    """One :class:`~tensorhub.core.handle.Pull` in the simulated transport."""
-
-    def __init__(self, a: m.Assignment, progress: int) -> None:
-        self.version = a.version
-        self.source = a.source_id
-        self.partial = a.source_partial
-        self.assign_no = a.assign_no
-        self.progress = progress  # contiguous verified units of ``version``
-        self.have: set[int] = set()
-        self.inflight: dict[int, Any] = {}
-        self.failing = False
-        self.dead_pending = False
-        self.stall_token = 0
-        self.token = 0
 
 
 class SimClient:
@@ -87,7 +66,7 @@ class SimClient:
         self.alive = True
         self.retired = False
         self.op: Optional[Op] = None
-        self.reading: Optional[Pulling] = None
+        self.transport = SimTransport(self)
         self.token = 0
         """Answers to the awaited command carry this; a stale one is dropped."""
         self.hb_busy = False
@@ -176,33 +155,52 @@ class SimClient:
         if self.op is not None:
             self.world.checker.op_abandon(self.op)
             self.op = None
-        if self.reading is not None:
-            for rd in self.reading.inflight.values():
-                rd.dead = True
-                self.world.net.unregister(rd)
-            self.reading = None
+        self.transport.died()
         self.host_copies = {}
 
     def interrupt(self) -> bool:
         """The user interrupts a replicate mid-read (KeyboardInterrupt, a cancelled task): the
         pull stops once its posted reads have ended (the shipped read loop drains before the
         exception leaves it), then the machine ends the operation. False if nothing to interrupt."""
-        rs = self.reading
-        if not self.alive or self.op is None or self.op.kind != "replicate" or rs is None or rs.failing:
+        if not self.alive or self.op is None or self.op.kind != "replicate":
             return False
-        rs.failing = True
-        end = self._cancel_reads(rs)
-        src = self.world.source_client(rs.source)
-        if src is not None:
-            src.waiters.pop(self.cid, None)
+        rs = self.transport.stop()
+        if rs is None:
+            return False
         self.token += 1  # the pull's own answer is dropped
-        self.world.sim.at(end, self._interrupted, rs)
+        self.world.sim.at(rs.ends_at, self._interrupted, rs)
         return True
 
-    def _interrupted(self, rs: Pulling) -> None:
-        if self.alive and rs is self.reading:
-            self.reading = None
+    def _interrupted(self, rs) -> None:
+        if self.alive and self.transport.finish(rs):
             self._feed(hm.Interrupted("user interrupt"))
+
+    # the simulated transport: its reads, and what the world tells it
+    @property
+    def reading(self):
+        """The pull in progress (its posted reads are ``reading.inflight``), or None."""
+        return self.transport.current
+
+    def poke(self, source_cid: str) -> None:
+        self.transport.poke(source_cid)
+
+    def source_died(self) -> None:
+        self.transport.source_died()
+
+    def _write_unit(self, unit: int, tag, version: int) -> None:
+        self.world.checker.on_write(self.cid, unit, version)
+        self.mem[unit] = tag
+        self.mem_wtime[unit] = self.world.sim.now
+
+    def _notify_waiters(self) -> None:
+        if not self.waiters:
+            return
+        w = self.world
+        for cid in sorted(self.waiters):
+            reader = w.clients.get(cid)
+            if reader is not None:
+                w.sim.after(w.params.poll_s, reader.poke, self.cid)
+        self.waiters = {}
 
     # ------------------------------------------------------------------ driving the machine
 
@@ -258,7 +256,7 @@ class SimClient:
                     w.sim.after(0.0, self._answer, self.token, hm.Rechecked(self._recheck(version, units)))
                 case hm.Pull(assignment, start_unit):
                     self.token += 1
-                    self._start_pull(assignment, start_unit, self.token)
+                    self.transport.pull(assignment, start_unit, self.token)
                 case hm.Offload(version):
                     self.token += 1
                     dur = self.units * self.unit_bytes / w.params.host_bw
@@ -341,155 +339,3 @@ class SimClient:
                     self.driver.broken = True
             self._feed(hm.Noted(note))
 
-    # ------------------------------------------------------------------ the simulated transport
-
-    def _start_pull(self, a: m.Assignment, start: int, token: int) -> None:
-        if start == 0:
-            self.region_version, self.region_progress = a.version, 0
-        rs = Pulling(a, self.region_progress if self.region_version == a.version else 0)
-        rs.token = token
-        self.reading = rs
-        if rs.progress >= self.units:
-            self._pull_done(rs)
-        else:
-            self._issue(rs)
-
-    def _cancel_reads(self, rs: Pulling) -> float:
-        """Cancel the posted reads; returns when the last of them reaches a terminal state (a
-        cancelled read may still land, with junk, until then)."""
-        end = self.world.sim.now
-        for rd in rs.inflight.values():
-            rd.dead = True
-            rd.cancelled = True
-            end = max(end, rd.end)
-        rs.inflight = {}
-        return end
-
-    def _next_unit(self, rs: Pulling) -> int:
-        k = rs.progress
-        while k < self.units and (k in rs.have or k in rs.inflight):
-            k += 1
-        return k
-
-    def _issue(self, rs: Pulling) -> None:
-        w = self.world
-        if rs.failing or rs is not self.reading or rs.progress >= self.units:
-            return
-        src = w.source_client(rs.source)
-        if src is None or not src.alive or (rs.source != src.cid and rs.source not in src.serves()):
-            if not rs.dead_pending:  # the read will fail after the transport's detection delay
-                rs.dead_pending = True
-                w.sim.after(w.params.detect_delay_s, self._dead_detected, rs)
-            return
-        limit = src.served_units(rs.version) if (rs.partial and rs.source == src.cid) else self.units
-        while len(rs.inflight) < w.config.reads_in_flight:
-            k = self._next_unit(rs)
-            if k >= self.units:
-                break
-            if k >= limit:
-                src.waiters[self.cid] = True
-                rs.stall_token += 1
-                w.sim.after(w.config.source_stall_timeout_s, self._stall_check, rs, rs.stall_token)
-                break
-            nbytes = self.unit_bytes
-            end = w.net.reserve(src.host, self.host, nbytes)
-            if rs.source != src.cid:  # a host-memory copy: slower than GPU memory
-                end += nbytes / w.params.host_bw
-            rd = w.net.post(self.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
-            rs.inflight[k] = rd
-            w.sim.at(end, self._read_end, rd, rs)
-
-    def _read_end(self, rd, rs: Pulling) -> None:
-        w = self.world
-        w.net.unregister(rd)
-        if not self.alive:
-            return
-        if rd.dead:
-            if rd.cancelled:
-                self._write_unit(rd.unit, TORN, self.region_version)  # what a cancelled read leaves
-            return
-        if rs is not self.reading or rs.inflight.get(rd.unit) is not rd:
-            return
-        del rs.inflight[rd.unit]
-        tag = w.read_tag(rd)
-        self._write_unit(rd.unit, tag, rs.version)
-        if tag != (rs.version, self.shard, rd.unit):
-            w.stats_bad_units += 1
-            self._pull_failed(rs, "checksum mismatch")
-            return
-        rs.have.add(rd.unit)
-        while rs.progress in rs.have:
-            rs.progress += 1
-        self.region_progress = rs.progress
-        rs.stall_token += 1
-        self._notify_waiters()
-        if rs.progress >= self.units:
-            self._pull_done(rs)
-            return
-        self._issue(rs)
-
-    def _write_unit(self, unit: int, tag, version: int) -> None:
-        self.world.checker.on_write(self.cid, unit, version)
-        self.mem[unit] = tag
-        self.mem_wtime[unit] = self.world.sim.now
-
-    def _notify_waiters(self) -> None:
-        if not self.waiters:
-            return
-        w = self.world
-        for cid in sorted(self.waiters):
-            reader = w.clients.get(cid)
-            if reader is not None:
-                w.sim.after(w.params.poll_s, reader.poke, self.cid)
-        self.waiters = {}
-
-    def poke(self, source_cid: str) -> None:
-        """The source's progress counter moved (or the source died)."""
-        rs = self.reading
-        if not self.alive or rs is None or rs.failing:
-            return
-        if rs.source == source_cid or rs.source.startswith(source_cid + "#"):
-            rs.stall_token += 1
-            self._issue(rs)
-
-    def _stall_check(self, rs: Pulling, token: int) -> None:
-        if self.alive and rs is self.reading and token == rs.stall_token and not rs.failing:
-            self.world.stats_stalls += 1
-            self._pull_failed(rs, "source stalled")
-
-    def _dead_detected(self, rs: Pulling) -> None:
-        if self.alive and rs is self.reading and not rs.failing:
-            src = self.world.source_client(rs.source)
-            self._pull_failed(rs, "source unreachable", unreachable=src is None or not src.alive)
-
-    def source_died(self) -> None:
-        """Called by the world when our source crashed: posted reads from it are lost."""
-        rs = self.reading
-        if rs is None or rs.failing:
-            return
-        for rd in rs.inflight.values():
-            rd.dead = True
-        rs.inflight = {}
-        if not rs.dead_pending:
-            rs.dead_pending = True
-            self.world.sim.after(self.world.params.detect_delay_s, self._dead_detected, rs)
-
-    def _pull_failed(self, rs: Pulling, error: str, unreachable: bool = False) -> None:
-        if rs.failing:
-            return
-        rs.failing = True
-        end = self._cancel_reads(rs)
-        src = self.world.source_client(rs.source)
-        if src is not None:
-            src.waiters.pop(self.cid, None)
-        self.world.sim.at(end, self._pull_ended, rs, hm.Pulled(rs.progress, error, unreachable=unreachable))
-
-    def _pull_done(self, rs: Pulling) -> None:
-        self.world.sim.after(0.0, self._pull_ended, rs, hm.Pulled(rs.progress))
-
-    def _pull_ended(self, rs: Pulling, ev: hm.Pulled) -> None:
-        if rs is not self.reading:
-            return
-        self.reading = None
-        self.region_progress = ev.progress
-        self._answer(rs.token, ev)
