@@ -733,3 +733,72 @@ def test_registration_keeps_the_process_id():
     assert w.core.processes() == {"c": pid}
     # re-registering the same client with the same parameters is idempotent
     assert w.send(m.Register("c", "pol", "c", 0, 1, LAYOUT, b"c", process=pid)) == m.Registered()
+
+
+# --------------------------------------------------------------------------- issue 9 (client machine)
+
+
+def test_reader_that_reports_its_announced_source_failed_is_not_reattached_to_it():
+    """Fresh server: r announces it reads from t (not announced yet), then reports t failed; when t
+    announces, the old edge must not come back (r would wait for a source it gave up on)."""
+    w = World(lease_timeout_s=5.0)
+    reg_t = m.Register("t", "pol", "t", 0, 1, LAYOUT, b"t")
+    reg_r = m.Register("r", "pol", "r", 0, 1, LAYOUT, b"r")
+    w.send(m.Announce(reg_r, m.Holding(reading_version=1, reading_source="t", reading_units=1)))
+    assert w.send(m.SourceFailed("r", "t", 1)) == m.Waiting(version=1)
+    w.send(m.Announce(reg_t, m.Holding(reading_version=1, reading_units=0)))
+    assert w.source_of("r") != "t"
+
+
+def test_host_copies_bring_a_retained_version_back_after_a_restart():
+    """Old server: 1 and 2 retained, 1 only as r's host copy. Fresh server: r announces its host copy
+    of 1 while its GPU copy holds 2: both versions are committed and available again."""
+    w = World(lease_timeout_s=5.0)
+    reg_r = m.Register("r", "pol", "r", 0, 1, LAYOUT, b"r")
+    assert w.send(m.Announce(reg_r, m.Holding(published=2, host_copies=((1, b"r-host"),)))) == m.Ok()
+    assert w.core.available("pol") == [1, 2]
+
+
+def test_latest_waits_in_the_recovery_window_while_the_newest_version_has_host_copies_only():
+    w = World(lease_timeout_s=5.0)
+    reg_r = m.Register("r", "pol", "r", 0, 1, LAYOUT, b"r")
+    reg_t = m.Register("t", "pol", "t", 0, 1, LAYOUT, b"t")
+    w.send(m.Announce(reg_r, m.Holding(host_copies=((1, b"r-host"),))))
+    w.reg("n")
+    assert err(w.send(m.Replicate("n", "latest"))) == "ServerRecovering", "t (holding 2) may not be back yet"
+    w.send(m.Announce(reg_t, m.Holding(published=2)))
+    assert w.send(m.Replicate("n", "latest")).version == 2
+    assert w.send(m.Replicate("r", 1)).source_id == "r#host1"
+
+
+@pytest.mark.parametrize("others, drop, code", [
+    (True, False, "LastCopyHeld"),   # r could still want it
+    (True, True, None),              # asked to drop it
+    (False, False, None),            # nobody left who could read it
+])
+def test_leave_of_the_last_copy_of_a_retained_version(others, drop, code):
+    w = World()
+    w.reg("t")
+    if others:
+        w.reg("r")
+    w.send(m.Publish("t", 1))
+    reply = w.send(m.Leave("t", drop_last_copy=drop))
+    assert (err(reply) if code else reply) == (code or m.Ok())
+    assert ("t" in w.core.nodes) == bool(code), "a refused leave changes nothing"
+
+
+def test_a_restarted_shard_learns_its_replicas_rounds():
+    """Shards 0 and 1 of A finished round 3; shard 1's process restarts: it counts on from 3 (its
+    next call, round 4, is its siblings' next round). Had shard 0 still been reading in round 3,
+    the new process would join round 3."""
+    w = World(lease_timeout_s=5.0)
+    for sh in (0, 1):
+        w.reg(f"t{sh}", replica="T", shard=sh, num_shards=2)
+        w.send(m.Publish(f"t{sh}", 1))
+    w.reg("a0", replica="A", shard=0, num_shards=2)
+    w.reg("a1", replica="A", shard=1, num_shards=2)
+    for cid in ("a0", "a1"):
+        assert isinstance(w.send(m.Replicate(cid, "latest", seq=3)), m.Assignment)
+        w.send(m.ReplicateDone(cid, 1))
+    w.send(m.Leave("a1", drop_last_copy=True))
+    assert w.send(m.Register("a1.1", "pol", "A", 1, 2, LAYOUT, b"x")) == m.Registered(round_seq=3)
