@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.transport.pacing import Pacer
 
 TORN = ("torn",)
 
@@ -27,7 +28,7 @@ TORN = ("torn",)
 class Pulling:
     """One pull in flight."""
 
-    def __init__(self, a: m.Assignment, progress: int, token: int) -> None:
+    def __init__(self, a: m.Assignment, progress: int, token: int, pacer: Pacer) -> None:
         self.version = a.version
         self.source = a.source_id
         self.partial = a.source_partial
@@ -41,6 +42,8 @@ class Pulling:
         self.stall_token = 0
         self.ends_at = 0.0
         """Stopped: when its last posted read ends."""
+        self.pacer = pacer
+        """The shipped read loop's window policy (reads kept posted), fed with virtual time."""
 
 
 class SimTransport:
@@ -58,7 +61,9 @@ class SimTransport:
         c = self.client
         if start == 0:
             c.region_version, c.region_progress = a.version, 0
-        rs = Pulling(a, c.region_progress if c.region_version == a.version else 0, token)
+        pacer = Pacer(self.world.config.reads_in_flight)
+        pacer.on_rtt(2 * self.world.net.ctrl_latency_s)
+        rs = Pulling(a, c.region_progress if c.region_version == a.version else 0, token, pacer)
         self.current = rs
         if rs.progress >= self.units:
             self._done(rs)
@@ -109,6 +114,7 @@ class SimTransport:
         for rd in rs.inflight.values():
             rd.dead = True
         rs.inflight = {}
+        rs.pacer.forget_inflight()
         if not rs.dead_pending:
             rs.dead_pending = True
             self.world.sim.after(self.world.params.detect_delay_s, self._dead_detected, rs)
@@ -122,6 +128,7 @@ class SimTransport:
             rd.cancelled = True
             end = max(end, rd.end)
         rs.inflight = {}
+        rs.pacer.forget_inflight()
         return end
 
     def _forget_source(self, rs: Pulling) -> None:
@@ -146,7 +153,7 @@ class SimTransport:
                 w.sim.after(w.params.detect_delay_s, self._dead_detected, rs)
             return
         limit = src.served_units(rs.version) if (rs.partial and rs.source == src.cid) else self.units
-        while len(rs.inflight) < w.config.reads_in_flight:
+        while rs.pacer.may_post():
             k = self._next_unit(rs)
             if k >= self.units:
                 break
@@ -161,6 +168,7 @@ class SimTransport:
                 end += nbytes / w.params.host_bw
             rd = w.net.post(c.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
             rs.inflight[k] = rd
+            rs.pacer.on_post(k, nbytes, w.sim.now)
             w.sim.at(end, self._read_end, rd, rs)
 
     def _read_end(self, rd, rs: Pulling) -> None:
@@ -175,6 +183,7 @@ class SimTransport:
         if rs is not self.current or rs.inflight.get(rd.unit) is not rd:
             return
         del rs.inflight[rd.unit]
+        rs.pacer.on_done([rd.unit], w.sim.now)
         tag = w.read_tag(rd)
         c._write_unit(rd.unit, tag, rs.version)
         if tag != (rs.version, c.shard, rd.unit):
