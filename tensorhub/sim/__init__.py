@@ -6,8 +6,10 @@ so that the same seed provably gives the same run.
 
 - :mod:`tensorhub.sim.loop`      event queue, virtual clock, seeded RNGs, trace digest
 - :mod:`tensorhub.sim.network`   NICs (TX/RX), inter-datacenter links, control-message channels
-- :mod:`tensorhub.sim.server`    the reference server: a ReferenceCore driven in virtual time
-- :mod:`tensorhub.sim.client`    a simulated shard handle following the client protocol
+- :mod:`tensorhub.sim.server`    the reference server: the shipped request path (ReferenceCore,
+                                  mailboxes, long polls) in virtual time
+- :mod:`tensorhub.sim.client`    a shard handle: a driver of the shipped HandleMachine
+- :mod:`tensorhub.sim.transport` what a pull does in the simulated world (reads, cancel, stall)
 - :mod:`tensorhub.sim.workloads` trainers, rollout fleets, spot churn
 - :mod:`tensorhub.sim.faults`    named fault kinds and their bounded knobs
 - :mod:`tensorhub.sim.checkers`  invariants (observers only)
