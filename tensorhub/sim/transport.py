@@ -1,17 +1,21 @@
 """The simulated transport: what a :class:`~tensorhub.core.handle.Pull` does in the simulated
 world, for one client.
 
-A unit read from host s to host r reserves the network path (:mod:`tensorhub.sim.network`) and
-copies the source's content tag at the END of its transfer (a write to the source during it makes
-a torn unit); each unit is verified (the checksum model) and a bad one fails the pull. Reads go
-in unit order, at most ``reads_in_flight`` posted, and only below a partial source's progress
-(the reader waits for its pushes; a source that does not move for ``source_stall_timeout_s``
-fails the pull, and so does one whose process died, after the detection delay).
+The pull's rules are the shipped read loop's, not a model of them: each pull drives a
+:class:`~tensorhub.transport.readstate.ReadState` (what the NIXL reader in
+:mod:`tensorhub.transport.reader` drives too): reads only below what the source's control block
+shows for our version (a source that moved on fails the pull), posted in unit order as many as
+the shipped window policy allows, the prefix advanced in order as units verify, and a pull in
+which nothing moved for ``source_stall_timeout_s`` fails. What is simulated is only the reads
+themselves and the clock: a unit read from host s to host r reserves the network path
+(:mod:`tensorhub.sim.network`) and copies the source's content tag at the END of its transfer (a
+write to the source during it makes a torn unit; the tag check is the checksum); a source whose
+process died fails the pull after the detection delay.
 
-The rule of the shipped read loop that matters for correctness is kept: a failed or stopped
-pull cancels its posted reads and reports only once every one of them has ended. A cancelled
-read lands junk in its unit when it ends, so a driver that went on before that would be caught
-writing over units it had verified.
+The rule of the shipped read loop that matters most for correctness is kept too: a failed or
+stopped pull cancels its posted reads and reports only once every one of them has ended. A
+cancelled read lands junk in its unit when it ends, so a driver that went on before that would
+be caught writing over units it had verified.
 """
 
 from __future__ import annotations
@@ -20,30 +24,33 @@ from typing import Any, Optional
 
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.transport.pacing import Pacer
+from tensorhub.errors import SourceStalled, TransferError
+from tensorhub.transport.readstate import ReadState
 
 TORN = ("torn",)
 
 
 class Pulling:
-    """One pull in flight."""
+    """One pull in flight: the shipped read loop's bookkeeping (:class:`ReadState`) plus the
+    simulated reads."""
 
-    def __init__(self, a: m.Assignment, progress: int, token: int, pacer: Pacer) -> None:
+    def __init__(self, a: m.Assignment, st: ReadState, token: int) -> None:
         self.version = a.version
         self.source = a.source_id
         self.partial = a.source_partial
         self.assign_no = a.assign_no
-        self.progress = progress  # contiguous verified units of ``version``
+        self.st = st
         self.token = token
-        self.have: set[int] = set()
         self.inflight: dict[int, Any] = {}
         self.failing = False
         self.dead_pending = False
-        self.stall_token = 0
         self.ends_at = 0.0
         """Stopped: when its last posted read ends."""
-        self.pacer = pacer
-        """The shipped read loop's window policy (reads kept posted), fed with virtual time."""
+
+    @property
+    def progress(self) -> int:
+        """Contiguous verified units of ``version``."""
+        return self.st.prefix
 
 
 class SimTransport:
@@ -58,16 +65,19 @@ class SimTransport:
 
     def pull(self, a: m.Assignment, start: int, token: int) -> None:
         """Read ``a.version`` from unit ``start`` on; answers ``client._answer(token, Pulled)``."""
-        c = self.client
+        c, w = self.client, self.world
         if start == 0:
             c.region_version, c.region_progress = a.version, 0
-        pacer = Pacer(self.world.config.reads_in_flight)
-        pacer.on_rtt(2 * self.world.net.ctrl_latency_s)
-        rs = Pulling(a, c.region_progress if c.region_version == a.version else 0, token, pacer)
+        first = c.region_progress if c.region_version == a.version else 0
+        st = ReadState(a.version, first, self.units, window_max=w.config.reads_in_flight,
+                       stall_timeout_s=w.config.source_stall_timeout_s, now=w.sim.now, source=a.source_id)
+        st.pacer.on_rtt(2 * w.net.ctrl_latency_s)
+        rs = Pulling(a, st, token)
         self.current = rs
-        if rs.progress >= self.units:
+        if st.finished:
             self._done(rs)
         else:
+            w.sim.at(st.stall_due(), self._watch, rs)
             self._issue(rs)
 
     def stop(self) -> Optional[Pulling]:
@@ -102,7 +112,6 @@ class SimTransport:
         if not self.client.alive or rs is None or rs.failing:
             return
         if rs.source == source_cid or rs.source.startswith(source_cid + "#"):
-            rs.stall_token += 1
             self._issue(rs)
 
     def source_died(self) -> None:
@@ -114,7 +123,7 @@ class SimTransport:
         for rd in rs.inflight.values():
             rd.dead = True
         rs.inflight = {}
-        rs.pacer.forget_inflight()
+        rs.st.forget_posted()
         if not rs.dead_pending:
             rs.dead_pending = True
             self.world.sim.after(self.world.params.detect_delay_s, self._dead_detected, rs)
@@ -128,7 +137,7 @@ class SimTransport:
             rd.cancelled = True
             end = max(end, rd.end)
         rs.inflight = {}
-        rs.pacer.forget_inflight()
+        rs.st.forget_posted()
         return end
 
     def _forget_source(self, rs: Pulling) -> None:
@@ -136,15 +145,15 @@ class SimTransport:
         if src is not None:
             src.waiters.pop(self.client.cid, None)
 
-    def _next_unit(self, rs: Pulling) -> int:
-        k = rs.progress
-        while k < self.units and (k in rs.have or k in rs.inflight):
-            k += 1
-        return k
+    def _source_state(self, rs: Pulling, src) -> tuple[int, int]:
+        """The source's control block as a read of it would see it: (version, units final)."""
+        if rs.source != src.cid:  # a host copy: complete and immutable while served
+            return (rs.version, self.units) if src.host_copies.get(rs.version) is not None else (-1, 0)
+        return src.region_version, src.region_progress
 
     def _issue(self, rs: Pulling) -> None:
         w, c = self.world, self.client
-        if rs.failing or rs is not self.current or rs.progress >= self.units:
+        if rs.failing or rs is not self.current or rs.st.finished:
             return
         src = w.source_client(rs.source)
         if src is None or not src.alive or (rs.source != src.cid and rs.source not in src.serves()):
@@ -152,24 +161,24 @@ class SimTransport:
                 rs.dead_pending = True
                 w.sim.after(w.params.detect_delay_s, self._dead_detected, rs)
             return
-        limit = src.served_units(rs.version) if (rs.partial and rs.source == src.cid) else self.units
-        while rs.pacer.may_post():
-            k = self._next_unit(rs)
-            if k >= self.units:
-                break
-            if k >= limit:
-                src.waiters[c.cid] = True
-                rs.stall_token += 1
-                w.sim.after(w.config.source_stall_timeout_s, self._stall_check, rs, rs.stall_token)
-                break
+        st = rs.st
+        version, progress = self._source_state(rs, src)
+        try:
+            st.source_state(version, progress, None, w.sim.now)
+        except TransferError as e:  # the source moved on
+            self._failed(rs, str(e))
+            return
+        while (k := st.next_to_post()) is not None:
             nbytes = self.unit_bytes
             end = w.net.reserve(src.host, c.host, nbytes)
             if rs.source != src.cid:  # a host-memory copy: slower than GPU memory
                 end += nbytes / w.params.host_bw
             rd = w.net.post(c.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
             rs.inflight[k] = rd
-            rs.pacer.on_post(k, nbytes, w.sim.now)
+            st.posted(k, nbytes, w.sim.now)
             w.sim.at(end, self._read_end, rd, rs)
+        if st.starved:
+            src.waiters[c.cid] = True  # it pushes its progress to us (Follow)
 
     def _read_end(self, rd, rs: Pulling) -> None:
         w, c = self.world, self.client
@@ -183,28 +192,38 @@ class SimTransport:
         if rs is not self.current or rs.inflight.get(rd.unit) is not rd:
             return
         del rs.inflight[rd.unit]
-        rs.pacer.on_done([rd.unit], w.sim.now)
+        st = rs.st
+        st.completed([rd.unit], w.sim.now)
         tag = w.read_tag(rd)
         c._write_unit(rd.unit, tag, rs.version)
         if tag != (rs.version, c.shard, rd.unit):
             w.stats_bad_units += 1
             self._failed(rs, "checksum mismatch")
             return
-        rs.have.add(rd.unit)
-        while rs.progress in rs.have:
-            rs.progress += 1
-        c.region_progress = rs.progress
-        rs.stall_token += 1
-        c._notify_waiters()
-        if rs.progress >= self.units:
+        advanced = False
+        while (u := st.next_to_verify()) is not None:  # its tag was checked as it landed
+            st.verified(u, w.sim.now)
+            advanced = True
+        if advanced:
+            c.region_progress = st.prefix
+            c._notify_waiters()
+        if st.finished:
             self._done(rs)
             return
         self._issue(rs)
 
-    def _stall_check(self, rs: Pulling, token: int) -> None:
-        if self.client.alive and rs is self.current and token == rs.stall_token and not rs.failing:
-            self.world.stats_stalls += 1
-            self._failed(rs, "source stalled")
+    def _watch(self, rs: Pulling) -> None:
+        """The read loop's stall rule, checked when it could fire."""
+        w = self.world
+        if not self.client.alive or rs is not self.current or rs.failing:
+            return
+        try:
+            rs.st.check_stalled(w.sim.now, inflight=list(rs.inflight))
+        except SourceStalled as e:
+            w.stats_stalls += 1
+            self._failed(rs, str(e))
+            return
+        w.sim.at(rs.st.stall_due(), self._watch, rs)
 
     def _dead_detected(self, rs: Pulling) -> None:
         if self.client.alive and rs is self.current and not rs.failing:

@@ -48,7 +48,8 @@ from tensorhub.transport.nixl import (
     _to_u64,
     _unit_desc_index,
 )
-from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
+from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S
+from tensorhub.transport.readstate import ReadState
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +194,12 @@ class _Puller:
         self.version, self.config, self.on_unit, self.should_stop = version, config, on_unit, should_stop
         self.nx = region.agent.nixl
         self.n_units = end_unit
-        self.next_post = start
-        self.prefix = start
-        self.done: set[int] = set()
+        self.st = ReadState(version, start, end_unit, window_max=config.reads_in_flight,
+                            stall_timeout_s=config.source_stall_timeout_s, now=time.monotonic(),
+                            source=source.name)
+        """The read loop's rules (what may be posted, the verified prefix, stalls)."""
         self.inflight: dict[int, Any] = {}
         self.bytes_read = 0
-        self.remote_progress = 0
-        self.seen_version = False
         self.known: Optional[KnownProgress] = None
         self.control_reads = 0
         self.control_read_at = time.monotonic()
@@ -210,12 +210,7 @@ class _Puller:
         """Readers following *this* region: agent name -> units already told."""
         self.verifying: dict[int, concurrent.futures.Future] = {}
         """Landed units whose checksum the verifier thread is computing."""
-        self.remote_sums: list[int] = []
-        self.last_advance = time.monotonic()
-        """When something last moved: a read landed, a unit was verified, the source advanced."""
-        self.source_advanced_at = self.last_advance
-        """When the source's published progress was last seen to grow."""
-        self.pacer = Pacer(config.reads_in_flight)
+        self.pacer = self.st.pacer
         self.unit_descs = _unit_desc_index(layout)
         self.local = region._local_descs()
         self.remote = source._remote_descs(layout)
@@ -223,15 +218,14 @@ class _Puller:
     def know(self, known: KnownProgress) -> None:
         """The source's progress and checksums are given (signal-driven pull): never poll."""
         self.known = known
-        self.seen_version = True
+        self.st.seen_version = True
         self._take_known()
 
     def _take_known(self) -> None:
-        new = self.known.since(self.remote_progress)
+        st = self.st
+        new = self.known.since(st.remote_progress)
         if new:
-            self.remote_sums.extend(_to_i64(c) for c in new)
-            self.remote_progress += len(new)
-            self.last_advance = self.source_advanced_at = time.monotonic()
+            st.source_extended(st.remote_progress, [_to_i64(c) for c in new], time.monotonic())
 
     def run(self) -> int:
         """The pull (see :func:`pull`); every posted read is terminal when it returns or raises,
@@ -249,15 +243,16 @@ class _Puller:
         self._refresh_control()  # the first read paid for connecting: this one times the link
         self._follow_if_partial()
         starved_delay = POLL_MIN_S
-        while self.prefix < self.n_units:
+        st = self.st
+        while not st.finished:
             if self.should_stop is not None and self.should_stop():
-                logger.info("pull from %s stopped at unit %d", self.source.name, self.prefix)
+                logger.info("pull from %s stopped at unit %d", self.source.name, st.prefix)
                 break
             self._serve_followers()
             self._post_more()
             if self.verifying:
                 self._advance_prefix()
-                if not self.inflight and self.verifying and self.next_post >= min(self.n_units, self.remote_progress):
+                if not self.inflight and self.verifying and st.next_post >= min(st.end, st.remote_progress):
                     # Nothing to read until the next checksum is done: wait for it (bounded too).
                     self._raise_if_stalled()
                     concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
@@ -273,13 +268,13 @@ class _Puller:
                 self._advance_prefix()
                 starved_delay = POLL_MIN_S
                 continue
-            if not self.inflight and self.remote_progress <= self.next_post < self.n_units:
+            if not self.inflight and st.starved:
                 # Starved for units: take the source's pushes, or look at its counter again.
-                before = self.remote_progress
+                before = st.remote_progress
                 self._take_pushes()
-                if self.remote_progress == before and self._control_due():
+                if st.remote_progress == before and self._control_due():
                     self._refresh_control()
-                if self.remote_progress > before:
+                if st.remote_progress > before:
                     starved_delay = POLL_MIN_S
                     continue
             self._raise_if_stalled()  # every path that waits passes here or above
@@ -287,24 +282,14 @@ class _Puller:
             if self.inflight:
                 time.sleep(self.pacer.sleep_s(now, starved_delay))
             else:
-                time.sleep(self.pacer.starved_s(now, self.source_advanced_at, starved_delay))
+                time.sleep(self.pacer.starved_s(now, st.source_advanced_at, starved_delay))
             if not self.inflight:
                 starved_delay = min(starved_delay * 2, POLL_MAX_S)
         return self.bytes_read
 
     def _raise_if_stalled(self) -> None:
         """Raise :class:`SourceStalled` if nothing moved for ``source_stall_timeout_s``."""
-        timeout = self.config.source_stall_timeout_s
-        if time.monotonic() - self.last_advance <= timeout:
-            return
-        if self.inflight:
-            raise SourceStalled(
-                f"no read from {self.source.name} completed for {timeout}s (unit {min(self.inflight)} posted)")
-        if self.verifying:
-            raise SourceStalled(
-                f"checksum of unit {min(self.verifying)} from {self.source.name} not done for {timeout}s")
-        raise SourceStalled(
-            f"source {self.source.name} stuck at {self.remote_progress}/{self.n_units} units for {timeout}s")
+        self.st.check_stalled(time.monotonic(), inflight=list(self.inflight), verifying=list(self.verifying))
 
     def _refresh_control(self) -> None:
         if self.known is not None:
@@ -317,28 +302,22 @@ class _Puller:
         if clean:
             self.pacer.on_rtt(time.perf_counter() - t)
         v, p = int(raw[0]), int(raw[1])
-        if v != self.version:
-            if self.seen_version or v > self.version:
-                raise TransferError(
-                    f"source {self.source.name} holds version {v}, expected {self.version}")
-            # An older version: the server may assign a partial source a moment before that
-            # source starts receiving; until it shows our version it has nothing for us (the
-            # stall timeout bounds the wait). A newer one means it moved on for good.
-            return
-        self.seen_version = True
-        if p > self.remote_progress:
-            self.remote_progress = p
-            self.remote_sums = raw[_HEADER:_HEADER + p].tolist()
-            self.last_advance = self.source_advanced_at = time.monotonic()
+        # An older version has nothing for us yet (the stall timeout bounds the wait); a newer
+        # one means the source moved on for good (ReadState, rule 1).
+        st = self.st
+        if v == self.version and p > st.remote_progress:
+            st.source_state(v, p, raw[_HEADER:_HEADER + p].tolist(), time.monotonic())
+        else:
+            st.source_state(v, p, None, time.monotonic())
 
     # ---- progress pushes (tensorhub.transport.follow) ----------------------------------
     def _follow_if_partial(self) -> None:
         """Ask a partial source to push its progress to us (a hint: polling still works)."""
-        if self.known is not None or self.remote_progress >= self.n_units or self.source.name == self.region.agent.name:
+        if self.known is not None or self.st.remote_progress >= self.n_units or self.source.name == self.region.agent.name:
             return
         agent = self.region.agent
         self.following = self.notes.send(
-            self.source.name, Follow(agent.name, agent.metadata(), self.version, self.remote_progress))
+            self.source.name, Follow(agent.name, agent.metadata(), self.version, self.st.remote_progress))
 
     def _take_pushes(self) -> None:
         if self.known is not None:
@@ -348,13 +327,8 @@ class _Puller:
             return
         self.notes.poll()
         for a in self.notes.take_advanced(self.source.name):
-            end = a.start + len(a.sums)
-            if a.version != self.version or not a.start <= self.remote_progress < end:
-                continue  # another version, or nothing new (or a gap: polling covers it)
-            self.remote_sums[self.remote_progress:] = a.sums[self.remote_progress - a.start:]
-            self.remote_progress = end
-            self.seen_version = True
-            self.last_advance = self.source_advanced_at = time.monotonic()
+            if a.version == self.version:  # else another version; a gap or nothing new: ignored
+                self.st.source_extended(a.start, a.sums, time.monotonic())
 
     def _control_due(self) -> bool:
         """Poll the source's counter: always when not followed by pushes, else only when no push
@@ -364,7 +338,7 @@ class _Puller:
         if not self.following:
             return True
         unit = self.pacer.unit_s() or 0.0
-        return time.monotonic() - max(self.control_read_at, self.source_advanced_at) > max(_FOLLOW_SILENCE_S, 4 * unit)
+        return time.monotonic() - max(self.control_read_at, self.st.source_advanced_at) > max(_FOLLOW_SILENCE_S, 4 * unit)
 
     def _serve_followers(self) -> None:
         """Readers that follow this region: add them (they asked for this version), tell them."""
@@ -377,25 +351,25 @@ class _Puller:
             except TransferError:
                 logger.info("cannot push progress to follower %s", f.reader, exc_info=True)
                 continue
-            self.followers[f.reader] = max(0, min(f.from_unit, self.prefix))
+            self.followers[f.reader] = max(0, min(f.from_unit, self.st.prefix))
         if self.followers:
             self._tell_followers()
 
     def _tell_followers(self) -> None:
         ctl = self.region.control
+        prefix = self.st.prefix
         for name, told in list(self.followers.items()):
-            if told >= self.prefix:
+            if told >= prefix:
                 continue
-            msg = Advanced(self.version, told, ctl[_HEADER + told:_HEADER + self.prefix].tolist())
+            msg = Advanced(self.version, told, ctl[_HEADER + told:_HEADER + prefix].tolist())
             if self.notes.send(name, msg):
-                self.followers[name] = self.prefix
+                self.followers[name] = prefix
             else:
                 del self.followers[name]
 
     def _post_more(self) -> None:
-        limit = min(self.remote_progress, self.n_units)
-        while self.next_post < limit and self.pacer.may_post():
-            u = self.next_post
+        st = self.st
+        while (u := st.next_to_post()) is not None:
             idx = self.unit_descs[u]
             try:
                 h = self.nx.make_prepped_xfer("READ", self.local, idx, self.remote, idx)
@@ -403,8 +377,7 @@ class _Puller:
             except Exception as e:
                 raise TransferError(f"posting unit {u} from {self.source.name} failed: {e}") from e
             self.inflight[u] = h
-            self.pacer.on_post(u, self.layout.unit_nbytes(u), time.monotonic())
-            self.next_post += 1
+            st.posted(u, self.layout.unit_nbytes(u), time.monotonic())
             if state == XferState.ERR:
                 raise TransferError(f"read of unit {u} from {self.source.name} failed")
 
@@ -422,22 +395,18 @@ class _Puller:
                 raise TransferError(f"read of unit {u} from {self.source.name} failed ({state})")
             del self.inflight[u]
             h.release()
-            self.done.add(u)
             landed.append(u)
             if self.config.checksums:
                 # Hash in the verifier thread (xxhash drops the GIL) while this one keeps the
                 # reads going: inline, hashing a 1 GiB shard cost a sixth of its transfer.
                 self.verifying[u] = _verifier().submit(checksum_unit, self.region.tensors, self.layout.units[u])
-        if landed:
-            self.last_advance = time.monotonic()
-            self.pacer.on_done(landed, self.last_advance)
+        self.st.completed(landed, time.monotonic())
         return bool(landed)
 
     def _advance_prefix(self) -> None:
-        region = self.region
-        while self.prefix in self.done:
-            u = self.prefix
-            expected = self.remote_sums[u]
+        region, st = self.region, self.st
+        while (u := st.next_to_verify()) is not None:
+            expected = st.expected_sum(u)
             if self.config.checksums:
                 fut = self.verifying[u]
                 if not fut.done():
@@ -449,11 +418,9 @@ class _Puller:
                         f"unit {u} from {self.source.name}: checksum {got:#018x}, "
                         f"source published {_to_u64(expected):#018x}")
             region.control[_HEADER + u] = expected
-            self.done.discard(u)
             self.bytes_read += self.layout.unit_nbytes(u)
-            self.prefix = u + 1
-            region.set_progress(self.prefix)  # after the checksum: followers rely on the order
-            self.last_advance = time.monotonic()
+            st.verified(u, time.monotonic())
+            region.set_progress(st.prefix)  # after the checksum: followers rely on the order
             if self.on_unit is not None:
                 self.on_unit(u)
         if self.followers:
@@ -465,7 +432,7 @@ class _Puller:
         ``source_stall_timeout_s`` is not released (that would not stop it: see
         :mod:`tensorhub.transport.nixl`): the region keeps it, and :class:`ReadsNotTerminal`
         is raised from ``failure``."""
-        self.pacer.forget_inflight()
+        self.st.forget_posted()
         if not self.inflight:
             return
         timeout = self.config.source_stall_timeout_s
