@@ -802,3 +802,32 @@ def test_a_restarted_shard_learns_its_replicas_rounds():
         w.send(m.ReplicateDone(cid, 1))
     w.send(m.Leave("a1", drop_last_copy=True))
     assert w.send(m.Register("a1.1", "pol", "A", 1, 2, LAYOUT, b"x")) == m.Registered(round_seq=3)
+
+
+@pytest.mark.parametrize("completed_first", [False, True])
+def test_a_completed_shard_binds_its_round_after_a_restart(completed_first):
+    """Simulator seed 8419: round 4 of replica A took version 2; it was lost and shard 1's retry
+    re-resolved the round to 3 and completed it, while shards 0 and 2 were still reading the lost
+    version. The server restarts and version 4 appears: whatever the order of the announcements,
+    the round is version 3 (the completed shard binds it), and the readers' retries join it."""
+    w = World(lease_timeout_s=5.0)
+    regs = {}
+    for sh in range(3):
+        w.reg(f"t{sh}", replica="T", shard=sh, num_shards=3)
+        w.send(m.Publish(f"t{sh}", 3))
+        regs[sh] = m.Register(f"a{sh}", "pol", "A", sh, 3, LAYOUT, f"a{sh}".encode())
+    done = m.Announce(regs[1], m.Holding(published=3, txn_seq=4, txn_version=3))
+    readers = [m.Announce(regs[sh], m.Holding(reading_version=2, txn_seq=4, txn_version=2)) for sh in (0, 2)]
+    for a in ([done] + readers if completed_first else readers + [done]):
+        assert w.send(a) == m.Ok()
+    for _ in range(12):  # the recovery window ends: nobody holds version 2
+        for cid in ("t0", "t1", "t2", "a0", "a1", "a2"):
+            w.send(m.Heartbeat(cid))
+        w.tick(0.5)
+    for sh in range(3):  # a newer version appears meanwhile
+        w.reg(f"u{sh}", replica="U", shard=sh, num_shards=3)
+        w.send(m.Publish(f"u{sh}", 4))
+    for sh in (0, 2):
+        assert [e.code for e in w.pop(f"a{sh}")] == ["VersionLost"]
+        reply = w.send(m.Replicate(f"a{sh}", "latest", seq=4))
+        assert isinstance(reply, m.Assignment) and reply.version == 3, reply

@@ -371,3 +371,13 @@ def test_seed_204_round_survives_a_false_eviction_then_a_server_restart():
     from tensorhub.sim.scenario import run_scenario
 
     assert not run_scenario(204).violations
+
+
+@pytest.mark.sim
+def test_seed_8419_completed_shard_binds_its_round_across_a_restart():
+    """Round 4's version is lost; one shard re-resolves it and completes, the siblings are still in
+    their failing reads when the server restarts and announce the lost version first. Once found
+    splitting the round ({1: 3, 0: 4, 2: 4})."""
+    from tensorhub.sim.scenario import run_scenario
+
+    assert not run_scenario(8419).violations

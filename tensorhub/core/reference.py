@@ -301,10 +301,24 @@ class ReferenceCore:
         for version, endpoint in hold.host_copies:
             self._add_host_copy(node, version, endpoint)
         if hold.txn_seq >= 0 and node.num_shards > 1:
-            txn = self.txns.setdefault((node.model, node.replica_id, hold.txn_seq), ("announced", hold.txn_version, set()))
+            key = (node.model, node.replica_id, hold.txn_seq)
+            txn = self.txns.get(key)
+            completed = hold.published is not None and hold.published == hold.txn_version
+            if txn is None or (completed and txn[1] != hold.txn_version and not self._round_completed(node, txn)):
+                # A shard that completed its round binds it; siblings that announced another
+                # version were still reading one the round had moved away from (it was lost and
+                # the round re-resolved before the restart): their read fails, their retry joins.
+                txn = self.txns[key] = ("announced", hold.txn_version, set())
             if txn[1] == hold.txn_version:
                 txn[2].add(node.shard)
         return m.Ok()
+
+    def _round_completed(self, node: Node, txn: tuple[object, int, set[int]]) -> bool:
+        """Whether a sibling shard of ``node`` that took ``txn``'s version holds all of it."""
+        _, version, consumed = txn
+        return any(n.model == node.model and n.replica_id == node.replica_id and not n.host and n.id != node.id
+                   and n.shard in consumed and n.version == version and n.state in COMPLETE
+                   for n in self.nodes.values())
 
     def _on_Heartbeat(self, req: m.Heartbeat, now: float) -> m.Reply:
         return m.Ok()
