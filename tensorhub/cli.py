@@ -1,4 +1,4 @@
-"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate``, ``chaos`` and ``cluster``."""
+"""The ``tensorhub`` command: ``demo`` (the main job), ``simulate``, ``chaos``, ``cluster`` and ``status``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from tensorhub import chaos, demo
+    from tensorhub import chaos, demo, status
     from tensorhub.sim import cli as sim_cli
     from tensorhub.testing import cluster_cli
 
@@ -21,6 +21,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sim_cli.add_arguments(sub.add_parser("simulate", help="run seeded deterministic simulations of the protocol"))
     chaos.add_arguments(sub.add_parser("chaos", help="randomized fault rounds on a local Ray cluster"))
     cluster_cli.add_arguments(sub.add_parser("cluster", help="an emulated multi-host Ray cluster on this machine (root)"))
+    status.add_arguments(sub.add_parser("status", help="models, holders, transfers and waiting readers of a running cluster"))
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -36,6 +37,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return chaos.run(args)
     if args.command == "cluster":
         return cluster_cli.run(args)
+    if args.command == "status":
+        return status.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,220 @@
+"""``tensorhub status``: what the reference server of a running cluster knows, per model.
+
+    tensorhub status [--address auto] [--model NAME] [--json] [--watch [SECONDS]]
+
+Per model: the available and retained versions, host copies, every holder (replica, shard,
+state, datacenter, spot, version, units done, readers attached), the transfers in flight
+(reader <- source, units done/total, rate) and the waiting readers. Tables on a terminal (rich),
+one JSON object per sample with ``--json``, a refreshing view with ``--watch``.
+
+Where the numbers come from: the server actor's ``status(model)`` (:class:`~tensorhub.core.
+messages.Status`), plus two fields that ``HolderView`` does not carry yet, read from the
+server's table by a read-only function run inside the server actor (``__ray_call__``): each
+node's current source and its unit count. Rates are computed here from two samples (``--watch``:
+consecutive refreshes; one-shot: a second sample ``--sample-s`` later when a transfer is in
+flight). The server learns a reader's units done when the reader reports (a failover, the end
+of the read), not unit by unit, so a rate of 0 means "no progress *reported*".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional
+
+from tensorhub.config import Config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="auto", help="Ray address (default: auto, as the Ray CLI)")
+    p.add_argument("--model", default="", help="only this model (default: every model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--sample-s", type=float, default=0.5,
+                   help="one-shot: second sample this much later to compute transfer rates (0: none)")
+    p.add_argument("--server-name", default=None, help="server actor name (default: config's)")
+    p.add_argument("--namespace", default=None, help="server actor namespace (default: config's)")
+
+
+def _server_extras(server) -> dict[str, dict]:
+    """Per client id: the node's current source and unit count (fields HolderView lacks)."""
+    def read(actor) -> dict:
+        return {cid: {"source": n.source, "units": n.layout.unit_count, "unit_bytes":
+                      (n.layout.total_bytes // n.layout.unit_count) if n.layout.unit_count else 0}
+                for cid, n in actor.core.nodes.items()}
+    import ray
+
+    try:
+        return ray.get(server.__ray_call__.remote(read), timeout=30)
+    except Exception:  # noqa: BLE001 - an older or newer server: show what status() gives
+        return {}
+
+
+def snapshot(server, model: str = "") -> dict[str, Any]:
+    """One sample as plain data: ``{"time", "models": [{model, num_shards, available, retained,
+    host_copies, holders, transfers, waiting}]}``. Blocks on two actor calls."""
+    import ray
+
+    from tensorhub.core import messages as m
+
+    status = m.decode_reply(ray.get(server.status.remote(model), timeout=30))
+    extras = _server_extras(server)
+    t = time.time()
+    replica_of = {}
+    models = []
+    for mv in status.models:
+        holders, host_copies = [], []
+        for h in mv.holders:
+            x = extras.get(h.client_id, {})
+            row = {
+                "client_id": h.client_id, "replica": h.replica_id, "shard": h.shard, "state": h.state,
+                "datacenter": h.datacenter, "spot": h.spot, "host_copy": h.host, "version": h.version,
+                "units_done": h.progress if h.state in ("reading", "waiting") else x.get("units", h.progress),
+                "units": x.get("units"), "unit_bytes": x.get("unit_bytes"), "readers": h.readers,
+                "source": getattr(h, "source", None) or x.get("source"),
+            }
+            replica_of[h.client_id] = f"{h.replica_id}/{h.shard}"  # a host copy's replica id ends in #host
+            (host_copies if h.host else holders).append(row)
+        transfers = [
+            {"reader": r["client_id"], "reader_replica": r["replica"], "shard": r["shard"],
+             "source": r["source"], "version": r["version"], "units_done": r["units_done"],
+             "units": r["units"], "unit_bytes": r["unit_bytes"]}
+            for r in holders if r["state"] == "reading"
+        ]
+        for tr in transfers:
+            tr["source_replica"] = replica_of.get(tr["source"], tr["source"])
+        waiting = [{"reader": r["client_id"], "replica": r["replica"], "shard": r["shard"], "version": r["version"]}
+                   for r in holders if r["state"] == "waiting"]
+        models.append({
+            "model": mv.model, "num_shards": mv.num_shards, "available": list(mv.available),
+            "retained": list(mv.committed), "host_copies": host_copies, "holders": holders,
+            "transfers": transfers, "waiting": waiting,
+        })
+    return {"time": t, "models": models}
+
+
+def add_rates(now: dict, before: Optional[dict]) -> None:
+    """Fill ``rate_units_s`` / ``rate_mb_s`` of each transfer in ``now`` from the same reader's
+    units done in ``before`` (None where there is no earlier sample of that read)."""
+    prev = {}
+    if before is not None:
+        for mv in before["models"]:
+            for tr in mv["transfers"]:
+                prev[(tr["reader"], tr["version"])] = tr["units_done"]
+    dt = now["time"] - before["time"] if before is not None else 0.0
+    for mv in now["models"]:
+        for tr in mv["transfers"]:
+            p = prev.get((tr["reader"], tr["version"]))
+            if p is None or dt <= 0:
+                tr["rate_units_s"] = tr["rate_mb_s"] = None
+            else:
+                tr["rate_units_s"] = round(max(tr["units_done"] - p, 0) / dt, 2)
+                tr["rate_mb_s"] = round(tr["rate_units_s"] * (tr["unit_bytes"] or 0) / 1e6, 3)
+
+
+def _has_transfers(snap: dict) -> bool:
+    return any(mv["transfers"] for mv in snap["models"])
+
+
+def render(snap: dict):
+    """A rich renderable: one panel of tables per model."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    def units(done, total) -> str:
+        return f"{done}/{total}" if total is not None else str(done)
+
+    parts = []
+    if not snap["models"]:
+        return Text("no models on this server")
+    for mv in snap["models"]:
+        head = Text.assemble(
+            ("available ", "bold"), str(mv["available"] or "-"), ("   retained ", "bold"), str(mv["retained"] or "-"),
+            ("   shards ", "bold"), str(mv["num_shards"]),
+            ("   host copies ", "bold"), ", ".join(f"v{h['version']} by {h['replica']}/{h['shard']}"
+                                                  for h in mv["host_copies"]) or "-",
+        )
+        hold = Table(title="holders", title_justify="left", expand=False)
+        for col in ("replica", "shard", "state", "dc", "spot", "version", "units", "readers"):
+            hold.add_column(col, justify="right" if col in ("shard", "version", "readers", "units") else "left")
+        for h in mv["holders"]:
+            hold.add_row(h["replica"], str(h["shard"]), h["state"], h["datacenter"] or "-", "yes" if h["spot"] else "",
+                         str(h["version"]) if h["version"] >= 0 else "-", units(h["units_done"], h["units"]),
+                         str(h["readers"]))
+        tr = Table(title="transfers in flight", title_justify="left")
+        for col in ("reader", "<- source", "version", "units", "rate"):
+            tr.add_column(col, justify="right" if col in ("version", "units", "rate") else "left")
+        for t in mv["transfers"]:
+            rate = "-" if t.get("rate_mb_s") is None else f"{t['rate_mb_s']:.1f} MB/s"
+            tr.add_row(f"{t['reader_replica']}/{t['shard']}", str(t["source_replica"] or "?"), str(t["version"]),
+                       units(t["units_done"], t["units"]), rate)
+        wt = Table(title="waiting readers", title_justify="left")
+        for col in ("replica", "shard", "version"):
+            wt.add_column(col)
+        for w in mv["waiting"]:
+            wt.add_row(w["replica"], str(w["shard"]), str(w["version"]) if w["version"] >= 0 else "-")
+        body = [head, hold]
+        body.append(tr if mv["transfers"] else Text("no transfers in flight", style="dim"))
+        body.append(wt if mv["waiting"] else Text("no waiting readers", style="dim"))
+        parts.append(Panel(Group(*body), title=f"model [bold]{mv['model']}[/bold]", title_align="left"))
+    return Group(*parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    cfg = Config.from_env()
+    name = args.server_name or cfg.server_name
+    namespace = args.namespace or cfg.namespace
+    ray.init(address=args.address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+    try:
+        server = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        print(f"no TensorHub server '{name}' in namespace '{namespace}' on this cluster", file=sys.stderr)
+        return 1
+
+    if args.watch is None:
+        snap = snapshot(server, args.model)
+        if args.sample_s > 0 and _has_transfers(snap):
+            time.sleep(args.sample_s)
+            snap, before = snapshot(server, args.model), snap
+            add_rates(snap, before)
+        else:
+            add_rates(snap, None)
+        _emit(snap, args.json)
+        return 0
+
+    from rich.live import Live
+
+    before = None
+    try:
+        if args.json:
+            while True:
+                snap = snapshot(server, args.model)
+                add_rates(snap, before)
+                _emit(snap, True)
+                before = snap
+                time.sleep(args.watch)
+        with Live(auto_refresh=False) as live:
+            while True:
+                snap = snapshot(server, args.model)
+                add_rates(snap, before)
+                live.update(render(snap), refresh=True)
+                before = snap
+                time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _emit(snap: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(snap), flush=True)
+        return
+    from rich.console import Console
+
+    Console().print(render(snap))
