@@ -1,6 +1,17 @@
 """Client-side metrics for the Ray dashboard (``ray.util.metrics``, exported through Ray's
-metrics agent to Prometheus/Grafana). Recording is a no-op outside a Ray process, so handles
-used with an in-process port (tests) cost nothing."""
+metrics agent to Prometheus/Grafana, where each name gets Ray's ``ray_`` prefix and counters a
+``_total`` suffix). Recording is a no-op outside a Ray process, so handles used with an
+in-process port (tests) cost nothing.
+
+- ``tensorhub_read_seconds``: wall time of replicate/update calls (queueing, drain, offload,
+  transfer).
+- ``tensorhub_transfer_seconds``: first source to last byte.
+- ``tensorhub_stall_seconds``: time a reader was blocked waiting for bytes (its source had no
+  new unit for it). Recorded only when the caller measured it (``record_read(stall_s=...)``);
+  never the call's wall time.
+
+``examples/grafana/tensorhub_grafana_dashboard.json`` charts them (README: "Dashboard").
+"""
 
 from __future__ import annotations
 
@@ -36,7 +47,10 @@ def _get() -> Optional[dict]:
                 "failovers": metrics.Counter("tensorhub_failovers", "sources that failed during a read", ("model",)),
                 "transfer_s": metrics.Histogram("tensorhub_transfer_seconds", "time from first source to last byte",
                                                 _SECONDS, ("model",)),
-                "stall_s": metrics.Histogram("tensorhub_stall_seconds", "wall time of replicate/update calls",
+                "read_s": metrics.Histogram("tensorhub_read_seconds", "wall time of replicate/update calls",
+                                            _SECONDS, ("model",)),
+                "stall_s": metrics.Histogram("tensorhub_stall_seconds",
+                                             "time a reader was blocked waiting for bytes from its source",
                                              _SECONDS, ("model",)),
                 "publishes": metrics.Counter("tensorhub_publishes", "versions published", ("model",)),
             }
@@ -46,14 +60,20 @@ def _get() -> Optional[dict]:
         return _metrics
 
 
-def record_read(model: str, action: str, seconds: float, transfer_s: float, nbytes: int, failovers: int) -> None:
+def record_read(model: str, action: str, seconds: float, transfer_s: float, nbytes: int, failovers: int,
+                *, stall_s: Optional[float] = None) -> None:
+    """One finished replicate/update. ``seconds``: the call's wall time; ``transfer_s``: first
+    source to last byte; ``stall_s``: the part of the transfer the reader spent blocked waiting
+    for bytes (None: not measured, nothing recorded)."""
     m = _get()
     if m is None:
         return
     tags = {"model": model}
     try:
         m["reads"].inc(1, tags={"model": model, "action": action})
-        m["stall_s"].observe(max(seconds, 0.0), tags=tags)
+        m["read_s"].observe(max(seconds, 0.0), tags=tags)
+        if stall_s is not None and action == "replicated":
+            m["stall_s"].observe(max(stall_s, 0.0), tags=tags)
         if action == "replicated":
             if nbytes > 0:  # Counter.inc refuses 0 (a read that resumed with every unit in place)
                 m["bytes"].inc(nbytes, tags=tags)
