@@ -6,7 +6,7 @@ report B's completion time against the fault time, next to B's time without a fa
 whether B's bytes match the holder's. Last stdout line: one JSON object with ``no_fault_s``
 and ``results`` = [{fault_at_s, b_total_s, b_bytes_ok, b_sources}].
 
-    python benchmarks/failover.py --json [--bytes N] [--points K]
+    python benchmarks/failover.py --json [--bytes N] [--points K] [--plot benchmarks/failover.png]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> int:
@@ -24,6 +25,7 @@ def main() -> int:
     ap.add_argument("--points", type=int, default=6, help="fault times spread over the no-fault transfer")
     ap.add_argument("--reps", type=int, default=2, help="no-fault repetitions")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", default="", help="write a PNG of B's time against the fault time here (matplotlib)")
     args = ap.parse_args()
     out = sys.stderr
 
@@ -85,6 +87,12 @@ def main() -> int:
         "worst_b_total_s": max(r["b_total_s"] for r in results),
         "all_bytes_ok": all(r["b_bytes_ok"] for r in results + base),
     }
+    if args.plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from plots import plot_failover
+
+        plot_failover(summary, args.plot)
+        print(f"plot written to {args.plot}", file=out)
     print(json.dumps(summary))
     return 0 if summary["all_bytes_ok"] else 1
 

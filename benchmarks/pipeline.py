@@ -1,6 +1,6 @@
 """One holder, N readers: compiled-graph pipeline vs pull-path pipeline vs no pipeline.
 
-    python benchmarks/pipeline.py --json [--bytes 256MiB] [--ns 1,2,4,8] [--batches 8]
+    python benchmarks/pipeline.py --json [--bytes 256MiB] [--ns 1,2,4,8] [--batches 8] [--plot benchmarks/pipeline.png]
 
 For each N (readers = the first N of 8 ReplicaActors; one trainer publishes a fresh version
 before every measured run):
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=None, help="graph batches per read (default: one per unit)")
     ap.add_argument("--max-inflight", type=int, default=4)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", default="", help="write a PNG of last-reader time against N here (matplotlib)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     ns = [int(x) for x in args.ns.split(",")]
@@ -129,6 +130,11 @@ def main() -> None:
         "graph_over_pull": {n: round(by[(n, "graph")] / by[(n, "pull")], 3) for n in ns},
         "none_over_pull": {n: round(by[(n, "none")] / by[(n, "pull")], 3) for n in ns},
     }
+    if args.plot:
+        from benchmarks.plots import plot_pipeline
+
+        plot_pipeline(summary, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     print(json.dumps(summary))
 
 
