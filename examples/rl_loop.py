@@ -33,6 +33,7 @@ import ray
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 import tensorhub
 
@@ -208,18 +209,25 @@ def main(argv=None) -> int:
     trainer = Trainer.remote(model, args.seed, args.lr)
     rollouts = [Rollout.remote(model, r, args.seed + 1 + r) for r in range(args.rollouts)]
     rewards: list[float] = []
+    # A live progress bar on a terminal; plain lines otherwise (logs, `ray job logs`, --json).
+    live = sys.stdout.isatty() and not args.json
+    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
+                        TimeElapsedColumn(), disable=not live)
     try:
-        for step in range(args.steps):
-            version = ray.get(trainer.publish.remote())
-            batches = ray.get([r.generate.remote(args.batch) for r in rollouts])
-            stale = [b["version"] for b in batches if b["version"] != version]
-            if stale:
-                raise RuntimeError(f"step {step}: rollouts generated with {stale}, not {version}")
-            stats = ray.get(trainer.train.remote(batches))
-            rewards.append(stats["reward"])
-            if not args.json or step % 10 == 0 or step == args.steps - 1:
-                print(f"step {step:4d}  version {version:4d}  reward {stats['reward']:.3f}  "
-                      f"loss {stats['loss']:+.3f}", file=log, flush=True)
+        with progress:
+            task = progress.add_task("", total=args.steps)
+            for step in range(args.steps):
+                version = ray.get(trainer.publish.remote())
+                batches = ray.get([r.generate.remote(args.batch) for r in rollouts])
+                stale = [b["version"] for b in batches if b["version"] != version]
+                if stale:
+                    raise RuntimeError(f"step {step}: rollouts generated with {stale}, not {version}")
+                stats = ray.get(trainer.train.remote(batches))
+                rewards.append(stats["reward"])
+                line = f"version {version:4d}  reward {stats['reward']:.3f}  loss {stats['loss']:+.3f}"
+                progress.update(task, advance=1, description=line)
+                if not live and (step % 10 == 0 or step == args.steps - 1):
+                    print(f"step {step:4d}  {line}", file=log, flush=True)
         sync_s = sum(ray.get([r.close.remote() for r in rollouts]))
         ray.get(trainer.close.remote())
     finally:
