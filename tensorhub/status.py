@@ -171,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = Config.from_env()
     name = args.server_name or cfg.server_name
     namespace = args.namespace or cfg.namespace
-    ray.init(address=args.address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+    try:
+        ray.init(address=args.address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as e:
+        print(f"no Ray cluster at {args.address}: {e}", file=sys.stderr)
+        return 1
     try:
         server = ray.get_actor(name, namespace=namespace)
     except ValueError:
