@@ -27,6 +27,7 @@ import time
 import uuid
 from typing import Mapping, Optional, Sequence, Union
 
+import msgspec
 import torch
 
 from tensorhub import errors, metrics
@@ -69,6 +70,9 @@ class ReadStats:
     failovers: int = 0
     finished_at: float = 0.0
     """Wall-clock time (``time.time()``) when the last byte was in place."""
+    offload_s: float = 0.0
+    """Part of ``seconds`` this handle spent copying its old version to host memory (it was the
+    last holder of a retained version)."""
 
     @property
     def gbps(self) -> float:
@@ -116,6 +120,7 @@ class Hub:
         """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
         self._read_t0 = 0.0
         self._t_assigned = 0.0
+        self._offload_s = 0.0
         self._finished_at = 0.0
         self._pull_from = 0
         self._hb_stop = threading.Event()
@@ -123,6 +128,17 @@ class Hub:
         self._lock = threading.Lock()  # one blocking call at a time
         self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
         self._host_lock = threading.Lock()  # host copies are freed from the heartbeat thread
+        self._notes_lock = threading.RLock()
+        """Taking and applying background notes vs. announcing: a drop fetched before an
+        announcement is applied before it (the announcement then leaves the copy out)."""
+        self._pool_wake = threading.Event()
+        self._pool_thread: Optional[threading.Thread] = None
+        self.host_buffers_allocated = 0
+        """Retention buffers this handle allocated (touched and registered), in the background or
+        -- when none was ready -- on an offload's critical path (``host_buffers_inline``)."""
+        self.host_buffers_inline = 0
+        self._eager: Optional[tuple[threading.Thread, threading.Event]] = None
+        """The background copy of the version just published, and its cancel flag."""
 
     # ------------------------------------------------------------------ public API
 
@@ -165,6 +181,7 @@ class Hub:
                 region.close()
                 raise
             self._start_heartbeat()
+            self._start_pool()
             log.info("model=%s replica=%s shard=%d registered %d tensors, %d bytes, %d units",
                      self.model, self.replica, self.shard, len(ts), layout.total_bytes, layout.unit_count)
 
@@ -184,9 +201,12 @@ class Hub:
                 sums = checksum_all(self._tensors, self._layout) if need_sums else []
             else:
                 sums = []
+            newly = self._machine.published is None
             self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
             if self._machine.published == version and sums:
                 self._checksums = sums
+            if newly and self._machine.published == version:
+                self._start_host_copy(version)
             metrics.record_publish(self.model)
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 
@@ -195,6 +215,7 @@ class Hub:
         for the last non-spot copy of a retained version, until a host copy is published).
         After it returns the caller may write the tensors. Idempotent."""
         with self._lock:
+            self._stop_host_copy()
             out = self._run(hm.UnpublishOp())
             if out.was_published is not None and self.config.verify_mutability:
                 self._verify_unchanged(out.was_published)
@@ -231,6 +252,7 @@ class Hub:
         has the version, or pass ``drop_last_copy=True`` to drop it. Any other failure still
         closes the handle (and raises)."""
         with self._lock:
+            self._stop_host_copy()
             try:
                 self._run(hm.CloseOp(drop_last_copy=drop_last_copy))
             except errors.LastCopyHeld:
@@ -244,10 +266,10 @@ class Hub:
                     self._port.call(m.Leave(self.client_id, drop_last_copy=True))
                 except errors.TensorHubError:
                     pass
-                self._hb_stop.set()
+                self._stop_threads()
                 self._release()
                 raise
-            self._hb_stop.set()
+            self._stop_threads()
             self._release()
 
     # asyncio twins
@@ -354,6 +376,9 @@ class Hub:
         match cmd:
             case hm.Send(request, wait):
                 try:
+                    if isinstance(request, m.Announce):
+                        with self._notes_lock:
+                            return hm.Replied(self._port.call(self._current_hosts(request)))
                     return hm.Replied(self._port.call(request, self.config.request_timeout_s if wait else 0.0))
                 except errors.ServerUnavailable as e:
                     log.warning("model=%s shard=%d: reference server unavailable", self.model, self.shard)
@@ -370,7 +395,10 @@ class Hub:
             case hm.Pull(assignment, _start):
                 return self._pull(assignment)
             case hm.Offload(version):
-                return hm.Offloaded(version, self._offload(version))
+                t0 = time.perf_counter()
+                endpoint = self._offload(version)
+                self._offload_s += time.perf_counter() - t0
+                return hm.Offloaded(version, endpoint)
         raise AssertionError(f"unknown command {cmd!r}")
 
     def _set_region(self, cmd: hm.SetRegion) -> None:
@@ -429,8 +457,9 @@ class Hub:
         return keep
 
     def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None) -> ReadStats:
+        self._stop_host_copy(cancel_it=False)
         self._read_t0 = time.perf_counter()
-        self._t_assigned = 0.0
+        self._t_assigned = self._offload_s = 0.0
         out = self._run(hm.ReplicateOp(spec, update, round_no))
         st = self._read_stats(out)
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
@@ -440,7 +469,7 @@ class Hub:
         t_end = time.perf_counter()
         dt = t_end - self._read_t0
         if out.action == "noop":
-            return ReadStats(action="noop", version=out.version, seconds=dt)
+            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=self._offload_s)
         if self.config.checksums or self.config.verify_mutability:
             self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
         nbytes = self._units_bytes(self._pull_from, self._layout.unit_count)  # each unit fetched once
@@ -451,7 +480,7 @@ class Hub:
                          transfer_s=t_end - (self._t_assigned or t_end), bytes=nbytes, sources=out.sources,
                          partial_source=bool(first and first.source_partial),
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
-                         finished_at=self._finished_at)
+                         finished_at=self._finished_at, offload_s=self._offload_s)
 
     # ---- a compiled graph's member moves the bytes of the first pull itself
 
@@ -459,8 +488,9 @@ class Hub:
         """Phase 1 of a read: resolve, drain the old version if updating, get a source; the read
         pauses at its first pull (the caller moves bytes, then :meth:`_finish_read`, or
         :meth:`_abort_read`). Returns ``NoChange`` if there is nothing to read."""
+        self._stop_host_copy(cancel_it=False)
         self._read_t0 = time.perf_counter()
-        self._t_assigned = 0.0
+        self._t_assigned = self._offload_s = 0.0
         res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
         if isinstance(res, hm.Outcome):
             return m.NoChange(version=res.version)
@@ -559,15 +589,20 @@ class Hub:
                     f"was written while published")
 
     def _offload(self, version: int) -> bytes:
-        """Copy the published tensors to host memory, register that copy; returns its endpoint."""
+        """Copy the published tensors to host memory, register that copy; returns its endpoint.
+        The buffer comes from the pool the background thread keeps filled (allocated, touched and
+        registered off the critical path); only when none is ready is one made here."""
         with self._host_lock:
             existing = self._host.get(version)
             if existing is not None:
                 return tx.encode_endpoint(existing[0].endpoint())
             pooled = self._host_pool.pop() if self._host_pool else None
+        self._pool_wake.set()  # refill behind this offload
         if pooled is None:
-            copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in self._tensors]
-            region = tx.Region.register(copies, self._layout, self.config)
+            region, copies = self._new_host_buffer(touch=False)
+            self.host_buffers_inline += 1
+            log.info("model=%s version=%d shard=%d: no retention buffer was ready; allocating one "
+                     "on the offload's path", self.model, version, self.shard)
         else:
             region, copies = pooled
         for dst, src in zip(copies, self._tensors):
@@ -578,6 +613,159 @@ class Hub:
         log.info("model=%s version=%d shard=%d offloaded to host (%d bytes)",
                  self.model, version, self.shard, self._layout.total_bytes)
         return tx.encode_endpoint(region.endpoint())
+
+    # ---- retention made ahead: the publisher's background host copy ---------------------------
+
+    def _start_host_copy(self, version: int) -> None:
+        if (self.spot or not self.config.host_copy_on_publish or self.config.versions_retained < 2
+                or self._pool_thread is None):
+            return
+        with self._host_lock:
+            if version in self._host:
+                return
+        cancel = threading.Event()
+        t = threading.Thread(target=self._host_copy, args=(version, cancel), daemon=True,
+                             name=f"tensorhub-hostcopy-{self.client_id}")
+        self._eager = (t, cancel)
+        t.start()
+
+    def _stop_host_copy(self, cancel_it: bool = True) -> None:
+        """Before the published tensors may change: wait until the background copy no longer
+        reads them. A copy still waiting for a ready buffer is cancelled (``cancel_it``); one that
+        is copying (memory speed, into a touched buffer) finishes: the trainer pays for it between
+        steps rather than the last rollout on its critical path."""
+        if self._eager is not None:
+            t, cancel = self._eager
+            if cancel_it:
+                cancel.set()
+            t.join()
+            self._eager = None
+
+    def _host_copy(self, version: int, cancel: threading.Event) -> None:
+        t0 = time.perf_counter()
+        try:
+            # Publishing this version may have pushed an older one out of retention: free its
+            # host copy first, so this copy reuses that buffer (fresh memory is slow to touch).
+            self._take_notes()
+        except errors.TensorHubError:
+            pass
+        entry = self._pooled_buffer(cancel)
+        if entry is None:  # cancelled before a buffer was ready: the last holder will offload
+            return
+        region, copies = entry
+        try:
+            for dst, src in zip(copies, self._tensors):
+                dst.copy_(src)  # a touched buffer: memory speed; unpublish() waits for this part
+            if any(t.is_cuda for t in self._tensors):
+                torch.cuda.current_stream().synchronize()
+            region.publish_complete(version, self._region.checksums() if self.config.checksums else None)
+            endpoint = tx.encode_endpoint(region.endpoint())
+        except Exception:  # noqa: BLE001 - the last holder's offload still keeps the version
+            log.warning("model=%s version=%d shard=%d: background host copy failed", self.model, version,
+                        self.shard, exc_info=True)
+            self._recycle(entry)
+            return
+        with self._host_lock:
+            self._host[version] = entry
+        with self._mlock:
+            self._machine.host_copies[version] = endpoint
+        try:
+            reply = self._port.call(m.HostCopy(self.client_id, version, endpoint))
+            if isinstance(reply, m.ErrorReply):
+                raise errors.from_code(reply.code, reply.message)
+        except Exception:  # noqa: BLE001 - the copy stays until the server drops it
+            # A server that restarted learns of it from the re-announcement (which may already
+            # have carried it): freeing it here could pull it from under a reader.
+            log.info("model=%s version=%d shard=%d: host copy not offered (%s); the next announcement "
+                     "carries it", self.model, version, self.shard, "server unavailable", exc_info=True)
+            return
+        log.info("model=%s version=%d shard=%d host copy made in the background in %.3fs",
+                 self.model, version, self.shard, time.perf_counter() - t0)
+
+    def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
+        """A ready retention buffer; while the pool thread is preparing one, wait for it (a
+        second fresh buffer would only compete with it for first touches), unless cancelled."""
+        self._pool_wake.set()
+        while True:
+            with self._host_lock:
+                if self._host_pool:
+                    entry = self._host_pool.pop()
+                    self._pool_wake.set()
+                    return entry
+            t = self._pool_thread
+            if t is None or not t.is_alive() or cancel.wait(0.01):
+                return None
+
+    def _recycle(self, entry: tuple[tx.Region, list[torch.Tensor]]) -> None:
+        with self._host_lock:
+            if len(self._host_pool) < self.config.host_copies_pooled and not self._hb_stop.is_set():
+                entry[0].set_progress(0)
+                entry[0].set_version(-1)
+                self._host_pool.append(entry)
+                return
+        entry[0].close()
+
+    def _new_host_buffer(self, touch: bool) -> tuple[tx.Region, list[torch.Tensor]]:
+        """Host tensors shaped like the registered ones, registered with the transport.
+        ``touch``: write every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM),
+        so that the offload that uses the buffer later copies at memory speed."""
+        pin = any(t.is_cuda for t in self._tensors) and torch.cuda.is_available()
+        copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in self._tensors]
+        if touch:
+            for c in copies:
+                c.zero_()
+        region = tx.Region.register(copies, self._layout, self.config)
+        self.host_buffers_allocated += 1
+        return region, copies
+
+    def _start_pool(self) -> None:
+        """Keep ``host_copies_pooled`` retention buffers ready (not for spot handles: the server
+        never asks them to offload). The first is made here, inside ``register``, so that even the
+        first version's retention copy runs at memory speed; the rest in the background."""
+        if self.spot or self.config.host_copies_pooled <= 0:
+            return
+        try:
+            entry = self._new_host_buffer(touch=True)
+        except Exception:  # noqa: BLE001 - an offload allocates inline instead
+            log.warning("model=%s shard=%d: could not prepare a retention buffer", self.model, self.shard,
+                        exc_info=True)
+        else:
+            with self._host_lock:
+                self._host_pool.append(entry)
+        self._pool_wake.set()
+        self._pool_thread = threading.Thread(target=self._pool_loop, name=f"tensorhub-pool-{self.client_id}",
+                                             daemon=True)
+        self._pool_thread.start()
+
+    def _pool_loop(self) -> None:
+        while True:
+            self._pool_wake.wait()
+            self._pool_wake.clear()
+            while not self._hb_stop.is_set():
+                with self._host_lock:
+                    if len(self._host_pool) >= self.config.host_copies_pooled:
+                        break
+                try:
+                    entry = self._new_host_buffer(touch=True)
+                except Exception:  # noqa: BLE001 - an offload allocates inline instead
+                    log.warning("model=%s shard=%d: could not prepare a retention buffer", self.model,
+                                self.shard, exc_info=True)
+                    break
+                with self._host_lock:
+                    keep = not self._hb_stop.is_set() and len(self._host_pool) < self.config.host_copies_pooled
+                    if keep:
+                        self._host_pool.append(entry)
+                if not keep:
+                    entry[0].close()
+            if self._hb_stop.is_set():
+                return
+
+    def _stop_threads(self) -> None:
+        self._hb_stop.set()
+        self._pool_wake.set()
+        t = self._pool_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=60.0)
 
     def _drop_host_copy(self, version: int) -> None:
         with self._host_lock:
@@ -631,15 +819,29 @@ class Hub:
                         self._announce_now()
                 finally:
                     self._lock.release()
-        for note in self._port.notes(self.client_id):
-            for cmd in self._feed(hm.Noted(note)):
-                if isinstance(cmd, hm.DropHost):
-                    self._drop_host_copy(cmd.version)
+        self._take_notes()
+
+    def _take_notes(self) -> None:
+        """Background events (host copies past retention, evictions) waiting at the server."""
+        with self._notes_lock:
+            for note in self._port.notes(self.client_id):
+                for cmd in self._feed(hm.Noted(note)):
+                    if isinstance(cmd, hm.DropHost):
+                        self._drop_host_copy(cmd.version)
+
+    def _current_hosts(self, req: m.Announce) -> m.Announce:
+        """``req`` without host copies freed since it was built."""
+        with self._host_lock:
+            keep = tuple((v, e) for v, e in req.holding.host_copies if v in self._host)
+        if keep == req.holding.host_copies:
+            return req
+        return msgspec.structs.replace(req, holding=msgspec.structs.replace(req.holding, host_copies=keep))
 
     def _announce_now(self) -> None:
-        with self._mlock:
-            req = self._machine.announce_request(reading_units=self._region.progress)
-        reply = self._port.call(req)
+        with self._notes_lock:
+            with self._mlock:
+                req = self._machine.announce_request(reading_units=self._region.progress)
+            reply = self._port.call(self._current_hosts(req))
         if isinstance(reply, m.ErrorReply):
             raise errors.from_code(reply.code, reply.message)
         log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)

@@ -42,7 +42,16 @@ class Config:
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
     host_copies_pooled: int = 1
-    """Freed host copies (retention offload buffers) kept registered for reuse, per handle."""
+    """Retention (offload) buffers each non-spot handle keeps ready: allocated, touched and
+    registered in the background after ``register`` and refilled after every offload, so an
+    offload copies at memory speed instead of paying for fresh memory on a reader's critical
+    path; freed host copies return to the pool. Costs this many shard-sized host buffers per
+    handle on top of the host copies it holds. 0: allocate on demand (slow first touch)."""
+    host_copy_on_publish: bool = True
+    """A handle that ``publish()``es (a trainer) copies each version it publishes to a host buffer
+    in the background and offers it to the server as the version's retention copy, so that the
+    last rollout to move off a retained version need not offload it on its critical path. Only
+    with ``versions_retained >= 2``; non-spot handles; ``unpublish()`` cancels a copy not done."""
     smart_skipping: bool = True
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name:<12} {src + tag:<24} {st['seconds']:>7.3f} {st['transfer_s']:>7.3f} {st['gbps']:>6.2f}  "
                   f"{'ok' if ok else 'MISMATCH'}", file=out)
             rows.append({"rollout": name, "sources": [ids.get(s, s) for s in st["sources"]], "partial": st["partial_source"],
-                         "seconds": round(st["seconds"], 4), "transfer_s": round(st["transfer_s"], 4), "gbps": round(st["gbps"], 3), "checksum_ok": ok})
+                         "seconds": round(st["seconds"], 4), "transfer_s": round(st["transfer_s"], 4), "gbps": round(st["gbps"], 3), "checksum_ok": ok,
+                         "offload_s": round(st["offload_s"], 4), "host_buffers_inline": st["host_buffers_inline"]})
         per_version.append({"version": v, "seconds": round(wall, 4), "reads": rows})
         time.sleep(args.gen_s)  # rollouts generate with version v while the trainer trains v+1
 
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         "reads_from_partial_holders": partial_reads,
         "checksum_failures": failures,
         "seconds": round(time.perf_counter() - t_start, 2),
+        "per_version_s": [pv["seconds"] for pv in per_version],
+        "steady_max_over_median": _max_over_median([pv["seconds"] for pv in per_version[1:]]),
         "per_version": per_version,
     }
     print(f"\n{moved / 1e9:.2f} GB moved, {partial_reads} reads from partial holders, "
@@ -91,3 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 1 if failures else 0
+
+
+def _max_over_median(xs: list[float]) -> float | None:
+    """The slowest of ``xs`` over their median (versions 2 on: how uneven the steady state is)."""
+    if not xs:
+        return None
+    med = statistics.median(xs)
+    return round(max(xs) / med, 3) if med > 0 else None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -288,3 +291,85 @@ def tx_endpoint(region):
     from tensorhub.transport import nixl as tx
 
     return tx.encode_endpoint(region.endpoint())
+
+
+def _host_holders(port, model="m"):
+    return sorted((h.client_id, h.version) for h in port.core.status(model).models[0].holders if "#host" in h.client_id)
+
+
+def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_memory(port):
+    """Every non-spot handle has a touched, registered retention buffer once register returns; the
+    last holder's offload uses it (no allocation on the critical path) and the pool refills in
+    the background. Spot handles keep none (they are never asked to offload)."""
+    cfg = CFG.replace(host_copy_on_publish=False)
+    t = tensorhub.open("m", port=port, config=cfg, replica="t")
+    named = workload.allocate(SPEC)
+    tt = [x for _, x in named]
+    t.register(named)
+    r = tensorhub.open("m", port=port, config=cfg, replica="r")
+    rn = workload.allocate(SPEC)
+    r.register(rn)
+    spot, _ = _hub(port, replica="s", spot=True)
+    assert len(t._host_pool) == 1 and len(r._host_pool) == 1 and spot._host_pool == []
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    r.replicate(1)
+    t.unpublish(); workload.fill_version(tt, 2); t.publish(2)
+    st = r.update("latest")  # r holds the last copy of retained version 1: it offloads
+    assert st.version == 2 and st.offload_s > 0
+    assert r.host_buffers_inline == 0, "the offload used the ready buffer"
+    assert ("m/r" in _host_holders(port)[0][0]) and _host_holders(port)[0][1] == 1
+    deadline = time.monotonic() + 10
+    while len(r._host_pool) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(r._host_pool) == 1, "refilled in the background"
+    for h in (r, t, spot):
+        h.close(drop_last_copy=True)
+
+
+def test_publishers_background_host_copy_spares_the_last_reader_its_offload(port):
+    """The trainer copies each version it publishes to host memory in the background and offers
+    it as the retention copy: the last rollout to leave version 1 does not offload, and version 1
+    stays readable (from the trainer's host copy) byte for byte."""
+    t, tt = _hub(port, replica="t")
+    r, rt = _hub(port, replica="r")
+    workload.fill_version(tt, 1)
+    v1 = workload.digest(tt)
+    t.publish(1)
+    r.replicate(1)
+    t.unpublish()  # waits for the background copy; the host copy keeps 1, no offload needed
+    assert _host_holders(port) == [(f"{t.client_id}#host1", 1)]
+    workload.fill_version(tt, 2)
+    t.publish(2)
+    st = r.update("latest")
+    assert st.version == 2 and st.offload_s == 0.0 and r._host == {}
+    late, lt = _hub(port, replica="late")
+    assert late.replicate(1).sources == (f"{t.client_id}#host1",) and workload.digest(lt) == v1
+    for h in (late, r, t):
+        h.close(drop_last_copy=True)
+
+
+def test_unpublish_cancels_a_background_copy_still_waiting_for_a_buffer(port):
+    """No buffer is ready (the pool thread is still touching one): unpublish() does not wait for
+    it; no host copy is offered and retention falls back to the last holder's offload."""
+    t, tt = _hub(port, replica="t")
+    gate = threading.Event()
+    real = t._new_host_buffer
+
+    def slow(touch):
+        if touch:
+            gate.wait(10)
+        return real(touch)
+
+    t._new_host_buffer = slow
+    with t._host_lock:
+        taken = t._host_pool.pop()
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    t0 = time.monotonic()
+    t.unpublish()  # last holder of retained 1: offloads itself (allocating inline)
+    assert time.monotonic() - t0 < 5
+    assert t.host_buffers_inline == 1 and list(t._host) == [1]
+    gate.set()
+    taken[0].close()
+    t.close(drop_last_copy=True)

@@ -831,3 +831,37 @@ def test_a_completed_shard_binds_its_round_after_a_restart(completed_first):
         assert [e.code for e in w.pop(f"a{sh}")] == ["VersionLost"]
         reply = w.send(m.Replicate(f"a{sh}", "latest", seq=4))
         assert isinstance(reply, m.Assignment) and reply.version == 3, reply
+
+
+def test_a_publishers_background_host_copy_spares_the_last_reader_its_offload():
+    """t copied version 1 to host memory in the background (HostCopy): when r, the last GPU
+    holder of retained version 1, updates to 2, nothing is offloaded on its path, and the host
+    copy serves version 1."""
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("r"); w.reg("late")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
+    assert w.send(m.HostCopy("t", 1, b"t-host1")) == m.Ok() and w.pop("t") == []
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    a = w.send(m.Replicate("r", "latest", update=True))
+    assert isinstance(a, m.Assignment) and a.version == 2, "no OffloadOrder"
+    b = w.send(m.Replicate("late", 1))
+    assert b.source_endpoint == b"t-host1"
+
+
+@pytest.mark.parametrize("case", ["second_copy", "not_published", "past_retention", "spot"])
+def test_an_unneeded_background_host_copy_is_given_back(case):
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("s", spot=True)
+    w.send(m.Publish("t", 1)); w.send(m.Publish("s", 1))
+    cid, version = ("s", 1) if case == "spot" else ("t", 1)
+    if case == "second_copy":
+        w.send(m.HostCopy("t", 1, b"first"))
+    elif case == "not_published":
+        version = 7
+    elif case == "past_retention":  # t still publishes 1, but 2 and 3 are the retained two
+        for v in (2, 3):
+            w.reg(f"u{v}"); w.send(m.Publish(f"u{v}", v))
+        assert w.core.retained("pol") == [2, 3]
+    assert w.send(m.HostCopy(cid, version, b"extra")) == m.Ok()
+    assert w.pop(cid) == [m.DropHostCopy(version=version)]
+    assert sum(1 for n in w.core.nodes.values() if n.host) == (1 if case == "second_copy" else 0)

@@ -151,6 +151,17 @@ class OffloadDone(_Msg, frozen=True):
     endpoint: bytes
 
 
+class HostCopy(_Msg, frozen=True):
+    """A publisher copied its published ``version`` to host memory in the background (retention
+    made ahead, by a holder off the readers' critical path): serve it as a host copy. Answered
+    ``Ok``; a copy the server does not need (one exists, or the version is past retention, or no
+    longer published by this client) is given back with a ``DropHostCopy`` event."""
+
+    client_id: str
+    version: int
+    endpoint: bytes
+
+
 class Leave(_Msg, frozen=True):
     """Leave the server. Refused with ``LastCopyHeld`` when this client serves the last live
     non-spot copy of a retained version and other clients of the model remain, unless
@@ -166,7 +177,7 @@ class Query(_Msg, frozen=True):
 
 Request = Union[
     Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
-    ReplicateDone, ReplicateAbort, OffloadDone, Leave, Query,
+    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query,
 ]
 
 

@@ -429,6 +429,17 @@ class ReferenceCore:
         self._complete_unpublish(node)
         return m.Waiting(version=req.version)
 
+    def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
+                  and req.version in self.retained(node.model)
+                  and not any(self.nodes[n].host for n in self.groups.get(node.key, ())))
+        if wanted:
+            self._add_host_copy(node, req.version, req.endpoint)
+        else:
+            self._deliver(node.id, m.DropHostCopy(version=req.version))
+        return m.Ok()
+
     def _on_Leave(self, req: m.Leave, now: float) -> m.Reply:
         if not req.drop_last_copy:
             held = self._last_copies(self.nodes[req.client_id])
@@ -851,11 +862,16 @@ class ReferenceCore:
                     self._fail_read(n, lost)
             return
         blocked_dcs: set[str] = set()
+        # A host copy stands in for its owner's GPU copy only once the owner stops serving the
+        # version: both live behind the owner's NIC, so serving from both would double its load
+        # (and break the pipeline) instead of spreading it.
+        candidates = [n for n in members
+                      if not (n.host and n.owner in ids and self.nodes[n.owner].state in VISIBLE_SOURCE)]
         for reader in waiting:
             if reader.awaiting_source is not None:
                 continue
             src = scheduler.choose_source(
-                reader, members, downstream=self._downstream(reader),
+                reader, candidates, downstream=self._downstream(reader),
                 readers_per_source_max=self.config.readers_per_source_max,
                 seeding_blocked=reader.datacenter in blocked_dcs,
             )

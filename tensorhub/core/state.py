@@ -49,6 +49,7 @@ LEGAL: dict[str, frozenset[S]] = {
     "ReplicateDone": frozenset({S.WAITING, S.READING}),
     "ReplicateAbort": frozenset({S.WAITING, S.READING}),
     "OffloadDone": frozenset({S.OFFLOADING}),
+    "HostCopy": frozenset(S),
     "Heartbeat": frozenset(S),
     "Leave": frozenset(S),
 }

@@ -95,6 +95,7 @@ class Replica(GraphMember):
         out["client_id"] = self.hub.client_id
         out["digest"] = workload.digest(self.tensors)
         out["done_at"] = time.time()
+        out["host_buffers_inline"] = self.hub.host_buffers_inline
         return out
 
 
