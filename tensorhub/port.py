@@ -74,6 +74,16 @@ class Mailboxes:
     def pop_background(self, client_id: str) -> list:
         return self.background.pop(client_id, [])
 
+    def drop_superseded(self, client_id: str, host_versions: set[int]) -> None:
+        """A (re-)announcement that carries host copies of ``host_versions`` gives the server
+        its say on them anew: drops of them queued for the client's earlier registration no
+        longer apply (freeing one now would leave the server pointing readers at nothing)."""
+        q = self.background.get(client_id)
+        if q:
+            q[:] = [e for e in q if not (isinstance(e, m.DropHostCopy) and e.version in host_versions)]
+            if not q:
+                del self.background[client_id]
+
     def forget(self, client_id: str) -> None:
         self.terminal.pop(client_id, None)
         self.background.pop(client_id, None)
@@ -92,6 +102,8 @@ def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now:
     client_id = getattr(request, "client_id", None)
     if client_id and is_blocking(request):
         mail.clear_terminal(client_id)
+    if isinstance(request, m.Announce) and request.holding.host_copies:
+        mail.drop_superseded(request.register.client_id, {v for v, _ in request.holding.host_copies})
     reply, effects = core.handle(request, now)
     if tap is not None:
         tap(reply, effects)

@@ -202,9 +202,9 @@ def test_core_imports_nothing_of_the_drivers():
 # --------------------------------------------------------------------------- the shipped handle
 
 
-def _hub(port, model="m", **kw):
+def _hub(port, model="m", config=None, **kw):
     named = workload.allocate(SPEC)
-    hub = tensorhub.open(model, port=port, config=CFG, **kw)
+    hub = tensorhub.open(model, port=port, config=config or CFG, **kw)
     hub.register(named)
     return hub, [t for _, t in named]
 
@@ -236,7 +236,7 @@ def test_interrupted_read_leaves_no_phantom_reader_and_the_source_can_unpublish(
 def test_request_timeout_on_a_read_aborts_it():
     """Review item 5: a read that times out waiting for a source leaves no waiting reader."""
     port = LocalPort(CFG)
-    t, tt = _hub(port, replica="t")
+    t, tt = _hub(port, replica="t", config=CFG.replace(host_copy_on_publish=False))  # one source only
     workload.fill_version(tt, 1)
     t.publish(1)
     first, _ = _hub(port, replica="a")
@@ -340,7 +340,7 @@ def _plant_no_recheck(monkeypatch):
 @pytest.mark.parametrize("plant, seeds, kind", [
     (_plant_no_recheck, (734, 998), {"torn"}),  # the user's writes end up in a "finished" replica
     (_plant_no_abort, (10, 41, 66), {"mutate", "hang"}),  # a phantom reader: a drain that never ends
-    (_plant_fresh_round, (170, 338), {"txn"}),
+    (_plant_fresh_round, (12, 98), {"txn"}),
 ])
 def test_the_simulator_catches_bugs_planted_in_the_shipped_machine(monkeypatch, plant, seeds, kind):
     """The simulator drives HandleMachine itself: a bug planted there shows as a violation (these
@@ -381,3 +381,63 @@ def test_seed_8419_completed_shard_binds_its_round_across_a_restart():
     from tensorhub.sim.scenario import run_scenario
 
     assert not run_scenario(8419).violations
+
+
+@pytest.mark.sim
+def test_seed_93_a_host_copy_is_kept_when_its_offer_is_lost_to_a_server_restart():
+    """The trainer's background host copy of version 3 was offered while the server restarted;
+    its announcement had carried the copy already, but the lost offer made the client free it:
+    the server kept handing out a copy that no longer existed (found as a TransferError, now
+    checker (h), "dangling")."""
+    from tensorhub.sim.scenario import run_scenario
+
+    r = run_scenario(93)
+    assert not r.violations and "TransferError" not in r.failed
+
+
+def test_hub_keeps_a_background_host_copy_whose_offer_failed_and_announces_it():
+    port = LocalPort(CFG)
+    t, tt = _hub(port, replica="t")
+    real = port.call
+
+    def call(req, wait_s=0.0):
+        if isinstance(req, m.HostCopy):
+            port.restart()  # the offer is lost with the server
+            raise errors.ServerUnavailable("restarting")
+        return real(req, wait_s)
+
+    port.call = call
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    t._stop_host_copy(cancel_it=False)
+    assert list(t._host) == [1] and 1 in t._machine.host_copies, "kept"
+    port.call = real
+    deadline = time.monotonic() + 10
+    while not any("#host1" in n for n in port.core.nodes) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the heartbeat meets UnknownClient and re-announces, copy included
+    assert f"{t.client_id}#host1" in port.core.nodes
+    try:  # the restarted server's recovery window outlasts this config's request timeout
+        t.close(drop_last_copy=True)
+    except errors.RequestTimeout:
+        pass
+    assert t.state is tensorhub.HubState.CLOSED
+
+
+@pytest.mark.sim
+def test_seed_2160_a_drop_queued_before_a_reannouncement_does_not_free_the_announced_copy():
+    """The server refused the trainer's background host copy of version 3 (DropHostCopy queued),
+    then evicted the trainer, which re-announced with the copy before it had taken that note:
+    the stale drop freed a copy the fresh registration had handed back to the server."""
+    from tensorhub.sim.scenario import run_scenario
+
+    assert not run_scenario(2160).violations
+
+
+def test_an_announcement_supersedes_queued_drops_of_the_copies_it_carries():
+    from tensorhub.port import Mailboxes
+
+    mail = Mailboxes()
+    mail.route([m.Deliver("c", m.DropHostCopy(3)), m.Deliver("c", m.DropHostCopy(4)),
+                m.Deliver("c", m.Evicted("lease expired"))])
+    mail.drop_superseded("c", {3})
+    assert mail.pop_background("c") == [m.DropHostCopy(4), m.Evicted("lease expired")]

@@ -99,6 +99,13 @@ class Checker:
 
     def _assigned(self, cid: str, a: m.Assignment, epoch: int, fresh: set) -> None:
         self.assign[cid] = (epoch, a.assign_no, a.source_id)
+        if "#host" in a.source_id:
+            # (h): a host copy the server hands out must exist: its owner frees one only when the
+            # server dropped it (or with its process).
+            owner = self.world.source_client(a.source_id)
+            if owner is not None and owner.alive and a.version not in owner.host_copies:
+                self.violate("dangling", f"{cid} assigned host copy {a.source_id} of version {a.version}, "
+                                         f"which its owner freed")
         if a.cross_datacenter and not self.world.faults_injected:
             # (g): crossing is wasted when the reader's datacenter already had a usable copy
             # (complete, or partial and at least as far as the reader) before this decision.

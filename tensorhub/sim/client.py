@@ -63,6 +63,9 @@ class SimClient:
         self.region_progress = 0
         """The region's control block: which version it holds and how many units are final."""
         self.host_copies: dict[int, list] = {}
+        self.copy_gen = 0
+        """The background host copy of a published version (Hub._host_copy); a new one, or an
+        operation that may change the tensors, cancels the one in progress."""
         self.alive = True
         self.retired = False
         self.op: Optional[Op] = None
@@ -208,6 +211,8 @@ class SimClient:
         assert self.op is None, f"{self.cid}: {kind} while {self.op.kind} is in progress"
         assert self.alive
         self.op = Op(kind, self.cid, self.world.sim.now, cb)
+        if kind != "publish":
+            self.copy_gen += 1  # Hub: unpublish/update/close stop the background copy first
         self.world.checker.op_start(self.op)
         self._feed(hm.Start(op))
 
@@ -270,6 +275,8 @@ class SimClient:
             return
         self.op = None
         self.world.checker.op_end(op, code)
+        if op.kind == "publish" and code == "ok":
+            self._start_host_copy(version)
         if op.cb is not None:
             self.world.sim.after(0.0, op.cb, code, version)
 
@@ -300,6 +307,26 @@ class SimClient:
             return
         self.host_copies[version] = list(self.mem)
         self._feed(hm.Offloaded(version, f"host:{self.cid}:{version}".encode()))
+
+    def _start_host_copy(self, version: int) -> None:
+        """What ``Hub.publish`` starts: a background copy of the published version to host
+        memory, offered to the server as its retention copy (``HostCopy``)."""
+        w = self.world
+        if (self.spot or not w.config.host_copy_on_publish or w.config.versions_retained < 2
+                or version in self.host_copies or w.config.host_copies_pooled <= 0):
+            return
+        self.copy_gen += 1
+        w.sim.after(self.units * self.unit_bytes / w.params.host_bw, self._host_copied, version, self.copy_gen)
+
+    def _host_copied(self, version: int, gen: int) -> None:
+        if not self.alive or gen != self.copy_gen or self.published != version or version in self.host_copies:
+            return
+        endpoint = f"host:{self.cid}:{version}".encode()
+        self.host_copies[version] = list(self.mem)
+        self.machine.host_copies[version] = endpoint
+        # Whatever the answer, the copy stays until the server drops it: a call lost to a server
+        # restart may already have been overtaken by an announcement that carried the copy.
+        self.world.server.call(self, m.HostCopy(self.cid, version, endpoint), False, None, on_reply=lambda _r: None)
 
     def _free_host(self, version: int) -> None:
         self.world.checker.on_write(f"{self.cid}#host{version}", None, FREED_VERSION)
