@@ -6,6 +6,8 @@ Human lines go to stderr; the last stdout line is one JSON object with medians (
 min/max and ratios measured in the same run (these machines are noisy: compare ratios).
 Paths:
   tensorhub     Region + pull between the actors (checksums off; one extra run with checksums on)
+  same_host     the same-host tier between the actors: the holder's shared memory mapped by the
+                reader, units copied by ``same_host_threads`` threads (checksums off, then on)
   memcpy        warm one-thread torch ``copy_`` of the same tensors inside the reader actor
   object_store  holder ``ray.put`` -> reader ``ray.get`` + ``copy_`` into preallocated tensors
   rdt_nixl      Ray Direct Transport (``tensor_transport="nixl"``), called by the reader,
@@ -13,7 +15,8 @@ Paths:
   raw_nixl      one NIXL READ of the same bytes with one descriptor list (a descriptor per
                 tensor), by bare NIXL agents: no TensorHub code, the transport's own ceiling
   replicate     what a user gets: ``hub.replicate(v)`` between two ReplicaActors with the default
-                config (checksums on, reference-server round trips included), timed by the call
+                config (checksums on, reference-server round trips included), timed by the call;
+                both actors run on this host, so this is the same-host tier
 
 Every NIXL agent in these actors (RDT's and the raw ones too) gets TensorHub's progress-thread
 delay (NIXL's wrapper uses 0 and would spin a core per agent), so no path pays for another's spin.
@@ -159,6 +162,19 @@ class Reader:
         assert n == self.layout.total_bytes
         return dt
 
+    def same_host(self, endpoint: bytes, checksums: bool) -> float:
+        """The same-host tier: the holder's memory mapped here, units copied by threads."""
+        from tensorhub.transport import decode_endpoint, shm
+
+        if getattr(self, "near", None) is None:
+            self.near = shm.ShmSource(decode_endpoint(endpoint).shm)
+        cfg = self.cfg.replace(checksums=checksums)
+        t0 = time.perf_counter()
+        n = shm.pull(self.region, self.near, self.layout, expect_version=1, config=cfg)
+        dt = time.perf_counter() - t0
+        assert n == self.layout.total_bytes
+        return dt
+
     def raw_nixl(self, metadata: bytes, descs: bytes) -> float:
         """One READ of every tensor (one descriptor list) by bare NIXL agents."""
         if getattr(self, "raw", None) is None:
@@ -265,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--unit-bytes", type=int, default=Config.unit_bytes)
     ap.add_argument("--reads-in-flight", type=int, default=Config.reads_in_flight)
-    ap.add_argument("--skip", default="", help="comma list of paths to skip: object_store,rdt_nixl,raw_nixl,replicate")
+    ap.add_argument("--skip", default="", help="comma list of paths to skip: same_host,object_store,rdt_nixl,raw_nixl,replicate")
     ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -307,6 +323,9 @@ def main(argv=None) -> int:
         ray.get(reader.drop_memcpy.remote())
         run("tensorhub", lambda: reader.tensorhub.remote(endpoint, False), args.reps)
         run("tensorhub_checksums", lambda: reader.tensorhub.remote(endpoint, True), args.reps)
+        if "same_host" not in skip:
+            run("same_host", lambda: reader.same_host.remote(endpoint, False), args.reps)
+            run("same_host_checksums", lambda: reader.same_host.remote(endpoint, True), args.reps)
         if "object_store" not in skip:
             run("object_store", lambda: reader.object_store.remote(holder), args.reps)
         if "rdt_nixl" not in skip:
@@ -342,6 +361,10 @@ def main(argv=None) -> int:
         "rdt_nixl_gbps": med("rdt_nixl"),
         "raw_nixl_gbps": med("raw_nixl"),
         "replicate_gbps": med("replicate"),
+        "same_host_gbps": med("same_host"),
+        "same_host_checksums_gbps": med("same_host_checksums"),
+        "same_host_vs_memcpy": med("same_host") / memcpy if med("same_host") else None,
+        "replicate_vs_memcpy": med("replicate") / memcpy if med("replicate") else None,
         "replicate_vs_raw_nixl": med("replicate") / med("raw_nixl") if med("raw_nixl") and med("replicate") else None,
         "tensorhub_vs_memcpy": th / memcpy,
         "tensorhub_vs_object_store": th / med("object_store") if med("object_store") else None,

@@ -37,6 +37,7 @@ from tensorhub.core import messages as m
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.port import ServerPort
 from tensorhub import transport as tx
+from tensorhub.transport import shm
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class Hub:
                 client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
                 num_shards=self.num_shards, layout=_layout_info(layout),
                 endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
-                process=self._port.process(),
+                process=self._port.process(), machine=shm.host_key(),
             )
             self._layout, self._tensors, self._region = layout, ts, region
             self._machine.unit_count = layout.unit_count
@@ -534,11 +535,41 @@ class Hub:
                 self._sources.pop(next(iter(self._sources))).close()
         return src
 
+    def _open_same_host(self, a: m.Assignment) -> Optional[shm.ShmSource]:
+        """The source's memory mapped here if it lives on this host (the same-host tier), kept
+        with the other open sources; None: read it through NIXL."""
+        key = b"shm:" + a.source_endpoint
+        with self._host_lock:
+            src = self._sources.pop(key, None)
+            if src is not None:
+                self._sources[key] = src
+                return src
+        try:
+            info = tx.decode_endpoint(a.source_endpoint).shm
+        except msgspec.ValidationError:
+            return None
+        if not shm.usable(info) or self._region.shm_info is None and not self.config.same_host:
+            return None
+        try:
+            src = shm.ShmSource(info)
+        except errors.TransferError as e:
+            log.info("model=%s shard=%d: same-host source %s not mappable (%s): NIXL instead",
+                     self.model, self.shard, a.source_id, e)
+            return None
+        with self._host_lock:
+            self._sources[key] = src
+            while len(self._sources) > _SOURCES_KEPT:
+                self._sources.pop(next(iter(self._sources))).close()
+        return src
+
     def _drop_source(self, a: m.Assignment) -> None:
         """A read from ``a``'s source failed: open it afresh (and load its peer's metadata
         again) if it is assigned again."""
         with self._host_lock:
             src = self._sources.pop(a.source_endpoint, None)
+            near = self._sources.pop(b"shm:" + a.source_endpoint, None)
+        if near is not None:
+            near.close()
         if src is not None:
             src.agent.reload_remote(src.name)
             src.close()
@@ -557,6 +588,16 @@ class Hub:
         open source to use (kept open); ``source_sums``: checksums of the source's units known
         final, a list or a growing :class:`~tensorhub.transport.KnownProgress` (then the
         source's control block is not read); ``should_stop``/``on_unit``: as for ``pull``."""
+        if source is None and source_sums is None:
+            near = self._open_same_host(a)
+            if near is not None:
+                try:
+                    return shm.pull(self._region, near, self._layout, expect_version=a.version, config=self.config,
+                                    start_unit=self._resume_point(a.version), end_unit=end_unit,
+                                    should_stop=should_stop, on_unit=on_unit)
+                except (errors.TransferError, errors.ChecksumMismatch):
+                    self._drop_source(a)
+                    raise
         if source is None:
             source = self._open_source(a)
         try:

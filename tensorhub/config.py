@@ -69,6 +69,13 @@ class Config:
     request_timeout_s: float = 300.0
     """Upper bound on any blocking client call (waiting for a source, a drain, ...)."""
 
+    same_host: bool = True
+    """The same-host tier: registered CPU tensors move into shared memory in place at
+    ``register`` and readers on the same host copy from them directly, not through NIXL
+    (:mod:`tensorhub.transport.shm`)."""
+    same_host_threads: int = 2
+    """Copy threads of a same-host read (units copied and checksummed at once)."""
+
     # --- Ray ------------------------------------------------------------------------------
     server_name: str = "tensorhub-server"
     namespace: str = "tensorhub"
@@ -107,6 +114,7 @@ class Config:
         need(self.nixl_workers >= 1 and self.nixl_threads >= 0, "nixl_workers must be >= 1, nixl_threads >= 0")
         need(self.nixl_progress_delay_us >= 0, "nixl_progress_delay_us must be >= 0")
         need(self.reads_in_flight >= 1, "reads_in_flight must be >= 1")
+        need(self.same_host_threads >= 1, "same_host_threads must be >= 1")
         need(self.source_stall_timeout_s > 0, "source_stall_timeout_s must be > 0")
         need(self.host_copies_pooled >= 0, "host_copies_pooled must be >= 0")
         need(self.reconnects_max >= 0, "reconnects_max must be >= 0")

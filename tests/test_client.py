@@ -14,7 +14,9 @@ from tensorhub.config import Config
 from tensorhub.port import LocalPort
 from tensorhub.testing import workload
 
-CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0)
+CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
+             same_host=False)
+"""The NIXL data path (every handle here shares one host); tests/test_shm.py covers the same-host tier."""
 SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
 
 
@@ -207,6 +209,7 @@ def test_bad_call_raises_typed_error_and_changes_nothing(port, state, call, erro
     owner, ot = _hub(port, replica="owner")
     workload.fill_version(ot, 1)
     owner.publish(1)
+    owner._stop_host_copy(cancel_it=False)  # its background host copy lands before the snapshot
     named = workload.allocate(SPEC)
     tensors = [t for _, t in named]
     workload.fill_version(tensors, 9)

@@ -865,3 +865,15 @@ def test_an_unneeded_background_host_copy_is_given_back(case):
     assert w.send(m.HostCopy(cid, version, b"extra")) == m.Ok()
     assert w.pop(cid) == [m.DropHostCopy(version=version)]
     assert sum(1 for n in w.core.nodes.values() if n.host) == (1 if case == "second_copy" else 0)
+
+
+def test_a_free_source_on_the_readers_own_host_is_preferred():
+    """Same datacenter, both free: the reader on host B gets the holder on host B (the
+    same-host tier copies memory), even though the other registered first."""
+    w = World()
+    for cid, machine in (("a", "host-A"), ("b", "host-B"), ("r", "host-B"), ("q", "")):
+        assert isinstance(w.send(m.Register(cid, "pol", cid, 0, 1, LAYOUT, cid.encode(), "a", False,
+                                            machine=machine)), m.Registered)
+    w.send(m.Publish("a", 1)); w.send(m.Publish("b", 1))
+    assert w.send(m.Replicate("r", 1)).source_id == "b"
+    assert w.send(m.Replicate("q", 1)).source_id == "a", "unknown host: the usual order"

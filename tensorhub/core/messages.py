@@ -81,6 +81,9 @@ class Register(_Msg, frozen=True):
     datacenter: str = "default"
     spot: bool = False
     process: ProcessId = ProcessId()
+    machine: str = ""
+    """The host this client runs on ("" unknown): a reader gets a source on its own host first
+    (the same-host tier copies memory directly)."""
 
 
 class Announce(_Msg, frozen=True):

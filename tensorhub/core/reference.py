@@ -480,7 +480,7 @@ class ReferenceCore:
             id=req.client_id, model=req.model, replica_id=req.replica_id, shard=req.shard,
             num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now,
-            process=req.process,
+            process=req.process, machine=req.machine,
         )
         self.nodes[node.id] = node
         return node
@@ -489,7 +489,7 @@ class ReferenceCore:
         return m.Register(
             client_id=n.id, model=n.model, replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
-            datacenter=n.datacenter, spot=n.spot, process=n.process,
+            datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
         )
 
     def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
@@ -501,6 +501,7 @@ class ReferenceCore:
             id=hid, model=owner.model, replica_id=f"{owner.replica_id}#host", shard=owner.shard,
             num_shards=owner.num_shards, datacenter=owner.datacenter, spot=False,
             layout=owner.layout, endpoint=endpoint, order=self._order, host=True, owner=owner.id,
+            machine=owner.machine,
         )
         self.nodes[hid] = host
         self._set_version(host, version, S.PUBLISHED, host.units)

@@ -11,7 +11,8 @@ source, or none (the reader waits). Rules, in order:
    none does the reader read across (it becomes that datacenter's *seeder*), and then only if
    no earlier reader of that datacenter is already waiting to seed.
 3. At most ``readers_per_source_max`` readers per source.
-4. Least loaded first; ties: complete before partial, further progress, GPU before host copy,
+4. A free candidate on the reader's own host first (memory copies, no network), then any.
+5. Least loaded first; ties: complete before partial, further progress, GPU before host copy,
    then registration order.
 """
 
@@ -64,4 +65,5 @@ def choose_source(
     free = [c for c in pool if len(c.readers) < readers_per_source_max]
     if not free:
         return None
-    return min(free, key=rank)
+    near = [c for c in free if reader.machine and c.machine == reader.machine]
+    return min(near or free, key=rank)

@@ -72,6 +72,8 @@ class Node:
     host: bool = False
     owner: Optional[str] = None
     """For a host copy: the client that serves it (it lives and dies with that client)."""
+    machine: str = ""
+    """The host it runs on (a host copy: its owner's)."""
 
     state: S = S.IDLE
     version: int = -1

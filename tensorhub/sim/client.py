@@ -93,7 +93,7 @@ class SimClient:
         return m.Register(
             client_id=self.cid, model=w.params.model, replica_id=self.replica_id, shard=self.shard,
             num_shards=self.num_shards, layout=w.layout(self.shard), endpoint=self.cid.encode(),
-            datacenter=self.dc, spot=self.spot,
+            datacenter=self.dc, spot=self.spot, machine=self.host,
         )
 
     def serves(self) -> list[str]:

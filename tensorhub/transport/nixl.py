@@ -43,6 +43,8 @@ from tensorhub.config import Config
 from tensorhub.errors import LayoutMismatch, SourceStalled, TransferError
 from tensorhub.layout import Layout, dtype_name
 from tensorhub.transport.follow import Notes
+from tensorhub.transport import shm
+from tensorhub.transport.shm import ShmInfo
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,9 @@ class Endpoint(msgspec.Struct, frozen=True):
     fingerprint: str
     unit_signature: str
     unit_count: int
+    shm: Optional[ShmInfo] = None
+    """Set when the region lives in shared memory: a reader on the same host maps it instead
+    (:mod:`tensorhub.transport.shm`)."""
 
 
 def encode_endpoint(ep: Endpoint) -> bytes:
@@ -315,6 +320,8 @@ class Region:
         self.mem_type = mem_type
         self._local_dlist: Any = None
         self._closed = False
+        self.shm_info: Optional[ShmInfo] = None
+        """Where same-host readers map this region (None: NIXL only)."""
         self._unsettled: dict[int, Any] = {}
         """Reads into this region that a pull left in flight (unit -> handle): see :meth:`settle`."""
 
@@ -342,6 +349,9 @@ class Region:
         if len(devices) != 1:
             raise LayoutMismatch(f"tensors span several devices: {sorted(map(str, devices))}")
         mem_type, dev_id = _mem_of(tensors[0])
+        control = torch.zeros(_HEADER + layout.unit_count, dtype=torch.int64)
+        control[0] = _NO_VERSION
+        shm_info = shm.share(tensors, control, config)  # moves storages: before taking addresses
         mems = tuple(
             MemRegion(t.data_ptr(), m.nbytes, mem_type, dev_id) if m.nbytes else MemRegion(0, 0, mem_type, dev_id)
             for m, t in zip(metas, tensors)
@@ -349,8 +359,6 @@ class Region:
         regs = []
         # Tensors that share storage (views) must be registered once per distinct range.
         ranges = sorted({(r.addr, r.nbytes) for r in mems if r.nbytes})
-        control = torch.zeros(_HEADER + layout.unit_count, dtype=torch.int64)
-        control[0] = _NO_VERSION
         try:
             if ranges:
                 regs.append(agent.nixl.register_memory(
@@ -362,7 +370,9 @@ class Region:
             raise TransferError(f"NIXL registration failed: {e}") from e
         logger.debug("registered %d tensors (%d bytes, %s) on %s",
                      len(tensors), layout.total_bytes, mem_type, agent.name)
-        return cls(agent, tensors, layout, regs, control, mems, mem_type)
+        region = cls(agent, tensors, layout, regs, control, mems, mem_type)
+        region.shm_info = shm_info
+        return region
 
     # ---- control block -------------------------------------------------------------
     @property
@@ -417,6 +427,7 @@ class Region:
             fingerprint=self.layout.fingerprint,
             unit_signature=self.layout.unit_signature,
             unit_count=self.layout.unit_count,
+            shm=self.shm_info,
         )
 
     def _local_descs(self) -> Any:

@@ -31,7 +31,7 @@ class ReadState:
     """Bookkeeping of one pull of units ``[start, end)`` of ``version``. Not thread-safe."""
 
     def __init__(self, version: int, start: int, end: int, *, window_max: int, stall_timeout_s: float,
-                 now: float, source: str = "source") -> None:
+                 now: float, source: str = "source", fixed_window: bool = False) -> None:
         self.version = version
         self.end = end
         self.next_post = start
@@ -45,7 +45,9 @@ class ReadState:
         self.last_advance = now
         """When something last moved: a read landed, a unit was verified, the source advanced."""
         self.source_advanced_at = now
-        self.pacer = Pacer(window_max)
+        self.pacer = FixedWindow(window_max) if fixed_window else Pacer(window_max)
+        """The window policy: the link-filling :class:`Pacer`, or ``window_max`` reads always
+        (memory copies on the same host: one per copy thread)."""
         self.source = source
 
     # ---- what the source holds (rule 1) ------------------------------------------------
@@ -135,3 +137,23 @@ class ReadState:
         if verifying:
             raise SourceStalled(f"checksum of unit {min(verifying)} from {self.source} not done for {t}s")
         raise SourceStalled(f"source {self.source} stuck at {self.remote_progress}/{self.end} units for {t}s")
+
+
+class FixedWindow:
+    """``n`` reads kept posted, whatever the link (the same-host tier's copy threads)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.inflight: set[int] = set()
+
+    def may_post(self) -> bool:
+        return len(self.inflight) < self.n
+
+    def on_post(self, unit: int, nbytes: int, now: float) -> None:
+        self.inflight.add(unit)
+
+    def on_done(self, units: Sequence[int], now: float) -> None:
+        self.inflight.difference_update(units)
+
+    def forget_inflight(self) -> None:
+        self.inflight.clear()

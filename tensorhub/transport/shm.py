@@ -1,0 +1,296 @@
+"""The same-host tier: a reader on the holder's host copies straight out of the holder's memory.
+
+Two processes on one host should not go through a network transport. At registration a
+holder's CPU tensors move into shared memory *in place* (``UntypedStorage.share_memory_()``
+swaps each storage for a shared one: the tensor objects, their views and a model's parameters
+stay valid), and so does the region's control block. The endpoint then also carries
+:class:`ShmInfo`: the host's identity, the holder's pid and, per storage, the file descriptor
+that keeps its shared memory alive. A reader on the same host opens ``/proc/<pid>/fd/<fd>``,
+maps it (once: mappings are cached with the source) and copies units with a few threads;
+every other rule is the NIXL read loop's (:class:`~tensorhub.transport.readstate.ReadState`):
+only units the source's control block shows final, the verified prefix in unit order, the
+checksums, the stall timeout, a partial holder's progress.
+
+Host identity is the kernel's boot id plus the network namespace: the emulated cluster's hosts
+(namespaces on one machine) are different hosts, two Ray nodes in one namespace are one.
+
+Not for CUDA tensors (CUDA IPC is the equivalent; not built) nor where ``/dev/shm`` lacks the
+room: those keep NIXL. A reader that cannot open the holder's memory (another PID namespace,
+no permission) falls back to NIXL too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import mmap
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import msgspec
+import torch
+
+from tensorhub.config import Config
+from tensorhub.errors import ChecksumMismatch, InvalidState, SourceUnreachable
+from tensorhub.layout import Layout, checksum_unit
+from tensorhub.transport.readstate import ReadState
+
+logger = logging.getLogger(__name__)
+
+_HEADER = 2  # the control block: [version, progress, checksum per unit] (as in nixl.py)
+
+
+class ShmInfo(msgspec.Struct, frozen=True):
+    """How a reader on the same host maps a region: ``storages`` are (fd, bytes) in the
+    holder's process ``pid``; ``tensors`` (layout order) are (storage index, byte offset), -1
+    for an empty tensor; ``control`` the control block's (fd, bytes)."""
+
+    host: str
+    pid: int
+    storages: tuple[tuple[int, int], ...]
+    tensors: tuple[tuple[int, int], ...]
+    control: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=1)
+def host_key() -> str:
+    """This host's identity for the same-host tier (boot id + network namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ""
+    return f"{boot}:{netns}"
+
+
+def _shm_free_bytes() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config) -> Optional[ShmInfo]:
+    """Move ``tensors`` (CPU, contiguous) and ``control`` into shared memory in place, so that
+    same-host readers can map them; None (nothing changed) if not possible or not wanted."""
+    if not config.same_host or not host_key():
+        return None
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in list(tensors) + [control]:
+        if t.numel():
+            st = t.untyped_storage()
+            storages.setdefault(st.data_ptr(), st)
+    need = sum(st.nbytes() for st in storages.values() if not st.is_shared())
+    if need and need * 1.1 > _shm_free_bytes():
+        logger.info("same-host tier off for this region: /dev/shm has %d bytes free, %d needed",
+                    _shm_free_bytes(), need)
+        return None
+    try:
+        fds: dict[int, tuple[int, int]] = {}
+        for st in storages.values():
+            st.share_memory_()  # a no-op for memory already shared
+            fd, size = st._share_fd_cpu_()
+            fds[st.data_ptr()] = (int(fd), int(size))
+    except Exception as e:  # noqa: BLE001 - e.g. an mmapped or pinned storage, another strategy
+        logger.info("same-host tier off for this region: %s", e)
+        return None
+    order = list(fds)
+    index = {ptr: i for i, ptr in enumerate(order)}
+    descs = []
+    for t in tensors:
+        if not t.numel():
+            descs.append((-1, 0))
+            continue
+        base = t.untyped_storage().data_ptr()
+        descs.append((index[base], t.data_ptr() - base))
+    ctl_fd, ctl_size = fds[control.untyped_storage().data_ptr()]
+    return ShmInfo(host=host_key(), pid=os.getpid(), storages=tuple(fds[p] for p in order),
+                   tensors=tuple(descs), control=(ctl_fd, ctl_size))
+
+
+def usable(info: Optional[ShmInfo]) -> bool:
+    """Whether a region described by ``info`` can be read through shared memory from here."""
+    return info is not None and bool(info.host) and info.host == host_key()
+
+
+class ShmSource:
+    """The holder's memory mapped into this process (read-only). Raises
+    :class:`SourceUnreachable` if it cannot be mapped."""
+
+    def __init__(self, info: ShmInfo) -> None:
+        self.info = info
+        self.name = f"shm:{info.pid}"
+        self._maps: list[mmap.mmap] = []
+        self._ids: list[tuple[int, int]] = []
+        try:
+            views = [self._map(fd, size) for fd, size in info.storages]
+            self.control = self._map(*info.control).view(torch.int64)
+        except OSError as e:
+            self.close()
+            raise SourceUnreachable(f"cannot map the memory of process {info.pid}: {e}") from e
+        self._views = views
+        self.reached = True
+
+    def _map(self, fd: int, size: int) -> torch.Tensor:
+        path = f"/proc/{self.info.pid}/fd/{fd}"
+        f = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(f)
+            mm = mmap.mmap(f, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+        finally:
+            os.close(f)
+        self._maps.append(mm)
+        self._ids.append((st.st_dev, st.st_ino))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: we never write through it
+            return torch.frombuffer(mm, dtype=torch.uint8)
+
+    def still_same(self) -> bool:
+        """The holder still has the memory we mapped (a descriptor number can be reused)."""
+        try:
+            for (fd, _), ident in zip(self.info.storages + (self.info.control,), self._ids):
+                st = os.stat(f"/proc/{self.info.pid}/fd/{fd}")
+                if (st.st_dev, st.st_ino) != ident:
+                    return False
+        except OSError:
+            return False
+        return True
+
+    def alive(self) -> bool:
+        """The holder process still holds its control block (cheap: one ``stat``). Its memory
+        outlives it while mapped here, but a dead partial holder will never advance."""
+        try:
+            st = os.stat(f"/proc/{self.info.pid}/fd/{self.info.control[0]}")
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ids[-1]
+
+    def piece(self, tensor_index: int, offset: int, nbytes: int) -> torch.Tensor:
+        si, base = self.info.tensors[tensor_index]
+        return self._views[si][base + offset:base + offset + nbytes]
+
+    def close(self) -> None:
+        self._views = []
+        self.control = None
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes with it
+                pass
+        self._maps = []
+
+
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _copier(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:  # noqa: SLF001
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tensorhub-shm")
+        return _pool
+
+
+def _copy_unit(src: ShmSource, dst: Sequence[torch.Tensor], layout: Layout, u: int, checksums: bool) -> Optional[int]:
+    unit = layout.units[u]
+    for p in unit:
+        out = dst[p.tensor_index].reshape(-1).view(torch.uint8)[p.offset:p.offset + p.nbytes]
+        out.copy_(src.piece(p.tensor_index, p.offset, p.nbytes))
+    return checksum_unit(dst, unit) if checksums else None
+
+
+def _to_u64(s: int) -> int:
+    return s & 0xFFFFFFFFFFFFFFFF
+
+
+def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config: Config,
+         start_unit: int = 0, end_unit: Optional[int] = None,
+         on_unit: Optional[Callable[[int], None]] = None,
+         should_stop: Optional[Callable[[], bool]] = None) -> int:
+    """Like :func:`tensorhub.transport.reader.pull`, from a same-host source's memory: copies
+    units ``[start_unit, end_unit)`` of ``expect_version`` into ``region`` and returns the bytes
+    read; every copy it started has ended when it returns or raises."""
+    n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
+    if start_unit == 0:
+        region.set_progress(0)
+        region.set_version(expect_version)
+    else:
+        if region.version != expect_version or not 0 < start_unit <= region.progress:
+            raise InvalidState(f"cannot resume at unit {start_unit}: region holds version {region.version} "
+                               f"with progress {region.progress}, want version {expect_version}")
+        region.set_progress(start_unit)
+    if start_unit >= n_units:
+        return 0
+    if not src.still_same():
+        raise SourceUnreachable(f"{src.name}: the memory mapped earlier is gone")
+    threads = max(1, config.same_host_threads)
+    st = ReadState(expect_version, start_unit, n_units, window_max=threads,
+                   stall_timeout_s=config.source_stall_timeout_s, now=time.monotonic(), source=src.name,
+                   fixed_window=True)
+    pool = _copier(threads)
+    inflight: dict[int, concurrent.futures.Future] = {}
+    landed: dict[int, Optional[int]] = {}
+    nbytes = 0
+    idle = 50e-6
+    checked_alive = time.monotonic()
+    ctl = src.control
+    try:
+        while not st.finished:
+            if should_stop is not None and should_stop():
+                break
+            now = time.monotonic()
+            v, p = int(ctl[0]), int(ctl[1])
+            st.source_state(v, p, ctl[_HEADER:_HEADER + p].tolist() if v == expect_version and p > st.remote_progress
+                            else None, now)
+            while (u := st.next_to_post()) is not None:
+                inflight[u] = pool.submit(_copy_unit, src, region.tensors, layout, u, config.checksums)
+                st.posted(u, layout.unit_nbytes(u), now)
+            if inflight:
+                done, _ = concurrent.futures.wait(list(inflight.values()), timeout=0.05,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+            else:
+                done = set()
+            moved = False
+            for u in [u for u, f in inflight.items() if f in done]:
+                landed[u] = inflight.pop(u).result()
+                st.completed([u], time.monotonic())
+                moved = True
+            while (u := st.next_to_verify()) is not None:
+                expected = st.expected_sum(u)
+                got = landed.pop(u)
+                if got is not None and got != _to_u64(expected):
+                    raise ChecksumMismatch(f"unit {u} from {src.name}: checksum {got:#018x}, source published "
+                                           f"{_to_u64(expected):#018x}")
+                region.control[_HEADER + u] = expected
+                nbytes += layout.unit_nbytes(u)
+                st.verified(u, time.monotonic())
+                region.set_progress(st.prefix)  # after the checksum: followers rely on the order
+                if on_unit is not None:
+                    on_unit(u)
+            if moved:
+                idle = 50e-6
+                continue
+            now = time.monotonic()
+            st.check_stalled(now, inflight=list(inflight))
+            if not inflight:  # starved: the source has not got further yet
+                if now - checked_alive > 0.02:
+                    checked_alive = now
+                    if not src.alive():
+                        raise SourceUnreachable(f"{src.name}: the holder process is gone at unit "
+                                                f"{st.remote_progress} of {n_units}")
+                time.sleep(idle)
+                idle = min(idle * 2, 2e-3)
+    finally:
+        if inflight:
+            concurrent.futures.wait(list(inflight.values()))  # memory copies: bounded
+    return nbytes
