@@ -201,12 +201,21 @@ def _copier(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def _copy_unit(src: ShmSource, dst: Sequence[torch.Tensor], layout: Layout, u: int, checksums: bool) -> Optional[int]:
-    unit = layout.units[u]
-    for p in unit:
-        out = dst[p.tensor_index].reshape(-1).view(torch.uint8)[p.offset:p.offset + p.nbytes]
-        out.copy_(src.piece(p.tensor_index, p.offset, p.nbytes))
-    return checksum_unit(dst, unit) if checksums else None
+def _copy_units(src: ShmSource, dst: Sequence[torch.Tensor], layout: Layout, units: Sequence[int],
+                checksums: bool) -> list[Optional[int]]:
+    """Copy (and hash) a run of units; one task per run keeps the hand-offs between threads few."""
+    out = []
+    for u in units:
+        unit = layout.units[u]
+        for p in unit:
+            dst[p.tensor_index].reshape(-1).view(torch.uint8)[p.offset:p.offset + p.nbytes].copy_(
+                src.piece(p.tensor_index, p.offset, p.nbytes))
+        out.append(checksum_unit(dst, unit) if checksums else None)
+    return out
+
+
+_TASK_BYTES = 32 << 20
+"""Bytes one copy task covers (units in a row): fewer, larger tasks cost less Python per byte."""
 
 
 def _to_u64(s: int) -> int:
@@ -234,11 +243,12 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
     if not src.still_same():
         raise SourceUnreachable(f"{src.name}: the memory mapped earlier is gone")
     threads = max(1, config.same_host_threads)
-    st = ReadState(expect_version, start_unit, n_units, window_max=threads,
+    per_task = max(1, _TASK_BYTES // max(1, layout.total_bytes // max(1, layout.unit_count)))
+    st = ReadState(expect_version, start_unit, n_units, window_max=threads * per_task,
                    stall_timeout_s=config.source_stall_timeout_s, now=time.monotonic(), source=src.name,
                    fixed_window=True)
     pool = _copier(threads)
-    inflight: dict[int, concurrent.futures.Future] = {}
+    inflight: dict[concurrent.futures.Future, list[int]] = {}
     landed: dict[int, Optional[int]] = {}
     nbytes = 0
     idle = 50e-6
@@ -252,18 +262,25 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
             v, p = int(ctl[0]), int(ctl[1])
             st.source_state(v, p, ctl[_HEADER:_HEADER + p].tolist() if v == expect_version and p > st.remote_progress
                             else None, now)
+            run: list[int] = []
             while (u := st.next_to_post()) is not None:
-                inflight[u] = pool.submit(_copy_unit, src, region.tensors, layout, u, config.checksums)
+                run.append(u)
                 st.posted(u, layout.unit_nbytes(u), now)
+                if len(run) == per_task:
+                    inflight[pool.submit(_copy_units, src, region.tensors, layout, run, config.checksums)] = run
+                    run = []
+            if run:
+                inflight[pool.submit(_copy_units, src, region.tensors, layout, run, config.checksums)] = run
             if inflight:
-                done, _ = concurrent.futures.wait(list(inflight.values()), timeout=0.05,
+                done, _ = concurrent.futures.wait(list(inflight), timeout=0.05,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
             else:
                 done = set()
             moved = False
-            for u in [u for u, f in inflight.items() if f in done]:
-                landed[u] = inflight.pop(u).result()
-                st.completed([u], time.monotonic())
+            for f in done:
+                units = inflight.pop(f)
+                landed.update(zip(units, f.result()))
+                st.completed(units, time.monotonic())
                 moved = True
             while (u := st.next_to_verify()) is not None:
                 expected = st.expected_sum(u)
@@ -281,7 +298,7 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
                 idle = 50e-6
                 continue
             now = time.monotonic()
-            st.check_stalled(now, inflight=list(inflight))
+            st.check_stalled(now, inflight=[u for us in inflight.values() for u in us])
             if not inflight:  # starved: the source has not got further yet
                 if now - checked_alive > 0.02:
                     checked_alive = now
@@ -292,5 +309,5 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
                 idle = min(idle * 2, 2e-3)
     finally:
         if inflight:
-            concurrent.futures.wait(list(inflight.values()))  # memory copies: bounded
+            concurrent.futures.wait(list(inflight))  # memory copies: bounded
     return nbytes
