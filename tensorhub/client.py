@@ -134,6 +134,7 @@ class Hub:
         announcement is applied before it (the announcement then leaves the copy out)."""
         self._pool_wake = threading.Event()
         self._pool_thread: Optional[threading.Thread] = None
+        self._pool_busy = False
         self.host_buffers_allocated = 0
         """Retention buffers this handle allocated (touched and registered), in the background or
         -- when none was ready -- on an offload's critical path (``host_buffers_inline``)."""
@@ -202,12 +203,9 @@ class Hub:
                 sums = checksum_all(self._tensors, self._layout) if need_sums else []
             else:
                 sums = []
-            newly = self._machine.published is None
             self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
             if self._machine.published == version and sums:
                 self._checksums = sums
-            if newly and self._machine.published == version:
-                self._start_host_copy(version)
             metrics.record_publish(self.model)
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 
@@ -458,11 +456,16 @@ class Hub:
         return keep
 
     def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None) -> ReadStats:
-        self._stop_host_copy(cancel_it=False)
+        self._stop_host_copy()
         self._read_t0 = time.perf_counter()
         self._t_assigned = self._offload_s = 0.0
         out = self._run(hm.ReplicateOp(spec, update, round_no))
         st = self._read_stats(out)
+        if st.action == "replicated":
+            try:  # the server may ask this new holder for the version's retention copy at once
+                self._take_notes(in_call=True)
+            except errors.TensorHubError:
+                pass
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
         return st
 
@@ -489,7 +492,7 @@ class Hub:
         """Phase 1 of a read: resolve, drain the old version if updating, get a source; the read
         pauses at its first pull (the caller moves bytes, then :meth:`_finish_read`, or
         :meth:`_abort_read`). Returns ``NoChange`` if there is nothing to read."""
-        self._stop_host_copy(cancel_it=False)
+        self._stop_host_copy()
         self._read_t0 = time.perf_counter()
         self._t_assigned = self._offload_s = 0.0
         res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
@@ -639,6 +642,8 @@ class Hub:
                 return tx.encode_endpoint(existing[0].endpoint())
             pooled = self._host_pool.pop() if self._host_pool else None
         self._pool_wake.set()  # refill behind this offload
+        if pooled is None:  # the pool thread may be touching one: that finishes first
+            pooled = self._pooled_buffer(threading.Event())
         if pooled is None:
             region, copies = self._new_host_buffer(touch=False)
             self.host_buffers_inline += 1
@@ -657,9 +662,25 @@ class Hub:
 
     # ---- retention made ahead: the publisher's background host copy ---------------------------
 
+    def _host_copy_asked(self, version: int, in_call: bool) -> None:
+        """The server asks this holder to copy ``version`` to host memory ahead (MakeHostCopy).
+        Only between calls (a call in progress may change the tensors) and only while the handle
+        still publishes that version; otherwise the request is dropped (the last holder will
+        offload instead)."""
+        if not in_call and not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._machine.phase is HubState.PUBLISHED and self._machine.published == version:
+                self._start_host_copy(version)
+        finally:
+            if not in_call:
+                self._lock.release()
+
     def _start_host_copy(self, version: int) -> None:
-        if (self.spot or not self.config.host_copy_on_publish or self.config.versions_retained < 2
+        if (self.spot or not self.config.host_copy_ahead or self.config.versions_retained < 2
                 or self._pool_thread is None):
+            return
+        if self._eager is not None and self._eager[0].is_alive():
             return
         with self._host_lock:
             if version in self._host:
@@ -727,6 +748,7 @@ class Hub:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a
         second fresh buffer would only compete with it for first touches), unless cancelled."""
         self._pool_wake.set()
+        t0 = time.monotonic()
         while True:
             with self._host_lock:
                 if self._host_pool:
@@ -734,7 +756,8 @@ class Hub:
                     self._pool_wake.set()
                     return entry
             t = self._pool_thread
-            if t is None or not t.is_alive() or cancel.wait(0.01):
+            idle = not self._pool_busy and time.monotonic() - t0 > 0.05  # it is not making one
+            if t is None or not t.is_alive() or idle or cancel.wait(0.01):
                 return None
 
     def _recycle(self, entry: tuple[tx.Region, list[torch.Tensor]]) -> None:
@@ -786,12 +809,15 @@ class Hub:
                 with self._host_lock:
                     if len(self._host_pool) >= self.config.host_copies_pooled:
                         break
+                self._pool_busy = True
                 try:
                     entry = self._new_host_buffer(touch=True)
                 except Exception:  # noqa: BLE001 - an offload allocates inline instead
                     log.warning("model=%s shard=%d: could not prepare a retention buffer", self.model,
                                 self.shard, exc_info=True)
                     break
+                finally:
+                    self._pool_busy = False
                 with self._host_lock:
                     keep = not self._hb_stop.is_set() and len(self._host_pool) < self.config.host_copies_pooled
                     if keep:
@@ -862,10 +888,14 @@ class Hub:
                     self._lock.release()
         self._take_notes()
 
-    def _take_notes(self) -> None:
-        """Background events (host copies past retention, evictions) waiting at the server."""
+    def _take_notes(self, in_call: bool = False) -> None:
+        """Background events (host copies to make ahead or past retention, evictions) waiting at
+        the server. ``in_call``: the caller holds ``_lock`` (a user call that just finished)."""
         with self._notes_lock:
             for note in self._port.notes(self.client_id):
+                if isinstance(note, m.MakeHostCopy):
+                    self._host_copy_asked(note.version, in_call)
+                    continue
                 for cmd in self._feed(hm.Noted(note)):
                     if isinstance(cmd, hm.DropHost):
                         self._drop_host_copy(cmd.version)

@@ -47,11 +47,12 @@ class Config:
     offload copies at memory speed instead of paying for fresh memory on a reader's critical
     path; freed host copies return to the pool. Costs this many shard-sized host buffers per
     handle on top of the host copies it holds. 0: allocate on demand (slow first touch)."""
-    host_copy_on_publish: bool = True
-    """A handle that ``publish()``es (a trainer) copies each version it publishes to a host buffer
-    in the background and offers it to the server as the version's retention copy, so that the
-    last rollout to move off a retained version need not offload it on its critical path. Only
-    with ``versions_retained >= 2``; non-spot handles; ``unpublish()`` cancels a copy not done."""
+    host_copy_ahead: bool = True
+    """When the server asks (the first non-spot reader to finish a retained version), copy it to
+    a host buffer in the background and offer it as the version's retention copy, so that the
+    last holder to move off it need not offload on its critical path -- and the copy lives
+    outside the trainer's process. Only with ``versions_retained >= 2``; the next call waits for
+    a copy in progress (memory speed) or cancels one still waiting for a buffer."""
     smart_skipping: bool = True
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version."""
 

@@ -304,7 +304,7 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
     """Every non-spot handle has a touched, registered retention buffer once register returns; the
     last holder's offload uses it (no allocation on the critical path) and the pool refills in
     the background. Spot handles keep none (they are never asked to offload)."""
-    cfg = CFG.replace(host_copy_on_publish=False)
+    cfg = CFG.replace(host_copy_ahead=False)
     t = tensorhub.open("m", port=port, config=cfg, replica="t")
     named = workload.allocate(SPEC)
     tt = [x for _, x in named]
@@ -330,31 +330,33 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
         h.close(drop_last_copy=True)
 
 
-def test_publishers_background_host_copy_spares_the_last_reader_its_offload(port):
-    """The trainer copies each version it publishes to host memory in the background and offers
-    it as the retention copy: the last rollout to leave version 1 does not offload, and version 1
-    stays readable (from the trainer's host copy) byte for byte."""
+def test_the_first_reader_copies_the_version_ahead_so_the_last_holder_need_not_offload(port):
+    """The server asks the first reader to finish version 1 for its retention copy; the reader
+    makes it in the background (in its own process, not the trainer's). When it later leaves 1
+    as its last GPU holder, nothing is offloaded on its path, and 1 stays readable byte for byte."""
     t, tt = _hub(port, replica="t")
     r, rt = _hub(port, replica="r")
     workload.fill_version(tt, 1)
     v1 = workload.digest(tt)
     t.publish(1)
     r.replicate(1)
-    t.unpublish()  # waits for the background copy; the host copy keeps 1, no offload needed
-    assert _host_holders(port) == [(f"{t.client_id}#host1", 1)]
+    r._stop_host_copy(cancel_it=False)  # (the test waits for the background copy)
+    assert _host_holders(port) == [(f"{r.client_id}#host1", 1)] and t._host == {}
+    t.unpublish()
     workload.fill_version(tt, 2)
     t.publish(2)
     st = r.update("latest")
-    assert st.version == 2 and st.offload_s == 0.0 and r._host == {}
+    assert st.version == 2 and st.offload_s == 0.0 and list(r._host) == [1]
     late, lt = _hub(port, replica="late")
-    assert late.replicate(1).sources == (f"{t.client_id}#host1",) and workload.digest(lt) == v1
+    assert late.replicate(1).sources == (f"{r.client_id}#host1",) and workload.digest(lt) == v1
     for h in (late, r, t):
         h.close(drop_last_copy=True)
 
 
 def test_unpublish_cancels_a_background_copy_still_waiting_for_a_buffer(port):
-    """No buffer is ready (the pool thread is still touching one): unpublish() does not wait for
-    it; no host copy is offered and retention falls back to the last holder's offload."""
+    """No buffer is ready (the pool thread is still touching one): unpublish() cancels the
+    background copy instead of waiting for it; retention falls back to the last holder's offload,
+    which takes the buffer being touched (rather than touching a second one alongside it)."""
     t, tt = _hub(port, replica="t")
     gate = threading.Event()
     real = t._new_host_buffer
@@ -367,12 +369,16 @@ def test_unpublish_cancels_a_background_copy_still_waiting_for_a_buffer(port):
     t._new_host_buffer = slow
     with t._host_lock:
         taken = t._host_pool.pop()
+    t._pool_wake.set()  # the pool thread starts touching a buffer (held at the gate)
     workload.fill_version(tt, 1)
     t.publish(1)
+    t._start_host_copy(1)  # as on MakeHostCopy: it waits for the pool thread's buffer
+    copier = t._eager[0]
+    threading.Timer(0.5, gate.set).start()  # the touch in progress ends in 0.5 s
     t0 = time.monotonic()
-    t.unpublish()  # last holder of retained 1: offloads itself (allocating inline)
-    assert time.monotonic() - t0 < 5
-    assert t.host_buffers_inline == 1 and list(t._host) == [1]
-    gate.set()
+    t.unpublish()  # last holder of retained 1: offloads itself
+    assert 0.3 < time.monotonic() - t0 < 5 and not copier.is_alive()
+    assert t.host_buffers_inline == 0 and list(t._host) == [1]
+    assert _host_holders(port) == [(f"{t.client_id}#host1", 1)]
     taken[0].close()
     t.close(drop_last_copy=True)

@@ -877,3 +877,40 @@ def test_a_free_source_on_the_readers_own_host_is_preferred():
     w.send(m.Publish("a", 1)); w.send(m.Publish("b", 1))
     assert w.send(m.Replicate("r", 1)).source_id == "b"
     assert w.send(m.Replicate("q", 1)).source_id == "a", "unknown host: the usual order"
+
+
+def test_the_first_non_spot_reader_of_a_retained_version_is_asked_for_its_host_copy():
+    """Not the publisher (its process also holds the newest version: one death would take both),
+    not a spot reader, and only one reader per version and shard."""
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("s", spot=True); w.reg("a"); w.reg("b")
+    w.send(m.Publish("t", 1))
+    for cid in ("s", "a", "b"):
+        w.send(m.Replicate(cid, 1)); w.send(m.ReplicateDone(cid, 1))
+    asked = {cid: [e for e in w.pop(cid) if isinstance(e, m.MakeHostCopy)] for cid in ("t", "s", "a", "b")}
+    assert asked == {"t": [], "s": [], "a": [m.MakeHostCopy(1)], "b": []}
+    assert w.send(m.HostCopy("a", 1, b"a-host")) == m.Ok() and w.pop("a") == []
+    assert w.core.nodes["a#host1"].owner == "a"
+    k1 = World(versions_retained=1)
+    k1.reg("t"); k1.reg("a")
+    k1.send(m.Publish("t", 1)); k1.send(m.Replicate("a", 1)); k1.send(m.ReplicateDone("a", 1))
+    assert k1.pop("a") == [], "nothing retained past the newest: no copy ahead"
+
+
+def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
+    """Simulator seed 8444: shard 1 was still reading version 2 (failed by the old server, the
+    event not seen yet) when a restart came; its sibling's round 4 had moved to version 1. The
+    new server must not let shard 1 finish version 2 in round 4: it fails the read, and the
+    retry in round 4 joins version 1."""
+    w = World(lease_timeout_s=5.0)
+    for v, rep in ((1, "U"), (2, "T")):
+        for sh in (0, 1):
+            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
+            w.send(m.Publish(f"{rep}{sh}", v))
+    regs = [m.Register(f"a{sh}", "pol", "A", sh, 2, LAYOUT, f"a{sh}".encode()) for sh in (0, 1)]
+    assert w.send(m.Announce(regs[0], m.Holding(reading_version=1, txn_seq=4, txn_version=1))) == m.Ok()
+    assert w.send(m.Announce(regs[1], m.Holding(reading_version=2, txn_seq=4, txn_version=2))) == m.Ok()
+    reply = w.send(m.ReplicateDone("a1", 2))
+    assert err(reply) == "VersionLost" and "moved to version 1" in reply.message
+    a = w.send(m.Replicate("a1", "latest", seq=4))
+    assert isinstance(a, m.Assignment) and a.version == 1

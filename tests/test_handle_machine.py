@@ -236,7 +236,7 @@ def test_interrupted_read_leaves_no_phantom_reader_and_the_source_can_unpublish(
 def test_request_timeout_on_a_read_aborts_it():
     """Review item 5: a read that times out waiting for a source leaves no waiting reader."""
     port = LocalPort(CFG)
-    t, tt = _hub(port, replica="t", config=CFG.replace(host_copy_on_publish=False))  # one source only
+    t, tt = _hub(port, replica="t", config=CFG.replace(host_copy_ahead=False))  # one source only
     workload.fill_version(tt, 1)
     t.publish(1)
     first, _ = _hub(port, replica="a")
@@ -409,6 +409,7 @@ def test_hub_keeps_a_background_host_copy_whose_offer_failed_and_announces_it():
     port.call = call
     workload.fill_version(tt, 1)
     t.publish(1)
+    t._start_host_copy(1)  # as on MakeHostCopy
     t._stop_host_copy(cancel_it=False)
     assert list(t._host) == [1] and 1 in t._machine.host_copies, "kept"
     port.call = real
@@ -441,3 +442,10 @@ def test_an_announcement_supersedes_queued_drops_of_the_copies_it_carries():
                 m.Deliver("c", m.Evicted("lease expired"))])
     mail.drop_superseded("c", {3})
     assert mail.pop_background("c") == [m.DropHostCopy(4), m.Evicted("lease expired")]
+
+
+@pytest.mark.sim
+def test_seed_8444_a_read_failed_before_a_restart_does_not_finish_in_a_moved_round():
+    from tensorhub.sim.scenario import run_scenario
+
+    assert not run_scenario(8444).violations

@@ -155,8 +155,8 @@ class OffloadDone(_Msg, frozen=True):
 
 
 class HostCopy(_Msg, frozen=True):
-    """A publisher copied its published ``version`` to host memory in the background (retention
-    made ahead, by a holder off the readers' critical path): serve it as a host copy. Answered
+    """A holder copied its ``version`` to host memory in the background (after ``MakeHostCopy``:
+    retention made ahead, off the readers' critical path): serve it as a host copy. Answered
     ``Ok``; a copy the server does not need (one exists, or the version is past retention, or no
     longer published by this client) is given back with a ``DropHostCopy`` event."""
 
@@ -242,6 +242,16 @@ class OffloadOrder(_Msg, frozen=True):
     version: int
 
 
+class MakeHostCopy(_Msg, frozen=True):
+    """Background: copy ``version`` (which this client just finished reading and now holds) to
+    host memory while idle, and offer it with ``HostCopy``: the version's retention copy, made
+    ahead by a reader -- off every critical path, and outside the trainer's process, so that a
+    trainer that dies takes only the newest version with it. A client may ignore it (the last
+    holder then offloads when it leaves the version)."""
+
+    version: int
+
+
 class DropHostCopy(_Msg, frozen=True):
     """A host copy of ``version`` is no longer needed (past retention); free it."""
 
@@ -285,7 +295,7 @@ class Status(_Msg, frozen=True):
 
 
 Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status]
-Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, Failed, Evicted]
+Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, Failed, Evicted]
 
 
 class Deliver(msgspec.Struct, frozen=True):
@@ -298,7 +308,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Request)
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, Failed, Evicted,
+    DropHostCopy, MakeHostCopy, Failed, Evicted,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

@@ -281,6 +281,7 @@ class ReferenceCore:
         elif hold.published is not None and node.state in (S.WAITING, S.READING) and node.version == hold.published:
             self._complete_read(node)  # an earlier announcement saw the read still in progress
         elif hold.reading_version >= 0 and node.state is S.IDLE:
+            node.round_seq = hold.txn_seq
             self._set_version(node, hold.reading_version, S.WAITING, max(0, min(hold.reading_units, node.units)))
             self._stamp += 1
             node.stamp = self._stamp
@@ -354,6 +355,7 @@ class ReferenceCore:
         if node.state is S.PUBLISHED and not req.update:
             raise InvalidState(f"{self._describe(node)}: unpublish() first, or use update()")
         version = self._resolve_in_txn(node, req)
+        node.round_seq = req.seq
         if node.state is S.PUBLISHED and node.version == version:
             return m.NoChange(version=version)
         resume = req.resume_units if req.resume_version == version else 0
@@ -399,6 +401,15 @@ class ReferenceCore:
         node = self.nodes[req.client_id]
         if node.version != req.version:
             raise InvalidState(f"{self._describe(node)}: done reported for version {req.version}")
+        txn = self.txns.get((node.model, node.replica_id, node.round_seq)) if node.num_shards > 1 else None
+        if txn is not None and txn[1] != node.version:
+            # The round moved to another version while this shard was still reading (its version
+            # was lost and a sibling's retry re-resolved the round; a server restart can hide
+            # that the read had been failed): finishing it would split the replica.
+            err = VersionLost(f"{self._describe(node)}: round {node.round_seq} of replica {node.replica_id} "
+                              f"moved to version {txn[1]} during this read of {req.version}")
+            self._fail_read(node, err)
+            return m.ErrorReply(code=code_of(err), message=str(err))
         self._complete_read(node)
         return m.Ok()
 
@@ -412,6 +423,21 @@ class ReferenceCore:
         node.suspects.clear()
         node.awaiting_source = None
         self._maybe_commit(node)
+        self._ask_host_copy(node)
+
+    def _ask_host_copy(self, node: Node) -> None:
+        """The first non-spot reader to hold a retained version copies it to host memory in the
+        background (MakeHostCopy), unless a copy exists or another holder was asked already."""
+        if self.config.versions_retained < 2 or node.spot or node.host:
+            return
+        if node.version not in self.retained(node.model):
+            return
+        for nid in self.groups.get(node.key, ()):
+            other = self.nodes[nid]
+            if other.host or (other.copy_asked == node.version and other.id != node.id):
+                return
+        node.copy_asked = node.version
+        self._deliver(node.id, m.MakeHostCopy(version=node.version))
 
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
@@ -434,6 +460,7 @@ class ReferenceCore:
         wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
                   and req.version in self.retained(node.model)
                   and not any(self.nodes[n].host for n in self.groups.get(node.key, ())))
+        node.copy_asked = -1
         if wanted:
             self._add_host_copy(node, req.version, req.endpoint)
         else:

@@ -74,6 +74,10 @@ class Node:
     """For a host copy: the client that serves it (it lives and dies with that client)."""
     machine: str = ""
     """The host it runs on (a host copy: its owner's)."""
+    round_seq: int = -1
+    """The replicate round this node's current read belongs to (sharded replicas)."""
+    copy_asked: int = -1
+    """The version this holder was asked to copy to host memory ahead (MakeHostCopy)."""
 
     state: S = S.IDLE
     version: int = -1

@@ -211,8 +211,7 @@ class SimClient:
         assert self.op is None, f"{self.cid}: {kind} while {self.op.kind} is in progress"
         assert self.alive
         self.op = Op(kind, self.cid, self.world.sim.now, cb)
-        if kind != "publish":
-            self.copy_gen += 1  # Hub: unpublish/update/close stop the background copy first
+        self.copy_gen += 1  # Hub: every call stops the background copy first
         self.world.checker.op_start(self.op)
         self._feed(hm.Start(op))
 
@@ -275,8 +274,8 @@ class SimClient:
             return
         self.op = None
         self.world.checker.op_end(op, code)
-        if op.kind == "publish" and code == "ok":
-            self._start_host_copy(version)
+        if op.kind == "replicate" and code == "ok" and self.alive:
+            self.world.server.notes(self, self._notes)  # Hub: notes taken before the call returns
         if op.cb is not None:
             self.world.sim.after(0.0, op.cb, code, version)
 
@@ -309,10 +308,10 @@ class SimClient:
         self._feed(hm.Offloaded(version, f"host:{self.cid}:{version}".encode()))
 
     def _start_host_copy(self, version: int) -> None:
-        """What ``Hub.publish`` starts: a background copy of the published version to host
-        memory, offered to the server as its retention copy (``HostCopy``)."""
+        """What ``Hub`` starts on ``MakeHostCopy``: a background copy of the held version to
+        host memory, offered to the server as its retention copy (``HostCopy``)."""
         w = self.world
-        if (self.spot or not w.config.host_copy_on_publish or w.config.versions_retained < 2
+        if (self.spot or not w.config.host_copy_ahead or w.config.versions_retained < 2
                 or version in self.host_copies or w.config.host_copies_pooled <= 0):
             return
         self.copy_gen += 1
@@ -360,6 +359,10 @@ class SimClient:
 
     def _notes(self, notes: list) -> None:
         for note in notes:
+            if isinstance(note, m.MakeHostCopy):
+                if self.op is None and self.published == note.version:  # Hub: only between calls
+                    self._start_host_copy(note.version)
+                continue
             if isinstance(note, m.Evicted):
                 self.world.checker.note_loss("evicted")
                 if self.driver is not None:
