@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import msgspec
 import torch
@@ -71,6 +71,10 @@ class ReadStats:
     failovers: int = 0
     finished_at: float = 0.0
     """Wall-clock time (``time.time()``) when the last byte was in place."""
+    stall_s: float = 0.0
+    """Part of ``seconds`` this call was blocked waiting for bytes: before its first source
+    (queueing for one, and the drain of the version it left, but not its own offload copy) and,
+    mid-read, starved by a source that had no further unit yet."""
     offload_s: float = 0.0
     """Part of ``seconds`` this handle spent copying its old version to host memory (it was the
     last holder of a retained version)."""
@@ -122,6 +126,8 @@ class Hub:
         self._read_t0 = 0.0
         self._t_assigned = 0.0
         self._offload_s = 0.0
+        self._starved0 = 0.0
+        self._progress: Optional[Callable[[int, int], None]] = None
         self._finished_at = 0.0
         self._pull_from = 0
         self._hb_stop = threading.Event()
@@ -219,7 +225,8 @@ class Hub:
             if out.was_published is not None and self.config.verify_mutability:
                 self._verify_unchanged(out.was_published)
 
-    def replicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
+    def replicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                  progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
         """Fetch version ``spec`` (an int, ``"latest"``, ``"latest-k"``) into the registered
         tensors, then serve it as a holder. Raises ``InvalidState`` while a version is published
         (use ``update()``), ``VersionNotFound`` / ``VersionExpired`` / ``VersionLost``.
@@ -228,18 +235,22 @@ class Hub:
         replica (e.g. the rollout iteration); the shards' calls of one round get one version. By
         default the handle counts its calls, which is exact while the shards call in lock step;
         pass ``round`` when shard processes may restart on their own (a restarted process cannot
-        know which round its siblings are in)."""
-        with self._lock:
-            return self._replicate(spec, update=False, round_no=_check_round(round))
+        know which round its siblings are in).
 
-    def update(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
+        ``progress(units_done, units_total)``: called in this thread as units land (verified),
+        for a long read; it must be quick and must not call this handle."""
+        with self._lock:
+            return self._replicate(spec, update=False, round_no=_check_round(round), progress=progress)
+
+    def update(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+               progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
         """Atomically move to ``spec``: a no-op (``action="noop"``) when this handle already
         publishes that version; otherwise drain and unpublish the current version, then
         replicate the new one. If the version is lost mid-read and ``spec`` is relative,
         retries once in the same round (the shards of a replica stay in one transaction).
-        ``round``: as for :meth:`replicate`."""
+        ``round``, ``progress``: as for :meth:`replicate`."""
         with self._lock:
-            return self._replicate(spec, update=True, round_no=_check_round(round))
+            return self._replicate(spec, update=True, round_no=_check_round(round), progress=progress)
 
     def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
@@ -281,11 +292,13 @@ class Hub:
     async def aunpublish(self) -> None:
         await asyncio.to_thread(self.unpublish)
 
-    async def areplicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
-        return await asyncio.to_thread(lambda: self.replicate(spec, round=round))
+    async def areplicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                         progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        return await asyncio.to_thread(lambda: self.replicate(spec, round=round, progress=progress))
 
-    async def aupdate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None) -> ReadStats:
-        return await asyncio.to_thread(lambda: self.update(spec, round=round))
+    async def aupdate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                      progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        return await asyncio.to_thread(lambda: self.update(spec, round=round, progress=progress))
 
     async def aclose(self, drop_last_copy: bool = False) -> None:
         await asyncio.to_thread(self.close, drop_last_copy)
@@ -424,7 +437,7 @@ class Hub:
             # units past its progress can be trusted yet.
             return hm.Pulled(self._region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
         try:
-            self._pull_range(a, self._layout.unit_count)
+            self._pull_range(a, self._layout.unit_count, on_unit=self._unit_landed if self._progress else None)
         except errors.ReadsNotTerminal as err:
             log.error("model=%s version=%d shard=%d: %s", self.model, a.version, self.shard, err)
             return hm.Pulled(self._region.progress, str(err), not_terminal=True)
@@ -435,6 +448,11 @@ class Hub:
                              unreachable=isinstance(err, errors.SourceUnreachable))
         self._finished_at = time.time()
         return hm.Pulled(self._region.progress)
+
+    def _unit_landed(self, _unit: int) -> None:
+        cb = self._progress
+        if cb is not None:
+            cb(self._region.progress, self._layout.unit_count)
 
     def _recheck(self, version: int, units: int) -> int:
         """A partial read left by an earlier call is resumed only as far as it is still intact:
@@ -455,18 +473,25 @@ class Hub:
                      "(the rest changed since)", self.model, self.shard, keep, units, version)
         return keep
 
-    def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None) -> ReadStats:
+    def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None,
+                   progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
         self._stop_host_copy()
         self._read_t0 = time.perf_counter()
         self._t_assigned = self._offload_s = 0.0
-        out = self._run(hm.ReplicateOp(spec, update, round_no))
+        self._starved0 = self._region.starved_s if self._region is not None else 0.0
+        self._progress = progress
+        try:
+            out = self._run(hm.ReplicateOp(spec, update, round_no))
+        finally:
+            self._progress = None
         st = self._read_stats(out)
         if st.action == "replicated":
             try:  # the server may ask this new holder for the version's retention copy at once
                 self._take_notes(in_call=True)
             except errors.TensorHubError:
                 pass
-        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
+                            stall_s=st.stall_s)
         return st
 
     def _read_stats(self, out: hm.Outcome) -> ReadStats:
@@ -480,7 +505,9 @@ class Hub:
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
         first = out.first
-        return ReadStats(action="replicated", version=out.version, seconds=dt,
+        waited = max(0.0, (self._t_assigned or t_end) - self._read_t0 - self._offload_s)
+        stall = waited + max(0.0, self._region.starved_s - self._starved0)
+        return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
                          transfer_s=t_end - (self._t_assigned or t_end), bytes=nbytes, sources=out.sources,
                          partial_source=bool(first and first.source_partial),
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
@@ -495,6 +522,7 @@ class Hub:
         self._stop_host_copy()
         self._read_t0 = time.perf_counter()
         self._t_assigned = self._offload_s = 0.0
+        self._starved0 = self._region.starved_s if self._region is not None else 0.0
         res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
         if isinstance(res, hm.Outcome):
             return m.NoChange(version=res.version)
@@ -506,7 +534,8 @@ class Hub:
         pull, self._pending_pull = self._pending_pull, None
         assert pull is not None, "no read paused"
         st = self._read_stats(self._drive([pull]))
-        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers)
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
+                            stall_s=st.stall_s)
         return st
 
     def _abort_read(self, why: str) -> None:

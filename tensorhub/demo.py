@@ -52,10 +52,11 @@ def run(args: argparse.Namespace) -> int:
 
     moved = partial_reads = failures = 0
     per_version = []
+    live = None if args.json or not out.isatty() else _live(out)
     for v in range(1, args.versions + 1):
         expected = ray.get(trainer.publish.remote(v))
         t0 = time.perf_counter()
-        stats = ray.get([r.update.remote("latest") for r in rollouts])
+        stats = _gather([r.update.remote("latest") for r in rollouts], names[1:], v, live)
         wall = time.perf_counter() - t0
         print(f"\nversion {v}: {len(rollouts)} rollouts updated in {wall:.2f}s", file=out)
         print(f"  {'rollout':<12} {'read from':<24} {'call s':>7} {'xfer s':>7} {'GB/s':>6}  checksum", file=out)
@@ -95,6 +96,32 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 1 if failures else 0
+
+
+def _live(out):
+    """A live progress display on a terminal (rich): one line per version, rollouts updated."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(file=out), transient=True)
+
+
+def _gather(refs, names, version, live):
+    """Wait for every rollout's update; with ``live``, show each one as it lands."""
+    import ray
+
+    if live is None:
+        return ray.get(refs)
+    done = {}
+    with live:
+        task = live.add_task(f"version {version}: rollouts updated", total=len(refs))
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            done[ready[0]] = ray.get(ready[0])
+            live.update(task, advance=1, description=f"version {version}: {names[refs.index(ready[0])]} updated")
+    return [done[r] for r in refs]
 
 
 def _max_over_median(xs: list[float]) -> float | None:

@@ -6,9 +6,9 @@ in-process port (tests) cost nothing.
 - ``tensorhub_read_seconds``: wall time of replicate/update calls (queueing, drain, offload,
   transfer).
 - ``tensorhub_transfer_seconds``: first source to last byte.
-- ``tensorhub_stall_seconds``: time a reader was blocked waiting for bytes (its source had no
-  new unit for it). Recorded only when the caller measured it (``record_read(stall_s=...)``);
-  never the call's wall time.
+- ``tensorhub_stall_seconds``: time a reader was blocked waiting for bytes (``ReadStats.stall_s``:
+  before its first source -- queueing, the drain of the version it left, not its own offload --
+  and starved mid-read by a source that had no new unit for it). Never the call's wall time.
 
 ``examples/grafana/tensorhub_grafana_dashboard.json`` charts them (README: "Dashboard").
 """

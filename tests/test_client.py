@@ -382,3 +382,23 @@ def test_unpublish_cancels_a_background_copy_still_waiting_for_a_buffer(port):
     assert _host_holders(port) == [(f"{t.client_id}#host1", 1)]
     taken[0].close()
     t.close(drop_last_copy=True)
+
+
+def test_progress_callback_and_stall_seconds(port, monkeypatch):
+    """replicate(progress=) reports units as they land, in order, ending at the total; the call's
+    stall_s (blocked waiting for bytes) is part of its wall time and reaches the stall metric."""
+    from tensorhub import metrics
+
+    recorded = []
+    monkeypatch.setattr(metrics, "record_read", lambda *a, **k: recorded.append(k))
+    t, tt = _hub(port, replica="t")
+    r, rt = _hub(port, replica="r")
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    seen = []
+    st = r.replicate(1, progress=lambda done, total: seen.append((done, total)))
+    total = r._layout.unit_count
+    assert seen and seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert 0.0 <= st.stall_s <= st.seconds and recorded[-1] == {"stall_s": st.stall_s}
+    assert workload.digest(rt) == workload.digest(tt)
+    r.close(drop_last_copy=True); t.close(drop_last_copy=True)

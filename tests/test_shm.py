@@ -115,6 +115,7 @@ def test_same_host_pull_follows_a_partial_holder_unit_by_unit(agent):
             time.sleep(0.002)
         t.join(10)
         assert not t.is_alive() and seen == list(range(layout.unit_count))
+        assert recv.starved_s > 0.02, "it waited for the source to advance: counted as stall"
         for (name, a), b in zip(named, recv.tensors):
             assert _bytes(a) == _bytes(b), name
     finally:

@@ -320,6 +320,9 @@ class Region:
         self.mem_type = mem_type
         self._local_dlist: Any = None
         self._closed = False
+        self.starved_s = 0.0
+        """Time pulls into this region spent starved: waiting for a source to have the next unit
+        (``ReadStats.stall_s``)."""
         self.shm_info: Optional[ShmInfo] = None
         """Where same-host readers map this region (None: NIXL only)."""
         self._unsettled: dict[int, Any] = {}

@@ -282,7 +282,9 @@ class _Puller:
             if self.inflight:
                 time.sleep(self.pacer.sleep_s(now, starved_delay))
             else:
+                slept = time.monotonic()
                 time.sleep(self.pacer.starved_s(now, st.source_advanced_at, starved_delay))
+                self.region.starved_s += time.monotonic() - slept
             if not self.inflight:
                 starved_delay = min(starved_delay * 2, POLL_MAX_S)
         return self.bytes_read

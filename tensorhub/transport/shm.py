@@ -305,7 +305,9 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
                     if not src.alive():
                         raise SourceUnreachable(f"{src.name}: the holder process is gone at unit "
                                                 f"{st.remote_progress} of {n_units}")
+                slept = time.monotonic()
                 time.sleep(idle)
+                region.starved_s += time.monotonic() - slept
                 idle = min(idle * 2, 2e-3)
     finally:
         if inflight:
