@@ -54,6 +54,9 @@ class ReferenceServer:
             if woken:
                 cond.notify_all()
             self._metrics.request(type(req).__name__, reply)
+            if isinstance(req, (m.Publish, m.ReplicateDone)):
+                # A version can come and go between two ticks (a short job): record it now too.
+                self._metrics.table(self.core)
             if isinstance(reply, m.Waiting) and wait_s > 0 and client_id:
                 deadline = time.monotonic() + wait_s
                 while (ev := self.mail.pop_terminal(client_id)) is None:
