@@ -580,7 +580,7 @@ class Hub:
             info = tx.decode_endpoint(a.source_endpoint).shm
         except msgspec.ValidationError:
             return None
-        if not shm.usable(info) or self._region.shm_info is None and not self.config.same_host:
+        if not self.config.same_host or not shm.usable(info):
             return None
         try:
             src = shm.ShmSource(info)
@@ -689,7 +689,7 @@ class Hub:
                  self.model, version, self.shard, self._layout.total_bytes)
         return tx.encode_endpoint(region.endpoint())
 
-    # ---- retention made ahead: the publisher's background host copy ---------------------------
+    # ---- retention made ahead: a holder's background host copy (MakeHostCopy) ----------------
 
     def _host_copy_asked(self, version: int, in_call: bool) -> None:
         """The server asks this holder to copy ``version`` to host memory ahead (MakeHostCopy).
@@ -723,8 +723,7 @@ class Hub:
     def _stop_host_copy(self, cancel_it: bool = True) -> None:
         """Before the published tensors may change: wait until the background copy no longer
         reads them. A copy still waiting for a ready buffer is cancelled (``cancel_it``); one that
-        is copying (memory speed, into a touched buffer) finishes: the trainer pays for it between
-        steps rather than the last rollout on its critical path."""
+        is copying (memory speed, into a touched buffer) finishes first."""
         if self._eager is not None:
             t, cancel = self._eager
             if cancel_it:
@@ -767,8 +766,8 @@ class Hub:
         except Exception:  # noqa: BLE001 - the copy stays until the server drops it
             # A server that restarted learns of it from the re-announcement (which may already
             # have carried it): freeing it here could pull it from under a reader.
-            log.info("model=%s version=%d shard=%d: host copy not offered (%s); the next announcement "
-                     "carries it", self.model, version, self.shard, "server unavailable", exc_info=True)
+            log.info("model=%s version=%d shard=%d: host copy not offered; the next announcement "
+                     "carries it", self.model, version, self.shard, exc_info=True)
             return
         log.info("model=%s version=%d shard=%d host copy made in the background in %.3fs",
                  self.model, version, self.shard, time.perf_counter() - t0)
@@ -790,6 +789,7 @@ class Hub:
                 return None
 
     def _recycle(self, entry: tuple[tx.Region, list[torch.Tensor]]) -> None:
+        """A host buffer no longer needed: kept registered in the pool if it has room, else freed."""
         with self._host_lock:
             if len(self._host_pool) < self.config.host_copies_pooled and not self._hb_stop.is_set():
                 entry[0].set_progress(0)
@@ -866,19 +866,8 @@ class Hub:
     def _drop_host_copy(self, version: int) -> None:
         with self._host_lock:
             entry = self._host.pop(version, None)
-            if entry is not None and len(self._host_pool) < self.config.host_copies_pooled:
-                # Keep the buffer registered for the next offload: fresh host memory is slow to
-                # touch and registration is not free.
-                entry[0].set_progress(0)
-                entry[0].set_version(-1)
-                self._host_pool.append(entry)
-                entry = None
-                pooled = True
-            else:
-                pooled = False
         if entry is not None:
-            entry[0].close()
-        if entry is not None or pooled:
+            self._recycle(entry)  # back to the pool (fresh memory is slow to touch) or freed
             log.info("model=%s version=%d shard=%d host copy freed", self.model, version, self.shard)
 
     def _start_heartbeat(self) -> None:
