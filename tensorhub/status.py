@@ -8,12 +8,13 @@ state, datacenter, spot, version, units done, readers attached), the transfers i
 one JSON object per sample with ``--json``, a refreshing view with ``--watch``.
 
 Where the numbers come from: the server actor's ``status(model)`` (:class:`~tensorhub.core.
-messages.Status`), plus two fields that ``HolderView`` does not carry yet, read from the
-server's table by a read-only function run inside the server actor (``__ray_call__``): each
-node's current source and its unit count. Rates are computed here from two samples (``--watch``:
-consecutive refreshes; one-shot: a second sample ``--sample-s`` later when a transfer is in
-flight). The server learns a reader's units done when the reader reports (a failover, the end
-of the read), not unit by unit, so a rate of 0 means "no progress *reported*".
+messages.Status`): per node its state, version, units done, unit count, size and the source it
+reads from. Rates are computed here from two samples (``--watch``: consecutive refreshes;
+one-shot: a second sample ``--sample-s`` later when a transfer is in flight). The server learns
+a reader's units done from the reader's reports (each heartbeat, a failover, the end of the
+read), not unit by unit, so a rate is as coarse as ``heartbeat_interval_s`` and 0 means "no
+progress *reported*" between the two samples. A server older than the ``source`` / ``units``
+fields shows no source and no unit count (``None`` in JSON).
 """
 
 from __future__ import annotations
@@ -39,42 +40,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help="server actor namespace (default: config's)")
 
 
-def _server_extras(server) -> dict[str, dict]:
-    """Per client id: the node's current source and unit count (fields HolderView lacks)."""
-    def read(actor) -> dict:
-        return {cid: {"source": n.source, "units": n.layout.unit_count, "unit_bytes":
-                      (n.layout.total_bytes // n.layout.unit_count) if n.layout.unit_count else 0}
-                for cid, n in actor.core.nodes.items()}
-    import ray
-
-    try:
-        return ray.get(server.__ray_call__.remote(read), timeout=30)
-    except Exception:  # noqa: BLE001 - an older or newer server: show what status() gives
-        return {}
-
-
 def snapshot(server, model: str = "") -> dict[str, Any]:
     """One sample as plain data: ``{"time", "models": [{model, num_shards, available, retained,
-    host_copies, holders, transfers, waiting}]}``. Blocks on two actor calls."""
+    host_copies, holders, transfers, waiting}]}``. Blocks on one actor call (30 s at most)."""
     import ray
 
     from tensorhub.core import messages as m
 
     status = m.decode_reply(ray.get(server.status.remote(model), timeout=30))
-    extras = _server_extras(server)
     t = time.time()
     replica_of = {}
     models = []
     for mv in status.models:
         holders, host_copies = [], []
         for h in mv.holders:
-            x = extras.get(h.client_id, {})
+            units = h.units or None  # 0: a server that does not send it
             row = {
                 "client_id": h.client_id, "replica": h.replica_id, "shard": h.shard, "state": h.state,
                 "datacenter": h.datacenter, "spot": h.spot, "host_copy": h.host, "version": h.version,
-                "units_done": h.progress if h.state in ("reading", "waiting") else x.get("units", h.progress),
-                "units": x.get("units"), "unit_bytes": x.get("unit_bytes"), "readers": h.readers,
-                "source": getattr(h, "source", None) or x.get("source"),
+                "units_done": h.progress, "units": units,
+                "unit_bytes": h.total_bytes // units if units else None, "readers": h.readers,
+                "source": h.source or None,
             }
             replica_of[h.client_id] = f"{h.replica_id}/{h.shard}"  # a host copy's replica id ends in #host
             (host_copies if h.host else holders).append(row)

@@ -116,3 +116,69 @@ def test_status_shows_two_paused_transfers_with_their_sources_and_the_host_copy(
     assert (st_a["version"], st_b["version"]) == (1, 1)
     assert ray.get([a.digest.remote(), b.digest.remote()]) == [digest, digest]
     ray.get([x.close.remote() for x in (b, a, holder)])
+
+
+@pytest.mark.ray
+def test_status_lists_a_waiting_reader_and_the_transfer_it_waits_behind(ray_cluster, model_name):
+    """holder (dc-a) -> A (dc-b, the seeder of its datacenter, stopped mid-read); B (dc-a) must
+    read inside its own datacenter, where the only candidate is the busy holder: B waits. The
+    status shows A <- holder/0 with units done/total and B among the waiting readers; when A
+    continues, B gets the holder and both finish with the publisher's bytes."""
+    from tensorhub import status
+
+    ray = ray_cluster
+    cfg = dict(CFG, server_name=f"tensorhub-status-{uuid.uuid4().hex[:6]}", readers_per_source_max=1)
+    dcs = {"holder": "dc-a", "A": "dc-b", "B": "dc-a"}
+    holder, a, b = spawn_many(model_name, SPEC, list(dcs),
+                              per_name={n: {"replica": n, "datacenter": dc} for n, dc in dcs.items()}, config=cfg)
+    id_h, id_a, id_b = ray.get([x.ping.remote() for x in (holder, a, b)])
+    (pid_a,) = ray.get([a.__ray_call__.remote(lambda self: os.getpid())])
+    server = ray.get_actor(cfg["server_name"], namespace="tensorhub")
+
+    def model_view() -> dict:
+        (mv,) = status.snapshot(server, model_name)["models"]
+        return mv
+
+    def state_of(mv: dict, client_id: str) -> str:
+        return next(h["state"] for h in mv["holders"] if h["client_id"] == client_id)
+
+    digest = ray.get(holder.publish.remote(1))
+    ra = a.replicate.remote(1)
+    _wait(lambda: state_of(model_view(), id_a) == "reading", "A reads")
+    os.kill(pid_a, signal.SIGSTOP)
+    try:
+        rb = b.replicate.remote(1)
+        def b_waits():
+            mv = model_view()
+            return mv if state_of(mv, id_b) == "waiting" else None
+
+        mv = _wait(b_waits, "B waits")
+        assert mv["waiting"] == [{"reader": id_b, "replica": "B", "shard": 0, "version": 1}], mv
+        (tr,) = mv["transfers"]
+        assert (tr["reader_replica"], tr["source"], tr["source_replica"], tr["version"]) == ("A", id_h, "holder/0", 1), tr
+        assert tr["units"] == 4096 and 0 <= tr["units_done"] < tr["units"], tr  # 16 MiB in 4 KiB units
+        assert tr["unit_bytes"] == 4096, tr
+        by = {h["replica"]: h for h in mv["holders"]}
+        assert by["B"]["source"] is None and by["A"]["source"] == id_h and by["holder"]["readers"] == 1, mv
+
+        addr = ray.get_runtime_context().gcs_address
+        argv = [sys.executable, "-m", "tensorhub.cli", "status", "--address", addr, "--model", model_name,
+                "--server-name", cfg["server_name"]]
+        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+        out = subprocess.run(argv + ["--json"], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (cmv,) = json.loads(out.stdout.strip().splitlines()[-1])["models"]
+        assert [w["replica"] for w in cmv["waiting"]] == ["B"], cmv
+        assert [(t["reader_replica"], t["source_replica"], t["units"]) for t in cmv["transfers"]] == [("A", "holder/0", 4096)]
+        assert cmv["transfers"][0]["rate_mb_s"] is not None, cmv["transfers"]  # second sample taken
+        table = subprocess.run(argv + ["--sample-s", "0"], capture_output=True, text=True, timeout=120,
+                               env={**env, "COLUMNS": "140"})
+        assert table.returncode == 0, table.stderr[-3000:]
+        text = table.stdout
+        assert "waiting readers" in text and "no waiting readers" not in text and "/4096" in text, text
+    finally:
+        os.kill(pid_a, signal.SIGCONT)
+    st_a, st_b = ray.get([ra, rb], timeout=120)
+    assert (st_a["version"], st_b["version"]) == (1, 1)
+    assert ray.get([a.digest.remote(), b.digest.remote()]) == [digest, digest]
+    ray.get([x.close.remote() for x in (b, a, holder)])

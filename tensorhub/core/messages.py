@@ -270,6 +270,12 @@ class Evicted(_Msg, frozen=True):
 
 
 class HolderView(_Msg, frozen=True):
+    """One node of the server's table as ``status()`` shows it. ``progress``: units done as
+    the server last heard (a reader reports them with each heartbeat, at a failover and at the
+    end of its read).
+    ``source``: the client id a reader reads from ("" when it reads from nobody). ``units`` and
+    ``total_bytes``: the shard layout's unit count and size (0 from a server older than them)."""
+
     client_id: str
     replica_id: str
     shard: int
@@ -280,6 +286,9 @@ class HolderView(_Msg, frozen=True):
     version: int
     progress: int
     readers: int
+    source: str = ""
+    units: int = 0
+    total_bytes: int = 0
 
 
 class ModelView(_Msg, frozen=True):

@@ -214,7 +214,8 @@ class ReferenceCore:
                 m.HolderView(
                     client_id=n.id, replica_id=n.replica_id, shard=n.shard, datacenter=n.datacenter,
                     spot=n.spot, host=n.host, state=n.state.value, version=n.version,
-                    progress=n.progress, readers=len(n.readers),
+                    progress=n.progress, readers=len(n.readers), source=n.source or "",
+                    units=n.layout.unit_count, total_bytes=n.layout.total_bytes,
                 )
                 for n in sorted(self.nodes.values(), key=lambda n: n.order)
                 if n.model == name
