@@ -6,6 +6,8 @@
     hub.unpublish()                    # returns once no reader reads them any more
     hub.replicate("latest")            # rollout: fetch into the registered tensors; now a holder
     hub.update("latest")               # no-op if current, else unpublish + replicate
+    hub.prefetch("latest")             # rollout: receive the next version in the background...
+    hub.update("latest")               # ...then update() only copies it locally
     hub.close()
 
 Every method blocks until done and raises a typed :mod:`tensorhub.errors` error. Each has an
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -78,6 +81,9 @@ class ReadStats:
     offload_s: float = 0.0
     """Part of ``seconds`` this handle spent copying its old version to host memory (it was the
     last holder of a retained version)."""
+    prefetched: bool = False
+    """The bytes came from this handle's own prefetch staging copy (:meth:`Hub.prefetch`): a
+    local copy, complete or still arriving."""
 
     @property
     def gbps(self) -> float:
@@ -147,6 +153,13 @@ class Hub:
         self.host_buffers_inline = 0
         self._eager: Optional[tuple[threading.Thread, threading.Event]] = None
         """The background copy of the version just published, and its cancel flag."""
+        self._stage_for = ""
+        """Set on a prefetch staging handle: the client id of the handle it stages for."""
+        self._stage: Optional["Hub"] = None
+        """The prefetch staging handle (a second holder in this process), made by the first
+        :meth:`prefetch`."""
+        self._stage_lock = threading.Lock()
+        self._prefetcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     # ------------------------------------------------------------------ public API
 
@@ -178,7 +191,7 @@ class Hub:
                 client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
                 num_shards=self.num_shards, layout=_layout_info(layout),
                 endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
-                process=self._port.process(), machine=shm.host_key(),
+                process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
             )
             self._layout, self._tensors, self._region = layout, ts, region
             self._machine.unit_count = layout.unit_count
@@ -260,7 +273,11 @@ class Hub:
         clients of the model remain, the server refuses: ``LastCopyHeld`` is raised and the
         handle stays open (unpublished, serving its host copy) -- close again once another holder
         has the version, or pass ``drop_last_copy=True`` to drop it. Any other failure still
-        closes the handle (and raises)."""
+        closes the handle (and raises).
+
+        A prefetch staging copy (:meth:`prefetch`) is closed first, after its prefetch in
+        flight ends; it follows the same last-copy rule."""
+        self._close_stage(drop_last_copy)
         with self._lock:
             self._stop_host_copy()
             try:
@@ -281,6 +298,101 @@ class Hub:
                 raise
             self._stop_threads()
             self._release()
+
+    def prefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                 buffer: Optional[NamedTensors] = None) -> "concurrent.futures.Future[ReadStats]":
+        """Start receiving ``spec`` into this handle's staging copy in the background and return
+        at once; the registered tensors keep their version and keep serving it. The next
+        :meth:`update` (or :meth:`replicate`) of that version then copies it locally instead of
+        fetching it (``ReadStats.prefetched``); called while the prefetch is still arriving, it
+        copies behind it (pipelined).
+
+        The staging copy is a holder of its own (replica ``<replica>~prefetch``, registered once,
+        on the first prefetch): others may read from it, partial or complete, and it follows
+        every holder rule (drain, retention, failover). ``buffer``: tensors with this handle's
+        layout to stage into (e.g. a spare device buffer), used by the first prefetch only;
+        default: host memory allocated (and touched) once, in the background. ``round``: as for
+        :meth:`replicate` (sharded replicas prefetch in rounds of their own).
+
+        Returns a future of the staging copy's :class:`ReadStats`; a failed prefetch sets its
+        exception and costs nothing else (the next :meth:`update` reads as if there had been
+        none). Prefetches run one after the other. Raises ``InvalidState`` before
+        :meth:`register`, ``LayoutMismatch`` for a ``buffer`` of another layout, and
+        ``HandleClosed``."""
+        round_no = _check_round(round)
+        if self._stage_for:
+            raise errors.InvalidState("a prefetch staging handle does not prefetch")
+        with self._stage_lock:
+            if self._machine.phase is HubState.CLOSED:
+                raise errors.HandleClosed(f"{self.client_id} is closed")
+            if self._layout is None:
+                raise errors.InvalidState("prefetch() needs register() first")
+            if buffer is not None:
+                if self._stage is not None or self._prefetcher is not None:
+                    raise errors.InvalidState("the staging buffer is set by the first prefetch() only")
+                items = list(buffer.items()) if isinstance(buffer, Mapping) else list(buffer)
+                got = _layout_info(Layout.for_config(items, self.config))
+                want = _layout_info(self._layout)
+                if got != want:
+                    raise errors.LayoutMismatch("prefetch buffer: its layout differs from the registered "
+                                                "tensors' (names, dtypes, shapes and order must match)")
+                buffer = items
+            if self._prefetcher is None:
+                self._prefetcher = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"tensorhub-prefetch-{self.client_id}")
+                first_buffer = buffer
+            else:
+                first_buffer = None
+            return self._prefetcher.submit(self._prefetch_job, spec, round_no, first_buffer)
+
+    async def aprefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                        buffer: Optional[NamedTensors] = None) -> ReadStats:
+        """:meth:`prefetch`, awaited until the staging copy is complete (its ReadStats)."""
+        return await asyncio.wrap_future(self.prefetch(spec, round=round, buffer=buffer))
+
+    def _prefetch_job(self, spec: m.VersionSpec, round_no: Optional[int],
+                      buffer: Optional[list]) -> ReadStats:
+        stage = self._stage
+        if stage is None:
+            stage = self._open_stage(buffer)
+        return stage.update(spec, round=round_no)
+
+    def _open_stage(self, buffer: Optional[list]) -> "Hub":
+        """The staging handle: same model, shard, datacenter and spot flag, replica
+        ``<replica>~prefetch``; it neither pools retention buffers nor copies ahead (it is in host
+        memory already, or in the user's spare buffer)."""
+        config = dataclasses.replace(self.config, host_copies_pooled=0, host_copy_ahead=False)
+        stage = Hub(self.model, self._port, shard=self.shard, num_shards=self.num_shards,
+                    replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot, config=config)
+        stage._stage_for = self.client_id
+        if buffer is None:
+            pin = any(t.is_cuda for t in self._tensors) and torch.cuda.is_available()
+            buffer = []
+            for meta, t in zip(self._layout.metas, self._tensors):
+                c = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                c.zero_()  # first touch here, in the background, not in the update that reads it
+                buffer.append((meta.name, c))
+        stage.register(buffer)
+        with self._stage_lock:
+            if self._machine.phase is HubState.CLOSED:
+                stage.close(drop_last_copy=True)
+                raise errors.HandleClosed(f"{self.client_id} closed during its first prefetch")
+            self._stage = stage
+        log.info("model=%s replica=%s shard=%d: prefetch staging copy %s registered",
+                 self.model, self.replica, self.shard, stage.client_id)
+        return stage
+
+    def _close_stage(self, drop_last_copy: bool) -> None:
+        with self._stage_lock:
+            prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.shutdown(wait=True, cancel_futures=True)
+        with self._stage_lock:
+            stage = self._stage
+        if stage is not None and stage.state is not HubState.CLOSED:
+            stage.close(drop_last_copy=drop_last_copy)  # LastCopyHeld: kept, raised
+        with self._stage_lock:
+            self._stage = None
 
     # asyncio twins
     async def aregister(self, tensors: NamedTensors) -> None:
@@ -511,7 +623,9 @@ class Hub:
                          transfer_s=t_end - (self._t_assigned or t_end), bytes=nbytes, sources=out.sources,
                          partial_source=bool(first and first.source_partial),
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
-                         finished_at=self._finished_at, offload_s=self._offload_s)
+                         finished_at=self._finished_at, offload_s=self._offload_s,
+                         prefetched=bool(self._stage is not None and out.sources
+                                         and out.sources[0] == self._stage.client_id))
 
     # ---- a compiled graph's member moves the bytes of the first pull itself
 
@@ -621,6 +735,12 @@ class Hub:
         final, a list or a growing :class:`~tensorhub.transport.KnownProgress` (then the
         source's control block is not read); ``should_stop``/``on_unit``: as for ``pull``."""
         if source is None and source_sums is None:
+            stage = self._stage
+            if stage is not None and a.source_id == stage.client_id and stage._region is not None:
+                own = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}")
+                return shm.pull(self._region, own, self._layout, expect_version=a.version, config=self.config,
+                                start_unit=self._resume_point(a.version), end_unit=end_unit,
+                                should_stop=should_stop, on_unit=on_unit)
             near = self._open_same_host(a)
             if near is not None:
                 try:

@@ -337,6 +337,24 @@ def test_least_loaded_complete_holder_first():
     assert w.send(m.Replicate("r2", 1)).source_id == "h"
 
 
+def test_a_readers_own_staging_copy_is_its_source_first_whatever_its_load():
+    """r's prefetch staging copy (Register.stage_for=r) already serves x, at the per-source cap,
+    and a free trainer exists: r still reads from its staging copy (a copy inside its own
+    process), partial or complete. Others treat the staging copy as any holder (capped)."""
+    w = World(readers_per_source_max=1)
+    w.reg("t"); w.reg("r"); w.reg("x"); w.reg("y")
+    assert isinstance(w.send(m.Register("r~stage", "pol", "r~stage", 0, 1, LAYOUT, b"s", "a", False,
+                                        stage_for="r")), m.Registered)
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Replicate("r~stage", 1)).source_id == "t"  # the prefetch
+    w.send(m.ReplicateDone("r~stage", 1))
+    assert w.send(m.Replicate("x", 1)).source_id == "t"
+    assert w.send(m.Replicate("y", 1, resume_version=1, resume_units=1)).source_id == "r~stage"
+    a = w.send(m.Replicate("r", 1))
+    assert a.source_id == "r~stage" and not a.source_partial
+    assert w.core._registration_of(w.core.nodes["r~stage"]).stage_for == "r"  # kept across a restart
+
+
 def test_waiting_readers_are_served_fifo():
     """t busy with r1 (which nobody can follow: all readers resume ahead of it); r2 then r3 wait;
     when t frees, r2 (the earlier) gets it."""

@@ -84,6 +84,9 @@ class Register(_Msg, frozen=True):
     machine: str = ""
     """The host this client runs on ("" unknown): a reader gets a source on its own host first
     (the same-host tier copies memory directly)."""
+    stage_for: str = ""
+    """A prefetch staging copy: the client id of the handle it stages versions for (that handle
+    reads from it first, whatever its load: a copy inside one process)."""
 
 
 class Announce(_Msg, frozen=True):

@@ -508,7 +508,7 @@ class ReferenceCore:
             id=req.client_id, model=req.model, replica_id=req.replica_id, shard=req.shard,
             num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now,
-            process=req.process, machine=req.machine,
+            process=req.process, machine=req.machine, stage_for=req.stage_for,
         )
         self.nodes[node.id] = node
         return node
@@ -518,6 +518,7 @@ class ReferenceCore:
             client_id=n.id, model=n.model, replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
             datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
+            stage_for=n.stage_for,
         )
 
     def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:

@@ -6,13 +6,15 @@ source, or none (the reader waits). Rules, in order:
 1. A candidate is complete and visible (PUBLISHED / OFFLOADING), or a partial holder
    (READING) that is not downstream of the reader and at least as far as the reader; a node some
    reader could not reach at all is no candidate until it talks to the server again.
-2. Same datacenter first: when any candidate, busy or not, lives in the reader's datacenter,
+2. The reader's own prefetch staging copy (``Node.stage_for``) before anything else, whatever
+   its load: it lives in the reader's process, the copy is local and crosses no link.
+3. Same datacenter first: when any candidate, busy or not, lives in the reader's datacenter,
    only those are used, and the reader waits if all are busy. Only when the datacenter has
    none does the reader read across (it becomes that datacenter's *seeder*), and then only if
    no earlier reader of that datacenter is already waiting to seed.
-3. At most ``readers_per_source_max`` readers per source.
-4. A free candidate on the reader's own host first (memory copies, no network), then any.
-5. Least loaded first; ties: complete before partial, further progress, GPU before host copy,
+4. At most ``readers_per_source_max`` readers per source.
+5. A free candidate on the reader's own host first (memory copies, no network), then any.
+6. Least loaded first; ties: complete before partial, further progress, GPU before host copy,
    then registration order.
 """
 
@@ -55,6 +57,9 @@ def choose_source(
     fresh = [c for c in usable if c.id not in reader.suspects]
     if fresh:
         usable = fresh
+    own = [c for c in usable if c.stage_for and c.stage_for == reader.id]
+    if own:
+        return min(own, key=rank)
     local = [c for c in usable if c.datacenter == reader.datacenter]
     if local:
         pool = local

@@ -74,6 +74,8 @@ class Node:
     """For a host copy: the client that serves it (it lives and dies with that client)."""
     machine: str = ""
     """The host it runs on (a host copy: its owner's)."""
+    stage_for: str = ""
+    """A prefetch staging copy: the handle it stages for (``Register.stage_for``)."""
     round_seq: int = -1
     """The replicate round this node's current read belongs to (sharded replicas)."""
     copy_asked: int = -1

@@ -189,6 +189,35 @@ class ShmSource:
         self._maps = []
 
 
+class LocalSource:
+    """A region of this very process as a source: a handle's prefetch staging copy read by the
+    handle itself (:meth:`tensorhub.client.Hub.prefetch`). Same read loop as a mapped same-host
+    source, over the region's own tensors (CPU or GPU) and control block; the units are not
+    hashed again (they were verified when they landed in the staging copy, in this process):
+    their checksums are carried over from the staging control block."""
+
+    verify = False
+
+    def __init__(self, region, name: str) -> None:
+        self.name = name
+        self.region = region
+        self.control = region.control
+        self._bytes = [t.reshape(-1).view(torch.uint8) if t.numel() else None for t in region.tensors]
+        self.reached = True
+
+    def still_same(self) -> bool:
+        return not getattr(self.region, "_closed", False)
+
+    def alive(self) -> bool:
+        return self.still_same()
+
+    def piece(self, tensor_index: int, offset: int, nbytes: int) -> torch.Tensor:
+        return self._bytes[tensor_index][offset:offset + nbytes]
+
+    def close(self) -> None:
+        self._bytes = []
+
+
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
@@ -201,7 +230,7 @@ def _copier(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def _copy_units(src: ShmSource, dst: Sequence[torch.Tensor], layout: Layout, units: Sequence[int],
+def _copy_units(src, dst: Sequence[torch.Tensor], layout: Layout, units: Sequence[int],
                 checksums: bool) -> list[Optional[int]]:
     """Copy (and hash) a run of units; one task per run keeps the hand-offs between threads few."""
     out = []
@@ -222,13 +251,14 @@ def _to_u64(s: int) -> int:
     return s & 0xFFFFFFFFFFFFFFFF
 
 
-def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config: Config,
+def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
          start_unit: int = 0, end_unit: Optional[int] = None,
          on_unit: Optional[Callable[[int], None]] = None,
          should_stop: Optional[Callable[[], bool]] = None) -> int:
-    """Like :func:`tensorhub.transport.reader.pull`, from a same-host source's memory: copies
-    units ``[start_unit, end_unit)`` of ``expect_version`` into ``region`` and returns the bytes
-    read; every copy it started has ended when it returns or raises."""
+    """Like :func:`tensorhub.transport.reader.pull`, from a same-host source's memory (a
+    :class:`ShmSource`, or a :class:`LocalSource` of this process): copies units
+    ``[start_unit, end_unit)`` of ``expect_version`` into ``region`` and returns the bytes read;
+    every copy it started has ended when it returns or raises."""
     n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
     if start_unit == 0:
         region.set_progress(0)
@@ -248,6 +278,7 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
                    stall_timeout_s=config.source_stall_timeout_s, now=time.monotonic(), source=src.name,
                    fixed_window=True)
     pool = _copier(threads)
+    hash_units = config.checksums and getattr(src, "verify", True)
     inflight: dict[concurrent.futures.Future, list[int]] = {}
     landed: dict[int, Optional[int]] = {}
     nbytes = 0
@@ -267,10 +298,10 @@ def pull(region, src: ShmSource, layout: Layout, *, expect_version: int, config:
                 run.append(u)
                 st.posted(u, layout.unit_nbytes(u), now)
                 if len(run) == per_task:
-                    inflight[pool.submit(_copy_units, src, region.tensors, layout, run, config.checksums)] = run
+                    inflight[pool.submit(_copy_units, src, region.tensors, layout, run, hash_units)] = run
                     run = []
             if run:
-                inflight[pool.submit(_copy_units, src, region.tensors, layout, run, config.checksums)] = run
+                inflight[pool.submit(_copy_units, src, region.tensors, layout, run, hash_units)] = run
             if inflight:
                 done, _ = concurrent.futures.wait(list(inflight), timeout=0.05,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)

@@ -1,0 +1,226 @@
+"""Prefetch and swap (issue 11 part 3): a handle receives the next version into its staging copy
+in the background while its registered tensors keep serving the current one; ``update()`` then
+only copies locally. In-process server (LocalPort), NIXL data path between handles; the copy
+from the staging copy into the registered tensors is a local memory copy."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import tensorhub
+from tensorhub import errors
+from tensorhub.config import Config
+from tensorhub.port import LocalPort
+from tensorhub.testing import workload
+
+CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
+             same_host=False)
+SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
+
+
+@pytest.fixture
+def port():
+    return LocalPort(CFG)
+
+
+def _hub(port, model="m", **kw):
+    named = workload.allocate(SPEC)
+    hub = tensorhub.open(model, port=port, config=CFG, **kw)
+    hub.register(named)
+    return hub, [t for _, t in named]
+
+
+def _publish(hub, ts, version):
+    if hub.version is not None:
+        hub.unpublish()
+    workload.fill_version(ts, version)
+    hub.publish(version)
+
+
+def _holders(port, model="m"):
+    return {h.client_id: h for h in port.core.status(model).models[0].holders}
+
+
+def test_prefetch_then_update_copies_locally_while_the_old_version_keeps_serving(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, rt = _hub(port, replica="rollout")
+    _publish(trainer, tt, 1)
+    assert rollout.update("latest").version == 1
+    v1 = workload.digest(rt)
+    _publish(trainer, tt, 2)
+
+    st = rollout.prefetch("latest").result(timeout=30)
+    assert (st.action, st.version) == ("replicated", 2)
+    # The registered tensors still hold (and publish) version 1, untouched; the staging copy
+    # is a complete holder of version 2 that others may read.
+    assert rollout.version == 1 and workload.digest(rt) == v1
+    stage = rollout._stage
+    held = _holders(port)
+    assert held[stage.client_id].version == 2 and held[stage.client_id].state == "published"
+    assert held[rollout.client_id].version == 1
+
+    # A third handle may read version 1 from the rollout meanwhile (it keeps serving).
+    other, ot = _hub(port, replica="other")
+    trainer.unpublish()  # only the rollout has version 1 now ... and the stage has version 2
+    assert other.replicate(1).sources == (rollout.client_id,)
+    assert workload.digest(ot) == v1
+    trainer.publish(2)
+
+    up = rollout.update("latest")
+    assert (up.action, up.version, up.prefetched) == ("replicated", 2, True)
+    assert up.sources == (stage.client_id,)
+    assert workload.digest(rt) == workload.digest(tt)
+    assert up.cross_datacenter is False
+    for h in (other, rollout, trainer):
+        h.close(drop_last_copy=True)
+    assert stage.state is tensorhub.HubState.CLOSED
+
+
+def test_staging_copy_is_a_partial_holder_others_read_from(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, _ = _hub(port, replica="rollout")
+    _publish(trainer, tt, 1)
+    rollout.prefetch(1).result(timeout=30)
+    trainer.unpublish()  # the staging copy is now the only source of version 1
+    late, lt = _hub(port, replica="late")
+    st = late.replicate(1)
+    assert st.sources == (rollout._stage.client_id,)
+    workload.fill_version(tt, 1)
+    assert workload.digest(lt) == workload.digest(tt)
+    for h in (late, rollout, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_update_while_the_prefetch_is_still_arriving_copies_behind_it(port):
+    """The staging copy is half way through version 3 (held there) when update(3) is called:
+    the update reads from the partial staging copy (pipelined behind it), not from the trainer,
+    and ends with exact bytes once the prefetch goes on."""
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, rt = _hub(port, replica="rollout")
+    _publish(trainer, tt, 1)
+    rollout.prefetch(1).result(timeout=30)  # makes the staging copy
+    stage = rollout._stage
+    half, go = threading.Event(), threading.Event()
+    pull_range = stage._pull_range
+
+    def held_half_way(a, end_unit, **kw):
+        n = pull_range(a, end_unit // 2, **kw)
+        half.set()
+        assert go.wait(30)
+        return n + pull_range(a, end_unit, **kw)
+
+    stage._pull_range = held_half_way
+    _publish(trainer, tt, 3)
+    fut = rollout.prefetch(3)
+    assert half.wait(30) and not fut.done()
+    threading.Timer(0.3, go.set).start()
+    up = rollout.update(3)
+    assert (up.version, up.prefetched, up.sources) == (3, True, (stage.client_id,))
+    assert up.partial_source and up.stall_s > 0.1
+    assert workload.digest(rt) == workload.digest(tt)
+    assert fut.result(timeout=30).version == 3
+    for h in (rollout, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_prefetch_superseded_by_a_newer_version(port):
+    """update("latest") after a newer publish reads the newer version from its holder, exact
+    bytes; the stale staging copy is simply not used; the next prefetch moves it on."""
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, rt = _hub(port, replica="rollout")
+    _publish(trainer, tt, 1)
+    assert rollout.prefetch("latest").result(timeout=30).version == 1
+    _publish(trainer, tt, 2)
+    up = rollout.update("latest")
+    assert (up.version, up.prefetched) == (2, False) and up.sources == (trainer.client_id,)
+    assert workload.digest(rt) == workload.digest(tt)
+    assert rollout.prefetch("latest").result(timeout=30).version == 2
+    _publish(trainer, tt, 3)
+    f3 = rollout.prefetch("latest")
+    assert f3.result(timeout=30).version == 3
+    up = rollout.update("latest")
+    assert (up.version, up.prefetched) == (3, True)
+    assert workload.digest(rt) == workload.digest(tt)
+    for h in (rollout, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_prefetch_whose_source_dies_fails_over_and_update_still_gets_exact_bytes(port):
+    """The staging copy's first source is unreadable (its memory is gone): the prefetch fails
+    over to the other holder like any read; update() then copies locally."""
+    h, ht = _hub(port, replica="h")
+    t, tt = _hub(port, replica="t")
+    rollout, rt = _hub(port, replica="rollout")
+    for hub, ts in ((h, ht), (t, tt)):
+        _publish(hub, ts, 1)
+    h._region.close()  # alive to the server, unreadable to readers
+    st = rollout.prefetch(1).result(timeout=30)
+    assert st.sources == (h.client_id, t.client_id) and st.failovers == 1
+    up = rollout.update(1)
+    assert up.prefetched and workload.digest(rt) == workload.digest(tt)
+    for x in (rollout, t):
+        x.close(drop_last_copy=True)
+
+
+def test_prefetch_whose_only_source_dies_fails_and_update_reads_anew(port):
+    """The only source is gone for good: the prefetch's future holds the typed error, nothing
+    else is affected, and a later update() of a newer version reads normally."""
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, rt = _hub(port, replica="rollout")
+    _publish(trainer, tt, 1)
+    trainer._hb_stop.set()  # the trainer dies: no more heartbeats, its memory unreadable
+    trainer._region.close()
+    with pytest.raises(errors.VersionLost):
+        rollout.prefetch(1).result(timeout=60)
+    assert rollout.version is None and rollout.state is tensorhub.HubState.IDLE
+    t2, t2t = _hub(port, replica="trainer2")
+    _publish(t2, t2t, 2)
+    up = rollout.update("latest")
+    assert (up.version, up.prefetched) == (2, False)
+    assert workload.digest(rt) == workload.digest(t2t)
+    for x in (rollout, t2):
+        x.close(drop_last_copy=True)
+    trainer._machine.phase = tensorhub.HubState.CLOSED  # declared dead by the server already
+
+
+def test_prefetch_into_a_user_buffer_and_bad_input(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, rt = _hub(port, replica="rollout")
+    with pytest.raises(errors.LayoutMismatch):
+        rollout.prefetch(1, buffer=[("x", torch.zeros(3))])
+    with pytest.raises(errors.BadVersionSpec):
+        rollout.prefetch(1, round=0)
+    fresh = tensorhub.open("m", port=port, config=CFG, replica="unregistered")
+    with pytest.raises(errors.InvalidState):
+        fresh.prefetch(1)
+    spare = workload.allocate(SPEC)
+    _publish(trainer, tt, 1)
+    assert rollout.prefetch(1, buffer=spare).result(timeout=30).version == 1
+    assert workload.digest([t for _, t in spare]) == workload.digest(tt)  # staged in the user's buffer
+    with pytest.raises(errors.InvalidState):
+        rollout.prefetch(1, buffer=spare)  # the buffer is chosen once
+    assert rollout.update(1).prefetched and workload.digest(rt) == workload.digest(tt)
+    rollout.close(drop_last_copy=True)
+    with pytest.raises(errors.HandleClosed):
+        rollout.prefetch(1)
+    trainer.close(drop_last_copy=True)
+
+
+def test_aprefetch(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, rt = _hub(port, replica="rollout")
+    _publish(trainer, tt, 4)
+
+    async def main():
+        st = await rollout.aprefetch("latest")
+        up = await rollout.aupdate("latest")
+        return st, up
+
+    st, up = asyncio.run(main())
+    assert st.version == 4 and up.prefetched and workload.digest(rt) == workload.digest(tt)
+    for h in (rollout, trainer):
+        h.close(drop_last_copy=True)
