@@ -4,7 +4,8 @@ A pipeline ``holder -> A -> B``: A replicates from the holder, B starts right af
 from A (a partial holder). A is killed (``ray.kill``) at times spread over the transfer. We
 report B's completion time against the fault time, next to B's time without a fault, and
 whether B's bytes match the holder's. Last stdout line: one JSON object with ``no_fault_s``
-and ``results`` = [{fault_at_s, b_total_s, b_bytes_ok, b_sources}].
+and ``results`` = [{fault_at_s, b_total_s, b_bytes_ok, b_sources}]. Human lines go to stderr,
+with a live progress display when it is a terminal (not with ``--json``).
 
     python benchmarks/failover.py --json [--bytes N] [--points K] [--plot benchmarks/failover.png]
 """
@@ -24,13 +25,16 @@ def main() -> int:
     ap.add_argument("--bytes", type=int, default=512 << 20)
     ap.add_argument("--points", type=int, default=6, help="fault times spread over the no-fault transfer")
     ap.add_argument("--reps", type=int, default=2, help="no-fault repetitions")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="no live progress (the JSON line is printed either way)")
     ap.add_argument("--plot", default="", help="write a PNG of B's time against the fault time here (matplotlib)")
     args = ap.parse_args()
-    out = sys.stderr
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)  # looked up per call: above a live display, if any
 
     import ray
 
+    from tensorhub import progress
     from tensorhub.testing import workload
     from tensorhub.testing.replica import spawn_many
 
@@ -66,17 +70,25 @@ def main() -> int:
             ray.kill(actor, no_restart=True)
         return res
 
-    base = [one_run(None, f"base{i}") for i in range(args.reps)]
-    no_fault = statistics.median(r["b_total_s"] for r in base)
-    print(f"no fault: B took {no_fault:.3f}s ({[r['b_total_s'] for r in base]})", file=out)
-    results = []
-    for i in range(args.points):
-        fault_at = round(no_fault * i / max(1, args.points - 1), 3)
-        r = one_run(fault_at, f"f{i}")
-        r["fault_at_s"] = fault_at
-        results.append(r)
-        print(f"A killed at {fault_at:.3f}s: B took {r['b_total_s']:.3f}s, bytes ok {r['b_bytes_ok']}, "
-              f"{r['b_sources']} source(s)", file=out)
+    with progress.live(json_mode=args.json) as bar:
+        task = bar.add_task("runs", total=args.reps + args.points)
+        base = []
+        for i in range(args.reps):
+            bar.update(task, description=f"no fault, run {i + 1}/{args.reps}")
+            base.append(one_run(None, f"base{i}"))
+            bar.advance(task)
+        no_fault = statistics.median(r["b_total_s"] for r in base)
+        say(f"no fault: B took {no_fault:.3f}s ({[r['b_total_s'] for r in base]})")
+        results = []
+        for i in range(args.points):
+            fault_at = round(no_fault * i / max(1, args.points - 1), 3)
+            bar.update(task, description=f"A killed at {fault_at:.3f}s")
+            r = one_run(fault_at, f"f{i}")
+            r["fault_at_s"] = fault_at
+            results.append(r)
+            bar.advance(task)
+            say(f"A killed at {fault_at:.3f}s: B took {r['b_total_s']:.3f}s, bytes ok {r['b_bytes_ok']}, "
+                f"{r['b_sources']} source(s)")
     ray.get(holder.close.remote())
     ray.shutdown()
     summary = {
@@ -92,7 +104,7 @@ def main() -> int:
         from plots import plot_failover
 
         plot_failover(summary, args.plot)
-        print(f"plot written to {args.plot}", file=out)
+        say(f"plot written to {args.plot}")
     print(json.dumps(summary))
     return 0 if summary["all_bytes_ok"] else 1
 

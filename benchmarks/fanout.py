@@ -19,7 +19,8 @@ measured run the trainer publishes a fresh version. Paths:
 
 Every path verifies bytes (digest of every reader's tensors against the trainer's). ``last_s``:
 from the start of the round until the last reader holds the version; ``mean_s``: the mean over
-readers. Human lines go to stderr; the last stdout line is one JSON object with ``link_gbit``,
+readers. Human lines go to stderr, with a live progress display when it is a terminal (not with
+``--json``); the last stdout line is one JSON object with ``link_gbit``,
 ``bytes``, ``single_s`` (pull at N=1), ``single_line_rate_ratio`` (line-rate time over
 ``single_s``) and ``results`` (``{n, path, last_s, mean_s, bytes_ok, runs}``).
 """
@@ -153,31 +154,48 @@ class Bench:
 def drive(args) -> dict:
     import ray
 
+    from tensorhub import progress
+
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     ray.init(log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))}})
     bench = Bench(args)
     results = []
+
+    def reps_of(path: str) -> int:
+        return args.reps if path in ("pull", "graph") else args.baseline_reps
+
+    rounds = len(args.ns) * sum(reps_of(p) + (p == "graph") for p in args.paths)
     try:
-        for n in args.ns:
-            # The graph last, and torn down after: a live compiled graph's readers busy-wait on
-            # their channels (Ray), which would slow every path measured while it is cached.
-            for path in sorted(args.paths, key=lambda p: p == "graph"):
-                reps = args.reps if path in ("pull", "graph") else args.baseline_reps
-                if path == "graph":
-                    try:
-                        bench.run("graph", n)  # compiles this topology (not measured)
-                    except RuntimeError as e:  # a fallback here is reported, the measured runs decide
-                        say(f"n={n} graph compile run: {e}")
-                runs = [bench.run(path, n) for _ in range(reps)]
-                if path == "graph":
-                    bench.cache.clear()
-                lasts = [r["last_s"] for r in runs]
-                best = min(range(len(runs)), key=lambda i: lasts[i])
-                results.append({"n": n, "path": path, "last_s": round(statistics.median(lasts), 4),
-                                "mean_s": round(statistics.median(r["mean_s"] for r in runs), 4),
-                                "bytes_ok": all(r["bytes_ok"] for r in runs),
-                                "runs": [round(x, 4) for x in lasts], "best_s": round(lasts[best], 4)})
+        with progress.live(json_mode=args.quiet) as bar:
+            task = bar.add_task("rounds", total=rounds)
+
+            def step(path: str, n: int, what: str) -> dict:
+                bar.update(task, description=f"n={n} {what}")
+                try:
+                    return bench.run(path, n)
+                finally:
+                    bar.advance(task)
+
+            for n in args.ns:
+                # The graph last, and torn down after: a live compiled graph's readers busy-wait on
+                # their channels (Ray), which would slow every path measured while it is cached.
+                for path in sorted(args.paths, key=lambda p: p == "graph"):
+                    reps = reps_of(path)
+                    if path == "graph":
+                        try:
+                            step("graph", n, "graph (compiling)")  # compiles this topology (not measured)
+                        except RuntimeError as e:  # a fallback here is reported, the measured runs decide
+                            say(f"n={n} graph compile run: {e}")
+                    runs = [step(path, n, f"{path} {i + 1}/{reps}") for i in range(reps)]
+                    if path == "graph":
+                        bench.cache.clear()
+                    lasts = [r["last_s"] for r in runs]
+                    best = min(range(len(runs)), key=lambda i: lasts[i])
+                    results.append({"n": n, "path": path, "last_s": round(statistics.median(lasts), 4),
+                                    "mean_s": round(statistics.median(r["mean_s"] for r in runs), 4),
+                                    "bytes_ok": all(r["bytes_ok"] for r in runs),
+                                    "runs": [round(x, 4) for x in lasts], "best_s": round(lasts[best], 4)})
     finally:
         bench.close()
     by = {(r["n"], r["path"]): r for r in results}
@@ -257,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="", help="write a PNG of last-reader time against N here")
     ap.add_argument("--json", action="store_true", help="print the JSON summary as the last stdout line")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # inside the cluster
+    ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # driver: no live progress (--json)
     ap.add_argument("--name", default="thfan", help="emulated cluster name")
     args = ap.parse_args(argv)
     args.ns = [int(x) for x in args.ns.split(",")]
@@ -275,7 +294,8 @@ def main(argv=None) -> int:
     hosts = max(args.ns) + 1
     say(f"building an emulated cluster: {hosts} hosts at {args.gbit} Gbit/s")
     with emulated_cluster(hosts=hosts, gbit=args.gbit, name=args.name) as c:
-        argv2 = [sys.executable, __file__, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"]]
+        argv2 = [sys.executable, __file__, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"],
+                 *(["--quiet"] if args.json else [])]
         proc = subprocess.run(argv2, env=c.driver_env(), stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         say(f"driver failed (rc={proc.returncode})")

@@ -16,7 +16,8 @@ before every measured run):
 
 ``total_s``: from asking until the last reader has the version. ``stall_s_mean``: per reader,
 from asking (the driver's start of the round) until that reader has the version, averaged.
-Human lines go to stderr; the last stdout line is one JSON object.
+Human lines go to stderr, with a live progress display when it is a terminal (not with
+``--json``); the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ if _REPO not in sys.path:  # run as a script from a checkout
 import ray
 
 from benchmarks.bench_actors import BenchReplica, parse_bytes
+from tensorhub import progress
 from tensorhub.graphs import GraphCache, replicate_group
 from tensorhub.testing import workload
 
@@ -49,7 +51,7 @@ def main() -> None:
     ap.add_argument("--unit-bytes", type=parse_bytes, default=8 << 20)
     ap.add_argument("--batches", type=int, default=None, help="graph batches per read (default: one per unit)")
     ap.add_argument("--max-inflight", type=int, default=4)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="no live progress (the JSON line is printed either way)")
     ap.add_argument("--plot", default="", help="write a PNG of last-reader time against N here (matplotlib)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -106,17 +108,26 @@ def main() -> None:
         return out
 
     results, compile_s, cached_s = [], {}, {}
-    for n in ns:
-        group = readers[:n]
-        results.append(run("none", group))
-        results.append(run("pull", group))
-        first = run("graph", group)  # compiles (synchronously) on first sight of this topology
-        compile_s[n] = round(first["compile_s"], 4)
-        g = run("graph", group)  # the cached graph: what every later version costs
-        cached_s[n] = g["total_s"]
-        results.append({k: g[k] for k in ("n", "path", "total_s", "stall_s_mean")})
-        for r in results[-3:]:
-            r.pop("compiled", None), r.pop("compile_s", None)
+    with progress.live(json_mode=args.json) as bar:
+        task = bar.add_task("runs", total=4 * len(ns))
+
+        def step(path: str, group, what: str) -> dict:
+            bar.update(task, description=f"n={len(group)} {what}")
+            out = run(path, group)
+            bar.advance(task)
+            return out
+
+        for n in ns:
+            group = readers[:n]
+            results.append(step("none", group, "none"))
+            results.append(step("pull", group, "pull"))
+            first = step("graph", group, "graph (compiling)")  # compiles on first sight of this topology
+            compile_s[n] = round(first["compile_s"], 4)
+            g = step("graph", group, "graph (cached)")  # the cached graph: what every later version costs
+            cached_s[n] = g["total_s"]
+            results.append({k: g[k] for k in ("n", "path", "total_s", "stall_s_mean")})
+            for r in results[-3:]:
+                r.pop("compiled", None), r.pop("compile_s", None)
     cache.clear()
     ray.get([a.close.remote() for a in actors])
     by = {(r["n"], r["path"]): r["total_s"] for r in results}

@@ -2,8 +2,9 @@
 
     python benchmarks/transfer.py --json [--bytes N] [--reps 5]
 
-Human lines go to stderr; the last stdout line is one JSON object with medians (GB/s), per-path
-min/max and ratios measured in the same run (these machines are noisy: compare ratios).
+Human lines go to stderr, with a live progress display when it is a terminal (not with
+``--json``); the last stdout line is one JSON object with medians (GB/s), per-path min/max and
+ratios measured in the same run (these machines are noisy: compare ratios).
 Paths:
   tensorhub     Region + pull between the actors (checksums off; one extra run with checksums on)
   same_host     the same-host tier between the actors: the holder's shared memory mapped by the
@@ -41,6 +42,7 @@ import ray
 import torch
 
 from benchmarks.bench_actors import patch_nixl_progress_delay
+from tensorhub import progress
 from tensorhub.config import Config
 from tensorhub.layout import Layout, checksum_all, unit_size_for
 
@@ -249,8 +251,9 @@ def _stats(nbytes: int, secs: list[float]) -> dict:
             "runs": [round(g, 3) for g in gbps]}
 
 
-def _replicate(shapes, nbytes: int, reps: int, say) -> dict:
-    """``hub.replicate(v)`` between two ReplicaActors, default config, timed by the call."""
+def _replicate(shapes, nbytes: int, reps: int, say, tick=lambda: None) -> dict:
+    """``hub.replicate(v)`` between two ReplicaActors, default config, timed by the call;
+    ``tick()`` after each of the ``reps + 1`` calls."""
     from tensorhub.testing.replica import ReplicaActor
 
     spec = [(name, "float32", (n,)) for name, n in shapes]
@@ -264,6 +267,7 @@ def _replicate(shapes, nbytes: int, reps: int, say) -> dict:
         ray.get(reader.unpublish.remote())
         digest = ray.get(trainer.publish.remote(v))
         st = ray.get(reader.replicate.remote(v))
+        tick()
         if st["digest"] != digest:
             raise SystemExit("replicate: received bytes differ from the trainer's")
         if v > 1:
@@ -282,7 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--unit-bytes", type=int, default=Config.unit_bytes)
     ap.add_argument("--reads-in-flight", type=int, default=Config.reads_in_flight)
     ap.add_argument("--skip", default="", help="comma list of paths to skip: same_host,object_store,rdt_nixl,raw_nixl,replicate")
-    ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout")
+    ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout (no live progress)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -297,6 +301,12 @@ def main(argv=None) -> int:
     ray.init(include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
              object_store_memory=max(2 * nbytes + (256 << 20), 1 << 30))
+    paths = ["memcpy", "tensorhub", "tensorhub_checksums", "same_host", "same_host_checksums", "object_store",
+             "rdt_nixl", "raw_nixl", "replicate", "memcpy_end"]
+    planned = [p for p in paths if p.removesuffix("_checksums") not in skip]
+    bar = progress.live(json_mode=args.json)
+    task = bar.add_task("transfers", total=len(planned) * (args.reps + 1))  # a warm-up call per path
+    bar.start()
     try:
         holder = Holder.remote(shapes, cfg_kwargs)
         reader = Reader.remote(shapes, cfg_kwargs)
@@ -307,13 +317,19 @@ def main(argv=None) -> int:
             f"{args.unit_bytes >> 20} MiB), at most {args.reads_in_flight} reads in flight")
         results: dict[str, dict] = {}
 
+        def timed(fn):
+            out = ray.get(fn())
+            bar.advance(task)
+            return out
+
         def run(name, fn, reps, verify=True):
+            bar.update(task, description=name)
             ray.get(reader.zero.remote())
-            secs = [ray.get(fn())]  # warm-up, also the one verified run
+            secs = [timed(fn)]  # warm-up, also the one verified run
             ok = ray.get(reader.verify.remote(expected)) if verify else True
             if not ok:
                 raise SystemExit(f"{name}: received bytes differ from the holder's")
-            secs = [ray.get(fn()) for _ in range(reps)]
+            secs = [timed(fn) for _ in range(reps)]
             results[name] = _stats(nbytes, secs)
             r = results[name]
             say(f"{name:>22}: median {r['median']:.2f} GB/s (min {r['min']:.2f}, max {r['max']:.2f}) "
@@ -334,11 +350,13 @@ def main(argv=None) -> int:
             md, descs = ray.get(holder.raw_nixl_setup.remote())
             run("raw_nixl", lambda: reader.raw_nixl.remote(md, descs), args.reps)
         if "replicate" not in skip:
-            results["replicate"] = _replicate(shapes, nbytes, args.reps, say)
+            bar.update(task, description="replicate")
+            results["replicate"] = _replicate(shapes, nbytes, args.reps, say, tick=lambda: bar.advance(task))
         # memcpy again at the end: the machine drifts; report the better of the two medians
         run("memcpy_end", lambda: reader.memcpy.remote(), args.reps, verify=False)
         ray.get(reader.drop_memcpy.remote())
     finally:
+        bar.stop()
         ray.shutdown()
 
     def med(k):

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    from tensorhub import progress
     from tensorhub.config import Config
     from tensorhub.testing import workload
     from tensorhub.testing.replica import spawn_many
@@ -52,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
 
     moved = partial_reads = failures = 0
     per_version = []
-    live = None if args.json or not out.isatty() else _live(out)
+    bar = progress.live(out, json_mode=args.json)
     for v in range(1, args.versions + 1):
         expected = ray.get(trainer.publish.remote(v))
         t0 = time.perf_counter()
-        stats = _gather([r.update.remote("latest") for r in rollouts], names[1:], v, live)
+        stats = _gather([r.update.remote("latest") for r in rollouts], names[1:], v, bar)
         wall = time.perf_counter() - t0
         print(f"\nversion {v}: {len(rollouts)} rollouts updated in {wall:.2f}s", file=out)
         print(f"  {'rollout':<12} {'read from':<24} {'call s':>7} {'xfer s':>7} {'GB/s':>6}  checksum", file=out)
@@ -98,29 +99,20 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _live(out):
-    """A live progress display on a terminal (rich): one line per version, rollouts updated."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(file=out), transient=True)
-
-
-def _gather(refs, names, version, live):
-    """Wait for every rollout's update; with ``live``, show each one as it lands."""
+def _gather(refs, names, version, bar):
+    """Wait for every rollout's update, advancing ``bar`` (:func:`tensorhub.progress.live`) as
+    each one lands. Returns the results in the order of ``refs``."""
     import ray
 
-    if live is None:
-        return ray.get(refs)
     done = {}
-    with live:
-        task = live.add_task(f"version {version}: rollouts updated", total=len(refs))
+    with bar:
+        task = bar.add_task(f"version {version}: rollouts updated", total=len(refs))
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             done[ready[0]] = ray.get(ready[0])
-            live.update(task, advance=1, description=f"version {version}: {names[refs.index(ready[0])]} updated")
+            bar.update(task, advance=1, description=f"version {version}: {names[refs.index(ready[0])]} updated")
+        bar.remove_task(task)  # the next version's display starts with its own line only
     return [done[r] for r in refs]
 
 
