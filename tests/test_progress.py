@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 
 import pytest
 
@@ -39,13 +40,15 @@ def test_live_is_silent_unless_a_terminal_without_json(stream, json_mode, capsys
     assert capsys.readouterr() == ("", "")
 
 
-def test_live_defaults_to_stderr_and_a_closed_or_odd_stream_is_no_terminal(capsys):
+def test_live_defaults_to_stderr_and_a_closed_or_odd_stream_is_no_terminal(monkeypatch):
     closed = io.StringIO()
     closed.close()
     assert isinstance(progress.live(closed), progress.Silent)
     assert isinstance(progress.live(object()), progress.Silent)
-    assert isinstance(progress.live(), progress.Silent)  # pytest's captured stderr is no terminal
-    assert capsys.readouterr() == ("", "")
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert isinstance(progress.live(), progress.Silent)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert not isinstance(progress.live(), progress.Silent)
 
 
 def test_live_draws_on_a_terminal_and_leaves_stdout_alone(capsys):
