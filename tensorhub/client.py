@@ -314,7 +314,8 @@ class Hub:
         default: host memory allocated (and touched) once, in the background. ``round``: as for
         :meth:`replicate` (sharded replicas prefetch in rounds of their own).
 
-        Returns a future of the staging copy's :class:`ReadStats`; a failed prefetch sets its
+        Returns a future of the staging copy's :class:`ReadStats`, done once the staging copy is
+        complete (and any retention copy the server asked of it is made); a failed prefetch sets its
         exception and costs nothing else (the next :meth:`update` reads as if there had been
         none). Prefetches run one after the other. Raises ``InvalidState`` before
         :meth:`register`, ``LayoutMismatch`` for a ``buffer`` of another layout, and
@@ -355,15 +356,20 @@ class Hub:
         stage = self._stage
         if stage is None:
             stage = self._open_stage(buffer)
-        return stage.update(spec, round=round_no)
+        st = stage.update(spec, round=round_no)
+        with stage._lock:
+            # A retention copy the server asked of the staging copy (MakeHostCopy) is part of
+            # the prefetch: the update that follows then copies in a quiet process.
+            stage._stop_host_copy(cancel_it=False)
+        return st
 
     def _open_stage(self, buffer: Optional[list]) -> "Hub":
-        """The staging handle: same model, shard, datacenter and spot flag, replica
-        ``<replica>~prefetch``; it neither pools retention buffers nor copies ahead (it is in host
-        memory already, or in the user's spare buffer)."""
-        config = dataclasses.replace(self.config, host_copies_pooled=0, host_copy_ahead=False)
+        """The staging handle: same model, shard, datacenter, spot flag and config, replica
+        ``<replica>~prefetch``. Like any holder it may be asked to copy a retained version to
+        host memory ahead (it is often the first in its process to finish a version)."""
         stage = Hub(self.model, self._port, shard=self.shard, num_shards=self.num_shards,
-                    replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot, config=config)
+                    replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
+                    config=self.config)
         stage._stage_for = self.client_id
         if buffer is None:
             pin = any(t.is_cuda for t in self._tensors) and torch.cuda.is_available()
@@ -597,8 +603,10 @@ class Hub:
         finally:
             self._progress = None
         st = self._read_stats(out)
-        if st.action == "replicated":
-            try:  # the server may ask this new holder for the version's retention copy at once
+        if st.action == "replicated" and not st.prefetched:
+            # The server may ask this new holder for the version's retention copy at once (not
+            # after a prefetch: its staging copy, first to finish the version, was asked instead).
+            try:
                 self._take_notes(in_call=True)
             except errors.TensorHubError:
                 pass

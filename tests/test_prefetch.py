@@ -224,3 +224,22 @@ def test_aprefetch(port):
     assert st.version == 4 and up.prefetched and workload.digest(rt) == workload.digest(tt)
     for h in (rollout, trainer):
         h.close(drop_last_copy=True)
+
+
+@pytest.mark.parametrize("sizes", [[5, 7, 0, 100], [1], [1000, 3, 3, 3], [64] * 7])
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_local_copy_of_a_complete_staging_copy_cuts_the_bytes_into_exact_spans(sizes, threads, monkeypatch):
+    """The bulk copy after a completed prefetch (one-thread torch: bytes cut into equal spans
+    across tensor boundaries) copies every byte exactly once."""
+    from tensorhub.transport import shm
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    src = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+
+    class Region:
+        tensors = src
+        control = torch.zeros(2, dtype=torch.int64)
+
+    dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    shm.LocalSource(Region(), "stage").copy_all(dst, threads)
+    assert all(torch.equal(a, b) for a, b in zip(dst, src))

@@ -214,8 +214,37 @@ class LocalSource:
     def piece(self, tensor_index: int, offset: int, nbytes: int) -> torch.Tensor:
         return self._bytes[tensor_index][offset:offset + nbytes]
 
+    def copy_all(self, dst: Sequence[torch.Tensor], threads: int) -> None:
+        """Every byte at once (the common case: the staging copy was complete before the
+        update): one ``copy_`` per tensor when torch runs its own intra-op threads, else the
+        bytes cut into ``threads`` equal spans copied side by side."""
+        pairs = [(d.reshape(-1).view(torch.uint8), s) for d, s in zip(dst, self._bytes) if s is not None]
+        if threads <= 1 or torch.get_num_threads() > 1 or any(d.device.type != "cpu" for d, _ in pairs):
+            for d, s in pairs:
+                d.copy_(s)
+            return
+        total = sum(s.numel() for _, s in pairs)
+        span = -(-total // threads)
+        jobs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
+        pos = 0
+        for d, s in pairs:
+            off, n = 0, s.numel()
+            while off < n:
+                k = min(pos // span, threads - 1)
+                take = min(n - off, (k + 1) * span - pos) if k < threads - 1 else n - off
+                jobs[k].append((d[off:off + take], s[off:off + take]))
+                off += take
+                pos += take
+        for f in [_copier(threads).submit(_copy_pairs, job) for job in jobs if job]:
+            f.result()
+
     def close(self) -> None:
         self._bytes = []
+
+
+def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for d, s in pairs:
+        d.copy_(s)
 
 
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -272,6 +301,19 @@ def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
         return 0
     if not src.still_same():
         raise SourceUnreachable(f"{src.name}: the memory mapped earlier is gone")
+    ctl = src.control
+    if (isinstance(src, LocalSource) and start_unit == 0 and n_units == layout.unit_count
+            and int(ctl[0]) == expect_version and int(ctl[1]) == n_units):
+        # A complete copy in this process: one bulk copy, no per-unit pipeline to keep.
+        src.copy_all(region.tensors, max(1, config.same_host_threads))
+        region.control[_HEADER:_HEADER + n_units] = ctl[_HEADER:_HEADER + n_units]
+        if int(ctl[0]) != expect_version:  # moved on meanwhile (cannot while we are its reader)
+            raise SourceUnreachable(f"{src.name}: the staging copy changed version during the copy")
+        region.set_progress(n_units)
+        if on_unit is not None:
+            for u in range(n_units):
+                on_unit(u)
+        return layout.total_bytes
     threads = max(1, config.same_host_threads)
     per_task = max(1, _TASK_BYTES // max(1, layout.total_bytes // max(1, layout.unit_count)))
     st = ReadState(expect_version, start_unit, n_units, window_max=threads * per_task,
@@ -284,7 +326,6 @@ def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
     nbytes = 0
     idle = 50e-6
     checked_alive = time.monotonic()
-    ctl = src.control
     try:
         while not st.finished:
             if should_stop is not None and should_stop():
