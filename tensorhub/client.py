@@ -24,6 +24,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -84,6 +85,9 @@ class ReadStats:
     prefetched: bool = False
     """The bytes came from this handle's own prefetch staging copy (:meth:`Hub.prefetch`): a
     local copy, complete or still arriving."""
+    skipped_in_flight: Optional[int] = None
+    """Smart skipping: ``"latest"`` gave ``version``, the newest complete in this datacenter,
+    because this newer version is still being seeded into it (None: no skip)."""
 
     @property
     def gbps(self) -> float:
@@ -159,6 +163,8 @@ class Hub:
         """The prefetch staging handle (a second holder in this process), made by the first
         :meth:`prefetch`."""
         self._stage_lock = threading.Lock()
+        self._seeding = -1
+        """The newest version a SeedAhead asked this handle to prefetch."""
         self._prefetcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     # ------------------------------------------------------------------ public API
@@ -387,6 +393,24 @@ class Hub:
         log.info("model=%s replica=%s shard=%d: prefetch staging copy %s registered",
                  self.model, self.replica, self.shard, stage.client_id)
         return stage
+
+    def _seed_asked(self, version: int) -> None:
+        """Offload seeding (``SeedAhead``): this replica was chosen to bring ``version`` into its
+        datacenter; receive it into the staging copy in the background, unless the handle is
+        not in a state to (closed, not registered, a staging copy itself) or already has it."""
+        if (self._stage_for or self._layout is None or self._machine.phase is HubState.CLOSED
+                or (self._machine.published is not None and self._machine.published >= version)):
+            return
+        stage = self._stage
+        if (stage is not None and stage.version is not None and stage.version >= version) or self._seeding >= version:
+            return
+        self._seeding = version
+        try:
+            fut = self.prefetch(version)
+        except errors.TensorHubError as e:
+            log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
+            return
+        fut.add_done_callback(functools.partial(_log_seed, self.model, self.shard, version))
 
     def _close_stage(self, drop_last_copy: bool) -> None:
         with self._stage_lock:
@@ -618,7 +642,8 @@ class Hub:
         t_end = time.perf_counter()
         dt = t_end - self._read_t0
         if out.action == "noop":
-            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=self._offload_s)
+            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=self._offload_s,
+                             skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
         if self.config.checksums or self.config.verify_mutability:
             self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
         nbytes = self._units_bytes(self._pull_from, self._layout.unit_count)  # each unit fetched once
@@ -633,7 +658,8 @@ class Hub:
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
                          finished_at=self._finished_at, offload_s=self._offload_s,
                          prefetched=bool(self._stage is not None and out.sources
-                                         and out.sources[0] == self._stage.client_id))
+                                         and out.sources[0] == self._stage.client_id),
+                         skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
 
     # ---- a compiled graph's member moves the bytes of the first pull itself
 
@@ -1042,6 +1068,9 @@ class Hub:
                 if isinstance(note, m.MakeHostCopy):
                     self._host_copy_asked(note.version, in_call)
                     continue
+                if isinstance(note, m.SeedAhead):
+                    self._seed_asked(note.version)
+                    continue
                 for cmd in self._feed(hm.Noted(note)):
                     if isinstance(cmd, hm.DropHost):
                         self._drop_host_copy(cmd.version)
@@ -1078,6 +1107,16 @@ class Hub:
             self._region.close()
             self._region = None
 
+
+
+def _log_seed(model: str, shard: int, version: int, fut: "concurrent.futures.Future") -> None:
+    if fut.cancelled():
+        return
+    err = fut.exception()
+    if err is not None:
+        log.info("model=%s shard=%d: seeding version %d failed: %s", model, shard, version, err)
+    else:
+        log.info("model=%s shard=%d: seeded version %d into this datacenter", model, shard, version)
 
 
 def _check_round(round_no: Optional[int]) -> Optional[int]:

@@ -54,7 +54,12 @@ class Config:
     outside the trainer's process. Only with ``versions_retained >= 2``; the next call waits for
     a copy in progress (memory speed) or cancels one still waiting for a buffer."""
     smart_skipping: bool = True
-    """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version."""
+    """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version
+    (``ReadStats.skipped_in_flight`` names the version still seeding)."""
+    offload_seeding: bool = True
+    """When a version is committed, the server asks one replica of each other datacenter to
+    receive it into a staging copy in the background (``SeedAhead`` -> ``Hub.prefetch``): the
+    one cross-datacenter copy starts at once and no engine blocks on it."""
 
     # --- data path ----------------------------------------------------------------------
     reads_in_flight: int = 8

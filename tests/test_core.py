@@ -422,8 +422,9 @@ def test_smart_skipping_resolves_latest_to_local_version_while_seed_in_flight():
     w2.send(m.ReplicateDone("b0", 1)); w2.send(m.ReplicateDone("b1", 1))
     w2.send(m.Unpublish("t")); w2.send(m.Publish("t", 2))
     assert w2.send(m.Replicate("b1", "latest", update=True)).version == 2  # seeder
-    assert w2.send(m.Replicate("b0", "latest", update=True)) == m.NoChange(version=1)
-    assert w2.send(m.Replicate("b2", "latest")).version == 1
+    assert w2.send(m.Replicate("b0", "latest", update=True)) == m.NoChange(version=1, in_flight=2)
+    a = w2.send(m.Replicate("b2", "latest"))
+    assert (a.version, a.in_flight) == (1, 2)
     w3 = World(versions_retained=3, smart_skipping=False)
     for cid, dc in (("t", "a"), ("b0", "b"), ("b1", "b")):
         w3.reg(cid, dc=dc)
@@ -432,6 +433,51 @@ def test_smart_skipping_resolves_latest_to_local_version_while_seed_in_flight():
     w3.send(m.Replicate("b1", "latest"))
     assert w3.send(m.Replicate("b0", "latest", update=True)) == m.OffloadOrder(version=1)
     assert w3.send(m.OffloadDone("b0", 1, b"h")).version == 2
+
+
+def _seeds(w, cid):
+    return [e.version for e in w.pop(cid) if isinstance(e, m.SeedAhead)]
+
+
+def test_offload_seeding_asks_one_idle_non_spot_replica_per_remote_datacenter():
+    """dc a: trainer ; dc b: b0 (spot), b1, b2 ; dc c: c0. A commit asks b1 (not spot) and c0 to
+    seed, nobody in the trainer's datacenter; once b1's staging copy reads the version, dc b
+    counts as reached; a replica that dies before its seed started is replaced (b2)."""
+    w = World()
+    w.reg("t", dc="a"); w.reg("a1", dc="a")
+    w.reg("b0", dc="b", spot=True); w.reg("b1", dc="b"); w.reg("b2", dc="b"); w.reg("c0", dc="c")
+    w.send(m.Publish("t", 1))
+    assert [_seeds(w, c) for c in ("a1", "b0", "b1", "b2", "c0")] == [[], [], [1], [], [1]]
+    w.send(m.Register("b1~s", "pol", "b1~s", 0, 1, LAYOUT, b"s", "b", False, stage_for="b1"))
+    assert w.send(m.Replicate("b1~s", 1)).cross_datacenter  # the seed crosses, once
+    w.send(m.Leave("c0", drop_last_copy=True))
+    w.reg("c1", dc="c"); w.reg("c2", dc="c")
+    w.send(m.Leave("b2", drop_last_copy=True))  # not the seeder: nothing new for dc b
+    assert _seeds(w, "b0") == _seeds(w, "b1") == [] and _seeds(w, "c1") == [1]  # c0 left: c1 takes over
+    # The next version: dc b is asked again (its staging copy holds 1, not 2).
+    w.send(m.ReplicateDone("b1~s", 1))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    assert _seeds(w, "b1") == [2] and _seeds(w, "c1") == [2]
+
+
+def test_offload_seeding_prefers_an_idle_replica_asks_every_shard_and_can_be_off():
+    w = World()
+    w.reg("t0", replica="t", shard=0, num_shards=2, dc="a"); w.reg("t1", replica="t", shard=1, num_shards=2, dc="a")
+    for rid in ("x", "y"):
+        for s in (0, 1):
+            w.reg(f"{rid}{s}", replica=rid, shard=s, num_shards=2, dc="b")
+    w.reg("z0", replica="z", shard=0, num_shards=2, dc="b")  # incomplete replica: never asked
+    w.send(m.Publish("t0", 1)); w.send(m.Publish("t1", 1))
+    assert [_seeds(w, c) for c in ("x0", "x1", "y0", "y1", "z0")] == [[1], [1], [], [], []]
+    # version 2 (published by another trainer replica u): x is busy reading 1, so y is asked
+    w.send(m.Replicate("x0", 1, seq=1)); w.send(m.Replicate("x1", 1, seq=1))
+    w.reg("u0", replica="u", shard=0, num_shards=2, dc="a"); w.reg("u1", replica="u", shard=1, num_shards=2, dc="a")
+    w.send(m.Publish("u0", 2)); w.send(m.Publish("u1", 2))
+    assert [_seeds(w, c) for c in ("x0", "x1", "y0", "y1")] == [[], [], [2], [2]]
+    off = World(offload_seeding=False)
+    off.reg("t", dc="a"); off.reg("b", dc="b")
+    off.send(m.Publish("t", 1))
+    assert _seeds(off, "b") == []
 
 
 # --------------------------------------------------------------------------- update
@@ -845,8 +891,8 @@ def test_a_completed_shard_binds_its_round_after_a_restart(completed_first):
     for sh in range(3):  # a newer version appears meanwhile
         w.reg(f"u{sh}", replica="U", shard=sh, num_shards=3)
         w.send(m.Publish(f"u{sh}", 4))
-    for sh in (0, 2):
-        assert [e.code for e in w.pop(f"a{sh}")] == ["VersionLost"]
+    for sh in (0, 2):  # (A registered in datacenter "default", T in "a": A is also asked to seed)
+        assert [e.code for e in w.pop(f"a{sh}") if not isinstance(e, m.SeedAhead)] == ["VersionLost"]
         reply = w.send(m.Replicate(f"a{sh}", "latest", seq=4))
         assert isinstance(reply, m.Assignment) and reply.version == 3, reply
 

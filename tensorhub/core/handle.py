@@ -254,6 +254,8 @@ class Outcome:
     first: Optional[m.Assignment] = None
     was_published: Optional[int] = None
     """unpublish: the version that was published (the driver's mutability check)."""
+    in_flight: int = -1
+    """Reads: smart skipping chose ``version``; this newer one is still seeding (-1: no skip)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,7 +596,8 @@ class HandleMachine:
                     self.phase = Phase.PUBLISHED
                     return self._end([Done(Outcome(
                         action="replicated", version=version, sources=tuple(self._sources),
-                        failovers=self._failovers, start_units=self._start_units, first=self._first))])
+                        failovers=self._failovers, start_units=self._start_units, first=self._first,
+                        in_flight=self._first.in_flight if self._first is not None else -1))])
             case m.Leave():
                 if isinstance(reply, m.ErrorReply) and reply.code == "LastCopyHeld":
                     return self._fail_reply(reply)  # stays open: it serves the last copy
@@ -625,7 +628,7 @@ class HandleMachine:
         if isinstance(reply, m.NoChange):
             self._read_open = False
             self.round = (self.seq, reply.version)
-            return self._end([Done(Outcome(action="noop", version=reply.version))])
+            return self._end([Done(Outcome(action="noop", version=reply.version, in_flight=reply.in_flight))])
         if isinstance(reply, m.OffloadOrder):
             return self._offload(reply.version)
         if isinstance(reply, m.UnpublishDone):

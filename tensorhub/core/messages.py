@@ -217,15 +217,20 @@ class Assignment(_Msg, frozen=True):
     start_unit: int
     assign_no: int
     cross_datacenter: bool = False
+    in_flight: int = -1
+    """As in :class:`NoChange`: the version was chosen by smart skipping, this one is seeding."""
     failed_source_gone: bool = False
     """This assignment follows a ``SourceFailed`` whose source the server has removed as dead: the
     failure says nothing about the data path, so the reader does not count it against its budget."""
 
 
 class NoChange(_Msg, frozen=True):
-    """update(): already published at the resolved version."""
+    """update(): already published at the resolved version. ``in_flight``: smart skipping
+    answered the newest version complete in the reader's datacenter because this newer one is
+    still being seeded into it (-1: no skip)."""
 
     version: int
+    in_flight: int = -1
 
 
 class Waiting(_Msg, frozen=True):
@@ -251,6 +256,16 @@ class MakeHostCopy(_Msg, frozen=True):
     ahead by a reader -- off every critical path, and outside the trainer's process, so that a
     trainer that dies takes only the newest version with it. A client may ignore it (the last
     holder then offloads when it leaves the version)."""
+
+    version: int
+
+
+class SeedAhead(_Msg, frozen=True):
+    """Background (offload seeding): receive ``version`` into a staging copy now
+    (:meth:`tensorhub.client.Hub.prefetch`), while the registered tensors keep serving the
+    current one. Sent to one replica per remote datacenter when a version is committed, so the
+    one cross-datacenter copy starts at once; the datacenter's other readers then read it there.
+    A client may ignore it (the first reader to ask then seeds, in its own update)."""
 
     version: int
 
@@ -307,7 +322,7 @@ class Status(_Msg, frozen=True):
 
 
 Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status]
-Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, Failed, Evicted]
+Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted]
 
 
 class Deliver(msgspec.Struct, frozen=True):
@@ -320,7 +335,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Request)
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, Failed, Evicted,
+    DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

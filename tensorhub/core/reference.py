@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 Key = tuple[str, int, int]
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
 _SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
+SERVABLE_OR_READING = frozenset({S.PUBLISHED, S.OFFLOADING, S.READING, S.WAITING})
+"""A datacenter with a node of a version in one of these states has (or is getting) it."""
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
 
 
@@ -65,6 +67,8 @@ class _Model:
         self.layouts: dict[int, m.LayoutInfo] = {}
         self.committed: list[int] = []  # ascending
         self.forgotten_below = 0  # versions under this are past retention
+        self.seed_asked: dict[str, tuple[int, str]] = {}
+        """Offload seeding: per datacenter, (version, replica) last asked to seed it."""
 
 
 class ReferenceCore:
@@ -80,6 +84,8 @@ class ReferenceCore:
         self._stamp = 0
         self._effects: list[m.Deliver] = []
         self._touched: set[Key] = set()
+        self._reseed: set[tuple[str, str]] = set()
+        """(model, datacenter) whose offload seeding is re-checked when the request settles."""
         self._now = 0.0
         self._born: Optional[float] = None
         self._recovering_until = float("-inf")
@@ -246,7 +252,12 @@ class ReferenceCore:
                 # announcements: a fresh process waits for them to count on with its siblings.
                 raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
                                        f"are still re-announcing; retry")
-        self._add_node(req, now)
+        node = self._add_node(req, now)
+        mod = self.models[req.model]
+        if not req.stage_for and mod.committed:
+            asked = mod.seed_asked.get(req.datacenter)
+            if asked is None or asked[0] < mod.committed[-1]:
+                self._reseed.add((req.model, req.datacenter))  # perhaps a datacenter to seed
         return m.Registered(round_seq=self._rounds_done(req))
 
     def _rounds_done(self, req: m.Register) -> int:
@@ -355,10 +366,11 @@ class ReferenceCore:
         node = self.nodes[req.client_id]
         if node.state is S.PUBLISHED and not req.update:
             raise InvalidState(f"{self._describe(node)}: unpublish() first, or use update()")
+        node.in_flight = -1
         version = self._resolve_in_txn(node, req)
         node.round_seq = req.seq
         if node.state is S.PUBLISHED and node.version == version:
-            return m.NoChange(version=version)
+            return m.NoChange(version=version, in_flight=node.in_flight)
         resume = req.resume_units if req.resume_version == version else 0
         if node.state is S.PUBLISHED:
             node.pending_read = (version, resume)
@@ -586,12 +598,61 @@ class ReferenceCore:
         mod.committed.append(v)
         mod.committed.sort()
         log.info("model=%s version=%d committed by replica %s", model, v, by)
+        self._seed_remote(model)
         keep = self.config.versions_retained
         if len(mod.committed) > keep:
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
                 self._forget(model, old)
+
+    def _seed_remote(self, model: str, dcs: Optional[set[str]] = None) -> None:
+        """Offload seeding: every datacenter (of ``dcs``, default all) with readers of ``model``
+        but neither a holder nor a read of its newest committed version gets one seeder replica,
+        asked to prefetch it in the background (:class:`~tensorhub.core.messages.SeedAhead`): the
+        one cross-datacenter copy starts at once, not when the first reader there calls
+        ``update``. The seeder: a whole replica registered there, idle before busy, non-spot
+        before spot, then registration order; prefetch staging copies and host copies are never
+        asked. Asked again when the asked replica (or the datacenter's reader of the version)
+        is gone, when a newer version is committed, or when a reader registers in a datacenter
+        not yet asked. One scan of the model's nodes, only on those events."""
+        mod = self.models.get(model)
+        if not self.config.offload_seeding or mod is None or not mod.committed:
+            return
+        v = mod.committed[-1]
+        reached: set[str] = set()
+        held = False
+        for s in range(mod.num_shards):
+            for i in self.groups.get((model, v, s), ()):
+                n = self.nodes[i]
+                if n.state in SERVABLE_OR_READING:
+                    reached.add(n.datacenter)
+                held = held or n.state in _SERVABLE
+        if not held:
+            return  # nothing to seed from (yet, or any more)
+        replicas: dict[tuple[str, str], list[Node]] = {}
+        for n in self.nodes.values():
+            if n.model == model and not n.host and not n.stage_for and (dcs is None or n.datacenter in dcs):
+                replicas.setdefault((n.datacenter, n.replica_id), []).append(n)
+        by_dc: dict[str, list[list[Node]]] = {}
+        for (dc, _rid), nodes in replicas.items():
+            if len(nodes) == mod.num_shards:
+                by_dc.setdefault(dc, []).append(nodes)
+        for dc in sorted(by_dc):
+            asked = mod.seed_asked.get(dc)
+            if dc in reached:
+                if asked is None or asked[0] < v:
+                    mod.seed_asked[dc] = (v, "")
+                continue
+            if asked is not None and asked[0] >= v and any(nodes[0].replica_id == asked[1] for nodes in by_dc[dc]):
+                continue  # asked already, and alive
+            nodes = min(by_dc[dc], key=lambda ns: (
+                any(n.state in (S.READING, S.WAITING, S.DRAINING, S.OFFLOADING) for n in ns),
+                any(n.spot for n in ns), min(n.order for n in ns)))
+            mod.seed_asked[dc] = (v, nodes[0].replica_id)
+            log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
+            for n in sorted(nodes, key=lambda n: n.shard):
+                self._deliver(n.id, m.SeedAhead(version=v))
 
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""
@@ -626,6 +687,7 @@ class ReferenceCore:
         if kind == "latest" and k == 0 and self.config.smart_skipping and avail:
             skipped = self._smart_skip(node, avail)
             if skipped is not None:
+                node.in_flight = avail[-1]
                 return skipped
         if not mod.committed and not any(
             n.model == node.model and n.replica_id != node.replica_id for n in self.nodes.values()
@@ -837,6 +899,7 @@ class ReferenceCore:
             version=node.version, source_id=src.id, source_endpoint=src.endpoint,
             source_partial=not src.complete, start_unit=node.progress, assign_no=node.assign_no,
             cross_datacenter=src.datacenter != node.datacenter, failed_source_gone=gone,
+            in_flight=node.in_flight,
         )
 
     def _downstream(self, node: Node) -> set[str]:
@@ -860,6 +923,10 @@ class ReferenceCore:
             for key in keys:
                 self._pump(key)
         self._drop_lost_versions(seen)
+        if self._reseed:
+            todo, self._reseed = sorted(self._reseed), set()
+            for model in sorted({mo for mo, _ in todo}):
+                self._seed_remote(model, {dc for mo, dc in todo if mo == model})
 
     def _drop_lost_versions(self, keys: set[Key]) -> None:
         """A committed version of which some shard has no node left at all can never be read
@@ -937,6 +1004,7 @@ class ReferenceCore:
         # them; a round whose version is gone is re-resolved by the next shard that asks.
         self._forget_empty_models()
 
+
     def _remove(self, node_id: str) -> None:
         node = self.nodes.get(node_id)
         if node is None:
@@ -949,6 +1017,14 @@ class ReferenceCore:
         node.readers.clear()
         self._set_version(node, -1, S.IDLE, 0)
         del self.nodes[node_id]
+        mod = self.models.get(node.model)
+        if mod is not None and not node.host:
+            asked = mod.seed_asked.get(node.datacenter)
+            if asked is not None and asked[1] in ("", node.replica_id, node.replica_id.removesuffix("~prefetch")):
+                # The seeder (or the reader that had the version there) is gone: another
+                # replica of that datacenter takes over the seed.
+                del mod.seed_asked[node.datacenter]
+                self._reseed.add((node.model, node.datacenter))
         self._effects = [e for e in self._effects if e.client_id != node_id or isinstance(e.event, m.Evicted)]
 
     def _forget_empty_models(self) -> None:

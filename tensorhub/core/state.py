@@ -76,6 +76,8 @@ class Node:
     """The host it runs on (a host copy: its owner's)."""
     stage_for: str = ""
     """A prefetch staging copy: the handle it stages for (``Register.stage_for``)."""
+    in_flight: int = -1
+    """Smart skipping chose this node's current read/version: this newer one was seeding."""
     round_seq: int = -1
     """The replicate round this node's current read belongs to (sharded replicas)."""
     copy_asked: int = -1

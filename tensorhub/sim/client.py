@@ -359,6 +359,8 @@ class SimClient:
 
     def _notes(self, notes: list) -> None:
         for note in notes:
+            if isinstance(note, m.SeedAhead):
+                continue  # offload seeding needs a prefetch staging copy: not modelled here
             if isinstance(note, m.MakeHostCopy):
                 if self.op is None and self.published == note.version:  # Hub: only between calls
                     self._start_host_copy(note.version)

@@ -1,0 +1,152 @@
+"""Cross-datacenter rules with real handles against an in-process server (LocalPort): offload
+seeding (the server asks one replica per remote datacenter to prefetch a committed version),
+smart skipping while that seed is in flight, and the datacenter's readers reading the seed
+locally. The byte counts on real (emulated) links are in tests/test_crossdc_cluster.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import tensorhub
+from tensorhub.config import Config
+from tensorhub.port import LocalPort
+from tensorhub.testing import workload
+
+CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.1, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
+             same_host=False, versions_retained=3)
+SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
+
+
+@pytest.fixture
+def port():
+    return LocalPort(CFG)
+
+
+def _hub(port, dc, config=CFG, **kw):
+    named = workload.allocate(SPEC)
+    hub = tensorhub.open("m", port=port, config=config, datacenter=dc, **kw)
+    hub.register(named)
+    return hub, [t for _, t in named]
+
+
+def _publish(hub, ts, version):
+    if hub.version is not None:
+        hub.unpublish()
+    workload.fill_version(ts, version)
+    hub.publish(version)
+
+
+def _wait(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _staged(hub, version):
+    stage = hub._stage
+    return stage is not None and stage.version == version
+
+
+def test_a_committed_version_is_seeded_into_each_remote_datacenter_once(port):
+    """dc a: trainer ; dc b: b0, b1 ; dc c: c0. Publishing asks b0 and c0 (idle, first
+    registered) to seed: their staging copies read across, everybody else in b reads inside b,
+    and the seeders' own updates are local copies."""
+    trainer, tt = _hub(port, "a", replica="trainer")
+    b0, b0t = _hub(port, "b", replica="b0")
+    b1, b1t = _hub(port, "b", replica="b1")
+    c0, c0t = _hub(port, "c", replica="c0")
+    _publish(trainer, tt, 1)
+    _wait(lambda: _staged(b0, 1) and _staged(c0, 1))
+    assert b1._stage is None  # one seeder per datacenter
+    st = b1.update("latest")
+    assert st.version == 1 and st.sources == (b0._stage.client_id,) and not st.cross_datacenter
+    for hub, ts in ((b0, b0t), (c0, c0t)):
+        up = hub.update("latest")
+        assert up.prefetched and not up.cross_datacenter and workload.digest(ts) == workload.digest(tt)
+    assert workload.digest(b1t) == workload.digest(tt)
+    for h in (b1, b0, c0, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locally(port):
+    trainer, tt = _hub(port, "a", replica="trainer")
+    b0, _ = _hub(port, "b", replica="b0")
+    b1, b1t = _hub(port, "b", replica="b1")
+    _publish(trainer, tt, 1)
+    _wait(lambda: _staged(b0, 1))
+    assert b1.update("latest").version == 1 and b0.update("latest").prefetched
+    # Hold b0's seed of version 2 half way.
+    stage = b0._stage
+    half, go = threading.Event(), threading.Event()
+    pull_range = stage._pull_range
+
+    def held_half_way(a, end_unit, **kw):
+        n = pull_range(a, end_unit // 2, **kw)
+        half.set()
+        assert go.wait(30)
+        return n + pull_range(a, end_unit, **kw)
+
+    stage._pull_range = held_half_way
+    _publish(trainer, tt, 2)
+    assert half.wait(20)
+    st = b1.update("latest")
+    assert (st.action, st.version, st.skipped_in_flight) == ("noop", 1, 2)
+    st = b0.update("latest")  # the seeder's own engine also keeps version 1 meanwhile
+    assert (st.action, st.version, st.skipped_in_flight) == ("noop", 1, 2)
+    go.set()
+    _wait(lambda: _staged(b0, 2))
+    st = b1.update("latest")
+    assert (st.version, st.skipped_in_flight, st.cross_datacenter) == (2, None, False)
+    assert st.sources == (stage.client_id,)
+    workload.fill_version(tt, 2)
+    assert workload.digest(b1t) == workload.digest(tt)
+    for h in (b1, b0, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_without_skipping_the_reader_waits_for_the_seed_and_reads_it_locally(port):
+    cfg = Config(**{**CFG.__dict__, "smart_skipping": False})
+    trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
+    b0, _ = _hub(port, "b", config=cfg, replica="b0")
+    b1, b1t = _hub(port, "b", config=cfg, replica="b1")
+    _publish(trainer, tt, 1)
+    _wait(lambda: b0._stage is not None)
+    st = b1.update("latest")
+    assert st.version == 1 and st.skipped_in_flight is None and not st.cross_datacenter
+    assert workload.digest(b1t) == workload.digest(tt)
+    for h in (b1, b0, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_a_seeder_that_leaves_before_seeding_is_replaced(port):
+    cfg = Config(**{**CFG.__dict__, "heartbeat_interval_s": 30.0, "lease_timeout_s": 100.0})
+    trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
+    b0, _ = _hub(port, "b", config=cfg, replica="b0")  # heartbeats rarely: takes its notes late
+    b1, b1t = _hub(port, "b", config=cfg, replica="b1")
+    _publish(trainer, tt, 1)
+    b0.close(drop_last_copy=True)  # asked to seed, never did
+    b1._take_notes()
+    _wait(lambda: _staged(b1, 1))
+    assert b1.update("latest").prefetched and workload.digest(b1t) == workload.digest(tt)
+    for h in (b1, trainer):
+        h.close(drop_last_copy=True)
+
+
+def test_no_seeding_inside_one_datacenter_or_when_off(port):
+    trainer, tt = _hub(port, "a", replica="trainer")
+    r, _ = _hub(port, "a", replica="r")
+    off = Config(**{**CFG.__dict__, "offload_seeding": False})
+    port_off = LocalPort(off)
+    t2, t2t = _hub(port_off, "a", config=off, replica="trainer")
+    b, _ = _hub(port_off, "b", config=off, replica="b")
+    _publish(trainer, tt, 1)
+    _publish(t2, t2t, 1)
+    time.sleep(0.5)
+    assert r._stage is None and b._stage is None
+    assert b.update("latest").cross_datacenter
+    for h in (r, trainer, b, t2):
+        h.close(drop_last_copy=True)
