@@ -60,6 +60,9 @@ class Config:
     """When a version is committed, the server asks one replica of each other datacenter to
     receive it into a staging copy in the background (``SeedAhead`` -> ``Hub.prefetch``): the
     one cross-datacenter copy starts at once and no engine blocks on it."""
+    seed_wait_s: float = 5.0
+    """How long a datacenter's readers wait for the asked seeder to start its copy (they then
+    read it there) before the first of them crosses itself."""
 
     # --- data path ----------------------------------------------------------------------
     reads_in_flight: int = 8

@@ -413,7 +413,7 @@ def test_second_reader_in_datacenter_waits_for_seeder_instead_of_crossing():
 def test_smart_skipping_resolves_latest_to_local_version_while_seed_in_flight():
     """dc a: trainer publishes 2 ; dc b: b0, b1 hold 1 ; b1 seeds 2 across ; b0 and b2 asking
     "latest" get 1 (complete in dc b) instead of queueing behind the seed."""
-    w2 = World(versions_retained=3, smart_skipping=True)
+    w2 = World(versions_retained=3, smart_skipping=True, offload_seeding=False)
     for cid, dc in (("t", "a"), ("b0", "b"), ("b1", "b"), ("b2", "b")):
         w2.reg(cid, dc=dc)
     w2.send(m.Publish("t", 1))
@@ -425,7 +425,7 @@ def test_smart_skipping_resolves_latest_to_local_version_while_seed_in_flight():
     assert w2.send(m.Replicate("b0", "latest", update=True)) == m.NoChange(version=1, in_flight=2)
     a = w2.send(m.Replicate("b2", "latest"))
     assert (a.version, a.in_flight) == (1, 2)
-    w3 = World(versions_retained=3, smart_skipping=False)
+    w3 = World(versions_retained=3, smart_skipping=False, offload_seeding=False)
     for cid, dc in (("t", "a"), ("b0", "b"), ("b1", "b")):
         w3.reg(cid, dc=dc)
     w3.send(m.Publish("t", 1)); w3.send(m.Replicate("b0", 1)); w3.send(m.ReplicateDone("b0", 1))
@@ -458,6 +458,27 @@ def test_offload_seeding_asks_one_idle_non_spot_replica_per_remote_datacenter():
     w.send(m.ReplicateDone("b1~s", 1))
     w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
     assert _seeds(w, "b1") == [2] and _seeds(w, "c1") == [2]
+
+
+def test_readers_wait_for_the_asked_seeders_copy_and_cross_themselves_only_after_seed_wait():
+    w = World(seed_wait_s=5.0)
+    w.reg("t", dc="a"); w.reg("b0", dc="b"); w.reg("b1", dc="b"); w.reg("b2", dc="b")
+    w.send(m.Publish("t", 1))
+    assert _seeds(w, "b0") == [1]
+    assert w.send(m.Replicate("b1", 1)) == m.Waiting(version=1)  # not a second crossing
+    w.send(m.Register("b0~s", "pol", "b0~s", 0, 1, LAYOUT, b"s", "b", False, stage_for="b0"))
+    assert w.send(m.Replicate("b0~s", 1)).cross_datacenter  # the staging copy seeds...
+    ev = w.pop("b1")
+    assert ev and ev[-1].source_id == "b0~s" and not ev[-1].cross_datacenter  # ...b1 reads it there
+    # Version 2: the asked seeder (b0) never starts; after seed_wait_s the first reader crosses.
+    w.send(m.ReplicateDone("b0~s", 1)); w.send(m.ReplicateDone("b1", 1))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    assert _seeds(w, "b0") == [2]
+    assert w.send(m.Replicate("b2", 2)) == m.Waiting(version=2)
+    assert w.send(m.Replicate("b1", "latest", update=True)) == m.NoChange(version=1, in_flight=2)
+    w.tick(6.0)
+    ev = w.pop("b2")
+    assert ev and ev[-1].source_id == "t" and ev[-1].cross_datacenter
 
 
 def test_offload_seeding_prefers_an_idle_replica_asks_every_shard_and_can_be_off():

@@ -67,8 +67,9 @@ class _Model:
         self.layouts: dict[int, m.LayoutInfo] = {}
         self.committed: list[int] = []  # ascending
         self.forgotten_below = 0  # versions under this are past retention
-        self.seed_asked: dict[str, tuple[int, str]] = {}
-        """Offload seeding: per datacenter, (version, replica) last asked to seed it."""
+        self.seed_asked: dict[str, tuple[int, str, float]] = {}
+        """Offload seeding: per datacenter, (version, replica, when) last asked to seed it;
+        replica "" once the datacenter has (or reads) that version."""
 
 
 class ReferenceCore:
@@ -169,6 +170,13 @@ class ReferenceCore:
                     self._touched.add(node.key)
                 if node.state is S.DRAINING and not node.readers:
                     self._finish_drain(node)
+        for mod in self.models.values():
+            for dc, (v, rid, t) in list(mod.seed_asked.items()):
+                if rid and now - t >= self.config.seed_wait_s:
+                    # The asked seeder never started: its datacenter's waiting readers may cross.
+                    mod.seed_asked[dc] = (v, "", t)
+                    self._touched.update((mod.name, v, sh) for sh in range(mod.num_shards)
+                                         if (mod.name, v, sh) in self.groups)
         self._settle()
         effects, self._effects = self._effects, []
         return effects
@@ -642,17 +650,29 @@ class ReferenceCore:
             asked = mod.seed_asked.get(dc)
             if dc in reached:
                 if asked is None or asked[0] < v:
-                    mod.seed_asked[dc] = (v, "")
+                    mod.seed_asked[dc] = (v, "", self._now)
                 continue
             if asked is not None and asked[0] >= v and any(nodes[0].replica_id == asked[1] for nodes in by_dc[dc]):
                 continue  # asked already, and alive
             nodes = min(by_dc[dc], key=lambda ns: (
                 any(n.state in (S.READING, S.WAITING, S.DRAINING, S.OFFLOADING) for n in ns),
                 any(n.spot for n in ns), min(n.order for n in ns)))
-            mod.seed_asked[dc] = (v, nodes[0].replica_id)
+            mod.seed_asked[dc] = (v, nodes[0].replica_id, self._now)
             log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
             for n in sorted(nodes, key=lambda n: n.shard):
                 self._deliver(n.id, m.SeedAhead(version=v))
+
+    def _seed_pending(self, model: str, version: int) -> dict[str, str]:
+        """Datacenter -> asked seeder replica, where that seeder of ``version`` was asked less
+        than ``seed_wait_s`` ago: the datacenter's other readers wait for its copy (then read
+        it there) instead of crossing on their own; the seeder itself may cross (a client that
+        does not prefetch seeds in its own update). After that, the first reader crosses
+        (``tick`` re-pumps)."""
+        mod = self.models.get(model)
+        if mod is None or not mod.seed_asked:
+            return {}
+        return {dc: rid for dc, (v, rid, t) in mod.seed_asked.items()
+                if v == version and rid and self._now - t < self.config.seed_wait_s}
 
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""
@@ -711,7 +731,7 @@ class ReferenceCore:
 
         if complete_here(newest):
             return None
-        seeding = any(
+        seeding = dc in self._seed_pending(node.model, newest) or any(
             self.nodes[i].datacenter == dc and self.nodes[i].state in (S.READING, S.WAITING) and i != node.id
             for s in shards for i in self.groups.get((node.model, newest, s), ())
         )
@@ -958,7 +978,8 @@ class ReferenceCore:
                 if n.state in (S.WAITING, S.READING):
                     self._fail_read(n, lost)
             return
-        blocked_dcs: set[str] = set()
+        blocked_dcs = self._seed_pending(key[0], key[1])
+        passed_over = False
         # A host copy stands in for its owner's GPU copy only once the owner stops serving the
         # version: both live behind the owner's NIC, so serving from both would double its load
         # (and break the pipeline) instead of spreading it.
@@ -970,13 +991,19 @@ class ReferenceCore:
             src = scheduler.choose_source(
                 reader, candidates, downstream=self._downstream(reader),
                 readers_per_source_max=self.config.readers_per_source_max,
-                seeding_blocked=reader.datacenter in blocked_dcs,
+                seeding_blocked=reader.datacenter in blocked_dcs and not reader.stage_for
+                and blocked_dcs.get(reader.datacenter) != reader.replica_id,
             )
             if src is None:
-                blocked_dcs.add(reader.datacenter)
+                blocked_dcs.setdefault(reader.datacenter, "")
+                passed_over = True
                 continue
             self._attach(reader, src)
             self._deliver(reader.id, self._assignment(reader))
+            if passed_over:
+                # An earlier reader found no source; this one may now be its source (a seeder
+                # staging copy that started after it asked): look again.
+                self._touched.add(key)
 
     def _attach(self, reader: Node, src: Node) -> None:
         reader.state = S.READING

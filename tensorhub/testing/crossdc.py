@@ -1,0 +1,290 @@
+"""Cross-datacenter jobs on an emulated cluster with datacenters (tests and ``benchmarks/crossdc.py``).
+
+    RAY_ADDRESS=... python -m tensorhub.testing.crossdc SCENARIO --cluster NAME [--mib 16] ...
+
+Run as a driver inside an emulated cluster (:meth:`tensorhub.testing.cluster.EmulatedCluster.
+run_driver`): the trainer on datacenter 0's first host, readers on the other datacenters' hosts
+(one Ray actor each, on its own host). The driver attaches to the cluster's state file to read
+the inter-datacenter links' interface counters (bytes that really crossed) and to take a link
+down. Every scenario prints one JSON line; the tests assert on it.
+
+Scenarios:
+
+  seed       one version: every remote reader ``update("latest")`` until it holds it. Bytes
+             crossing each link, the readers' sources, seeders' ``prefetched`` flags.
+  skip       version 1 everywhere; version 2 published: while its seed is in flight, remote
+             readers' ``update("latest")`` return 1 with ``skipped_in_flight=2``; afterwards 2 is
+             read inside the datacenter.
+  seeder_dies  version 2's seeder dies mid-seed (its process: registered tensors and staging
+             copy) while another reader of its datacenter reads behind it: that reader finishes
+             (resuming from its own progress), exact bytes; how many bytes crossed.
+  link_down  the inter-datacenter link goes down mid-seed: readers keep getting the local version
+             or a typed error within ``request_timeout_s``; when it comes back they all get the
+             new version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import ray
+
+from tensorhub.errors import TensorHubError
+from tensorhub.testing import workload
+from tensorhub.testing.replica import Replica
+
+MODEL = "crossdc"
+CONFIG = dict(unit_bytes=256 << 10, heartbeat_interval_s=0.5, lease_timeout_s=30.0, source_stall_timeout_s=5.0,
+              request_timeout_s=30.0, versions_retained=3, same_host=False)
+
+
+class DcReplica(Replica):
+    """A replica that runs an engine's loop: generation steps and ``update("latest")``."""
+
+    def timed_update(self, spec="latest") -> dict:
+        t0 = time.perf_counter()
+        try:
+            st = self.hub.update(spec)
+        except TensorHubError as e:
+            return {"ok": False, "error": type(e).__name__, "wall_s": time.perf_counter() - t0,
+                    "message": str(e)[:300]}
+        out = self._stats(st)
+        out["ok"] = True
+        out["wall_s"] = time.perf_counter() - t0
+        return out
+
+    def engine_loop(self, duration_s: float, gen_s: float) -> list[dict]:
+        """Generation steps (sleeps) and ``update("latest")`` between them for ``duration_s``:
+        per update, when it ended, the version, how long it blocked and what it did."""
+        end = time.time() + duration_s
+        out = []
+        while time.time() < end:
+            time.sleep(gen_s)
+            r = self.timed_update("latest")
+            out.append({k: r.get(k) for k in ("ok", "error", "version", "wall_s", "action", "skipped_in_flight",
+                                              "prefetched", "cross_datacenter", "bytes", "done_at")}
+                       | {"t": time.time()})
+        return out
+
+    def publish_loop(self, first: int, count: int, step_s: float) -> list[tuple[int, float]]:
+        """The trainer: publish ``count`` versions from ``first``, one per ``step_s``."""
+        out = []
+        for v in range(first, first + count):
+            t0 = time.time()
+            self.publish(v)
+            out.append((v, time.time()))
+            time.sleep(max(0.0, step_s - (time.time() - t0)))
+        return out
+
+    def staged(self) -> Optional[int]:
+        stage = self.hub._stage
+        return None if stage is None else stage.version
+
+    def stage_reading(self) -> tuple[Optional[int], int]:
+        """The staging copy's (version being read or held, units in place)."""
+        stage = self.hub._stage
+        if stage is None or stage._region is None:
+            return None, 0
+        return stage._region.version, stage._region.progress
+
+
+Actor = ray.remote(num_cpus=0)(DcReplica)
+
+
+class Setup:
+    def __init__(self, args, config: Optional[dict] = None, per_dc_names: bool = False) -> None:
+        from tensorhub.testing.cluster import EmulatedCluster
+
+        self.cluster = EmulatedCluster.attach(args.cluster)
+        self.spec = workload.small_spec(args.mib << 20, big=4, tiny=8)
+        self.nbytes = workload.spec_bytes(self.spec)
+        dcs = self.cluster.spec.dc_sizes
+        self.config = dict(CONFIG, namespace=f"th-crossdc-{args.scenario}-{int(time.time() * 1000) % 10**8}",
+                           **(config or {}))
+        tag = args.scenario
+        self.trainer = Actor.options(name=f"tensorhub-replica-{MODEL}-{tag}-trainer", **self.cluster.on(0)).remote(
+            MODEL, self.spec, replica="trainer", datacenter="dc0", config=self.config)
+        self.readers: dict[int, list] = {}
+        for d in range(1, len(dcs)):
+            self.readers[d] = [
+                Actor.options(name=f"tensorhub-replica-{MODEL}-{tag}-r{k}", **self.cluster.on(k)).remote(
+                    MODEL, self.spec, replica=f"r{k}", datacenter=f"dc{k}" if per_dc_names else f"dc{d}",
+                    config=self.config)
+                for k in self.cluster.hosts_in_dc(d)]
+        ray.get([a.ping.remote() for a in self.all])
+
+    @property
+    def all(self) -> list:
+        return [self.trainer] + [r for rs in self.readers.values() for r in rs]
+
+    @property
+    def remote(self) -> list:
+        return [r for rs in self.readers.values() for r in rs]
+
+    def crossed(self) -> dict[int, int]:
+        """Bytes sent so far from datacenter 0 into each datacenter d (its link's counter)."""
+        return {b: t.a_to_b for (_a, b), t in self.cluster.link_bytes().items()}
+
+    def close(self) -> None:
+        for a in self.all:
+            try:
+                ray.get(a.close.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - teardown of a job that may have killed actors
+                pass
+
+
+def _until(fn, timeout_s: float, every_s: float = 0.1):
+    deadline = time.time() + timeout_s
+    while True:
+        v = fn()
+        if v or time.time() > deadline:
+            return v
+        time.sleep(every_s)
+
+
+def _everyone_at(s: "Setup", version: int, timeout_s: float = 120.0) -> dict[str, dict]:
+    """Every remote reader ``update("latest")`` until it holds ``version`` (skips answer the
+    local version meanwhile); returns each reader's last ReadStats, by client id."""
+    results = {}
+    for a in s.remote:
+        deadline = time.time() + timeout_s
+        while True:
+            r = ray.get(a.timed_update.remote("latest"))
+            if r.get("ok") and r["version"] == version:
+                results[ray.get(a.ping.remote())] = r
+                break
+            assert time.time() < deadline, r
+            time.sleep(0.2)
+    return results
+
+
+def seed(args) -> dict:
+    """Version 1 everywhere first (the first version has no local one to skip to); then version
+    2 is published and every remote reader updates until it holds it: what crossed, and how."""
+    s = Setup(args)
+    ray.get(s.trainer.publish.remote(1))
+    _everyone_at(s, 1)
+    time.sleep(1.0)  # background retention copies of version 1 settle
+    before = s.crossed()
+    digest = ray.get(s.trainer.publish.remote(2))
+    time.sleep(args.gen_s)  # the engines generate with version 1 meanwhile
+    results = _everyone_at(s, 2)
+    after = s.crossed()
+    out = {"scenario": "seed", "shard_bytes": s.nbytes, "dcs": len(s.readers) + 1,
+           "crossed": {str(d): after[d] - before[d] for d in after},
+           "digests_ok": all(r["digest"] == digest for r in results.values()),
+           "reads": [{"action": r["action"], "prefetched": r["prefetched"], "cross": r["cross_datacenter"],
+                      "wall_s": r["wall_s"], "sources": r["sources"]} for r in results.values()]}
+    s.close()
+    return out
+
+
+def skip(args) -> dict:
+    s = Setup(args)
+    ray.get(s.trainer.publish.remote(1))
+    for a in s.remote:
+        _until(lambda: ray.get(a.timed_update.remote("latest")).get("version") == 1, 120, 0.2)
+    before = s.crossed()
+    digest2 = ray.get(s.trainer.publish.remote(2))
+    t_pub = time.time()
+    during = []
+    first = s.readers[1]
+    # While version 2 crosses (seconds on the slow link), the engines keep updating.
+    while time.time() - t_pub < 60:
+        rs = ray.get([a.timed_update.remote("latest") for a in first])
+        during.append(rs)
+        if all(r.get("version") == 2 for r in rs):
+            break
+        time.sleep(0.2)
+    after = s.crossed()
+    out = {"scenario": "skip", "shard_bytes": s.nbytes, "crossed": {str(d): after[d] - before[d] for d in after},
+           "rounds": [[{k: r.get(k) for k in ("ok", "version", "action", "skipped_in_flight", "prefetched",
+                                               "cross_datacenter", "wall_s")} for r in rs] for rs in during],
+           "final_digests_ok": all(r.get("digest") == digest2 for r in during[-1])}
+    s.close()
+    return out
+
+
+def seeder_dies(args) -> dict:
+    """dc1's seeder (its staging copy) dies mid-seed while its sibling reads behind it."""
+    s = Setup(args, config={"smart_skipping": False})
+    ray.get(s.trainer.publish.remote(1))
+    first = s.readers[1]
+    for a in first:
+        _until(lambda: ray.get(a.timed_update.remote("latest")).get("version") == 1, 120, 0.2)
+    digest2 = ray.get(s.trainer.publish.remote(2))
+    seeder = _until(lambda: next((a for a in first if ray.get(a.staged.remote()) is not None
+                                  and ray.get(a.stage_reading.remote())[0] == 2), None), 30, 0.05)
+    assert seeder is not None, "no seeder started"
+    other = next(a for a in first if a is not seeder)
+    pending = other.timed_update.remote(2)  # reads behind the seed, in its datacenter
+    units = _until(lambda: ray.get(seeder.stage_reading.remote())[1] > 0, 30, 0.02)
+    time.sleep(0.5)
+    killed_at = ray.get(seeder.stage_reading.remote())[1]
+    ray.kill(seeder, no_restart=True)  # the seeder's process dies, staging copy and all
+    r = ray.get(pending, timeout=180)
+    crossed = s.crossed()
+    out = {"scenario": "seeder_dies", "shard_bytes": s.nbytes, "units_when_killed": killed_at,
+           "reader": {k: r.get(k) for k in ("ok", "error", "version", "sources", "failovers", "wall_s")},
+           "digest_ok": r.get("digest") == digest2, "crossed_total": crossed, "started": bool(units)}
+    s.close()
+    return out
+
+
+def link_down(args) -> dict:
+    """The inter-datacenter link goes down mid-seed, for ``--down-s`` seconds. dc1's engines
+    run their own loops meanwhile (the driver cannot reach them across the cut link either) and
+    report afterwards: each update's outcome and how long it blocked."""
+    s = Setup(args, config={"request_timeout_s": args.request_timeout_s, "source_stall_timeout_s": 3.0})
+    link = s.cluster._layout.links[0]  # noqa: SLF001 - the test harness owns the devices
+    ray.get(s.trainer.publish.remote(1))
+    first = s.readers[1]
+    _everyone_at(s, 1)
+    loops = [a.engine_loop.remote(args.down_s + args.recover_s + 2.0, 0.5) for a in first]
+    time.sleep(1.0)
+    digest2 = ray.get(s.trainer.publish.remote(2))
+    time.sleep(1.0)  # the seed is under way
+    down_at = time.time()
+    subprocess.run(["ip", "link", "set", "dev", link.end_a, "down"], check=True)
+    try:
+        time.sleep(args.down_s)
+    finally:
+        subprocess.run(["ip", "link", "set", "dev", link.end_a, "up"], check=True)
+    up_at = time.time()
+    records = ray.get(loops, timeout=args.down_s + args.recover_s + 4 * args.request_timeout_s + 60)
+    final = [ray.get(a.timed_update.remote("latest")) for a in first]
+    keep = ("ok", "error", "version", "action", "skipped_in_flight", "wall_s", "t")
+    out = {"scenario": "link_down", "down_s": args.down_s, "request_timeout_s": args.request_timeout_s,
+           "down_at": down_at, "up_at": up_at,
+           "records": [[{k: r.get(k) for k in keep} for r in rs] for rs in records],
+           "final": [{k: r.get(k) for k in ("ok", "error", "version")} for r in final],
+           "final_digests_ok": all(r.get("digest") == digest2 for r in final)}
+    s.close()
+    return out
+
+
+SCENARIOS = {"seed": seed, "skip": skip, "seeder_dies": seeder_dies, "link_down": link_down}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--cluster", required=True, help="the emulated cluster's name (its state file)")
+    ap.add_argument("--mib", type=int, default=16, help="shard size")
+    ap.add_argument("--down-s", type=float, default=15.0)
+    ap.add_argument("--recover-s", type=float, default=30.0, help="link_down: engine loops go on this long after")
+    ap.add_argument("--request-timeout-s", type=float, default=10.0, help="link_down: the handles' request_timeout_s")
+    ap.add_argument("--gen-s", type=float, default=3.0, help="seed: a generation step between publish and update")
+    args = ap.parse_args(argv)
+    ray.init(log_to_driver=False)
+    print(json.dumps(SCENARIOS[args.scenario](args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Cross-datacenter rules on an emulated cluster with three datacenters (marker ``cluster``):
+dc0 = the trainer's host, dc1 and dc2 = two reader hosts each, 1 Gbit/s inside a datacenter,
+100 Mbit/s with 20 ms between them. Bytes that crossed are read from the inter-datacenter links'
+interface counters, not from TensorHub. The jobs are :mod:`tensorhub.testing.crossdc`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tensorhub.testing.cluster_net import unavailable_reason
+
+_SKIP = unavailable_reason()
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+NAME = "thxdc"
+MIB = 16
+
+
+@pytest.fixture(scope="module")
+def dcs():
+    from tensorhub.testing.cluster import emulated_cluster
+
+    # The link-down test cuts the Ray control plane of dc1 too: the head must not declare its
+    # nodes dead within seconds (Ray's default node health check), as it would a lost host.
+    with pytest.MonkeyPatch.context() as mp, emulated_cluster(hosts=5, datacenters=[1, 2, 2], gbit=1.0, inter_dc_gbit=0.1, inter_dc_latency_ms=20,
+                          name=NAME, subnet="10.76.0.0/16",
+                          **_tolerant_health_checks(mp)) as c:
+        yield c
+
+
+def _tolerant_health_checks(mp) -> dict:
+    mp.setenv("RAY_health_check_period_ms", "1000")
+    mp.setenv("RAY_health_check_failure_threshold", "60")
+    return {}
+
+
+def _run(c, scenario, *args, timeout_s=300) -> dict:
+    p = c.run_driver([sys.executable, "-m", "tensorhub.testing.crossdc", scenario, "--cluster", NAME,
+                      "--mib", str(MIB), *args], timeout_s=timeout_s)
+    assert p.returncode == 0, f"{scenario} failed (rc={p.returncode}):\n{p.stderr[-4000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_one_copy_crosses_into_each_datacenter_and_the_seeders_update_is_local(dcs):
+    out = _run(dcs, "seed")
+    shard = out["shard_bytes"]
+    for d, crossed in out["crossed"].items():
+        assert shard <= crossed < 1.1 * shard, (d, crossed, shard)
+    assert out["digests_ok"]
+    reads = out["reads"]
+    assert sum(r["prefetched"] for r in reads) == 2, reads  # one seeder per remote datacenter
+    assert not any(r["cross"] for r in reads), reads  # nobody's update read across
+
+
+def test_smart_skipping_while_the_seed_crosses_then_the_new_version_is_read_locally(dcs):
+    out = _run(dcs, "skip")
+    rounds = out["rounds"]
+    skipped = [r for rs in rounds for r in rs if r["skipped_in_flight"] == 2]
+    assert skipped and all(r["version"] == 1 and r["action"] == "noop" for r in skipped), rounds
+    assert max(r["wall_s"] for r in skipped) < 0.5, skipped  # an engine is not held up by the seed
+    assert all(r["version"] == 2 and not r["cross_datacenter"] for r in rounds[-1]), rounds[-1]
+    assert out["final_digests_ok"]
+    assert out["crossed"]["1"] < 1.1 * out["shard_bytes"], out["crossed"]
+
+
+def test_a_seeder_dying_mid_seed_leaves_its_datacenter_reader_to_finish(dcs):
+    out = _run(dcs, "seeder_dies")
+    r = out["reader"]
+    assert r["ok"] and r["version"] == 2 and out["digest_ok"], out
+    assert r["failovers"] >= 1, out
+
+
+def test_the_inter_datacenter_link_going_down_blocks_no_engine_and_everything_recovers(dcs):
+    """dc1's link is cut for 12 s while version 2 is seeding: dc1's engines keep updating;
+    every update returns (version 1, skipped, or a typed error) within request_timeout_s plus
+    the time of the call it waited behind, and once the link is back they all reach version 2."""
+    out = _run(dcs, "link_down", "--down-s", "12", timeout_s=500)
+    limit = out["request_timeout_s"] * 2 + 5.0
+    for rs in out["records"]:
+        for r in rs:
+            assert r["wall_s"] < limit, r  # nothing hangs
+            assert (r["ok"] and r["version"] in (1, 2)) or r["error"], r
+        during = [r for r in rs if out["down_at"] <= r["t"] - r["wall_s"] and r["t"] <= out["up_at"]]
+        assert all(r["version"] == 1 or r["error"] for r in during), during
+    assert all(r["ok"] and r["version"] == 2 for r in out["final"]), out["final"]
+    assert out["final_digests_ok"]
