@@ -140,10 +140,7 @@ class _Metrics:
     def table(self, core: ReferenceCore) -> None:
         if self.requests is None:
             return
-        counts: dict[tuple[str, str], int] = {}
-        for n in core.nodes.values():
-            counts[(n.model, n.state.value)] = counts.get((n.model, n.state.value), 0) + 1
-        for (model, state), c in counts.items():
+        for (model, state), c in core.holder_counts().items():
             self.holders.set(c, tags={"model": model, "state": state})
         for model in core.models:
             avail = core.available(model)
