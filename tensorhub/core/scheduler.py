@@ -3,7 +3,7 @@
 Given a reader and the nodes holding or receiving the same (model, version, shard), pick the
 source, or none (the reader waits). Rules, in order:
 
-1. A candidate is complete and visible (PUBLISHED / OFFLOADING), or a partial holder
+1. A candidate is complete and visible (PUBLISHED; not OFFLOADING), or a partial holder
    (READING) that is not downstream of the reader and at least as far as the reader; a node some
    reader could not reach at all is no candidate until it talks to the server again. Sources
    the reader reported failed (``Node.suspects``) only when no other candidate is left.
