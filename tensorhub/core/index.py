@@ -84,8 +84,8 @@ class Group:
             yield from ids
 
     def free(self, dc: Optional[str], machine: str = "") -> Iterator[str]:
-        """Ids of free candidates, best rank first; in ``dc`` only (None: any) and on ``machine``
-        only (""; any)."""
+        """Ids of free candidates, best rank first: on ``machine`` only when it is not "" (in any
+        datacenter: the caller filters), else in ``dc`` only when it is not None, else all."""
         if machine:
             for _, nid in self.free_machine.get(machine, ()):
                 yield nid

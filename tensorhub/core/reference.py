@@ -22,6 +22,10 @@ Rules kept here (DESIGN.md section 1):
   reader reported failed gets only ``2.5 * heartbeat_interval_s`` to heartbeat again); readers of a
   dead source are reassigned and resume from their own progress; readers of a version no one
   holds any more fail with ``VersionLost``.
+
+No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
+counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
+owner and model, and its clients in the order they were last heard from (lease expiry).
 """
 
 from __future__ import annotations
