@@ -94,10 +94,11 @@ def is_blocking(request: m.Request) -> bool:
 
 
 def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now: float,
-                  tap=None) -> tuple[object, bool]:
+                  tap=None) -> tuple[object, set[str]]:
     """The part of serving one request that every server shares: a blocking request first drops
     events left from the previous one, the core answers, effects go to mailboxes, a leaving
-    client's mailbox is forgotten. Returns (reply, whether anybody got an event). ``tap(reply,
+    client's mailbox is forgotten. Returns (reply, the clients that got an event: wake only
+    the requests waiting for them). ``tap(reply,
     effects)`` sees both before they are routed (the simulator's checkers)."""
     client_id = getattr(request, "client_id", None)
     if client_id and is_blocking(request):
@@ -107,51 +108,67 @@ def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now:
     reply, effects = core.handle(request, now)
     if tap is not None:
         tap(reply, effects)
-    woken = bool(mail.route(effects))
+    woken = mail.route(effects)
     if isinstance(request, m.Leave) and isinstance(reply, m.Ok):
         mail.forget(request.client_id)
     return reply, woken
 
 
 class LocalPort:
-    """The core in this process, guarded by a lock; ticks on every call and from ``tick()``."""
+    """The core in this process, guarded by one lock; ticks on every call and from ``tick()``.
+    A blocking call waits on its client's own condition: an event wakes only the calls waiting
+    for that client (and each waiting call wakes every ``server_tick_s`` to tick the core)."""
 
     def __init__(self, config: Optional[Config] = None, core: Optional[ReferenceCore] = None) -> None:
         self.config = config or Config()
         self.core = core or ReferenceCore(self.config)
         self.mail = Mailboxes()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        self._waiters: dict[str, _Waiter] = {}
 
     def _apply(self, effects: list[m.Deliver]) -> None:
-        if self.mail.route(effects):
-            self._cv.notify_all()
+        self._wake(self.mail.route(effects))
+
+    def _wake(self, client_ids) -> None:
+        for cid in client_ids:
+            w = self._waiters.get(cid)
+            if w is not None:
+                w.cond.notify_all()
 
     def tick(self) -> None:
-        with self._cv:
+        with self._lock:
             self._apply(self.core.tick(time.monotonic()))
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
-        with self._cv:
+        with self._lock:
             client_id = getattr(request, "client_id", None)
             self._apply(self.core.tick(time.monotonic()))
             reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
-            if woken:
-                self._cv.notify_all()
+            self._wake(woken)
             if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
                 return reply
             deadline = time.monotonic() + wait_s
-            while True:
-                ev = self.mail.pop_terminal(client_id)
-                if ev is not None:
-                    return ev
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return reply
-                self._cv.wait(min(left, self.config.server_tick_s))
-                self._apply(self.core.tick(time.monotonic()))
+            w = self._waiters.get(client_id)
+            if w is None:
+                w = self._waiters[client_id] = _Waiter(threading.Condition(self._lock))
+            w.calls += 1
+            try:
+                while True:
+                    ev = self.mail.pop_terminal(client_id)
+                    if ev is not None:
+                        return ev
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return reply
+                    w.cond.wait(min(left, self.config.server_tick_s))
+                    self._apply(self.core.tick(time.monotonic()))
+            finally:
+                w.calls -= 1
+                if not w.calls:
+                    del self._waiters[client_id]
 
     def notes(self, client_id: str) -> list:
-        with self._cv:
+        with self._lock:
             return self.mail.pop_background(client_id)
 
     def reconnect(self) -> None:
@@ -163,7 +180,17 @@ class LocalPort:
     def restart(self) -> None:
         """Replace the core by a fresh one, as if the server died and a new one started:
         every client is unknown until it re-announces."""
-        with self._cv:
+        with self._lock:
             self.core = ReferenceCore(self.config)
             self.mail = Mailboxes()
-            self._cv.notify_all()
+            self._wake(list(self._waiters))
+
+
+class _Waiter:
+    """The blocking calls of one client waiting in a :class:`LocalPort`."""
+
+    __slots__ = ("cond", "calls")
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond = cond
+        self.calls = 0

@@ -113,7 +113,7 @@ def test_update_retry_after_version_lost_stays_in_its_round():
     # the trainer dies before shard 0 reads v2 (its heartbeats stop, the cluster manager says so)
     for (h, _) in trainer:
         h._hb_stop.set()
-    with port._cv:
+    with port._lock:
         port._apply(port.core.declare_dead([h.client_id for h, _ in trainer], time.monotonic(), "test"))
     with pytest.raises(errors.VersionLost):
         a[0][0].update("latest")

@@ -34,14 +34,16 @@ class ReferenceServer:
         self.config = Config(**config)
         self.core = ReferenceCore(self.config)
         self.mail = Mailboxes()
-        self._cond: Optional[asyncio.Condition] = None
+        self._waiters: dict[str, _Waiter] = {}
+        """Blocking calls waiting for an event, by client: an event wakes only its client's."""
+        self._started = False
         self._ticker: Optional[asyncio.Task] = None
         self._metrics = _Metrics()
         self._liveness = RayLiveness()
         self._swept_at = float("-inf")
 
     async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
-        cond = self._start()
+        self._start()
         req = m.decode_request(data)
         client_id = getattr(req, "client_id", None)
         if isinstance(req, m.SourceFailed):
@@ -49,32 +51,50 @@ class ReferenceServer:
             await self._sweep(targeted=(req.source_id,))
         elif isinstance(req, m.Replicate) and time.monotonic() - self._swept_at > self.config.liveness_check_s / 2:
             await self._sweep()
-        async with cond:
-            reply, woken = apply_request(self.core, self.mail, req, time.monotonic())
-            if woken:
-                cond.notify_all()
-            self._metrics.request(type(req).__name__, reply)
-            if isinstance(req, (m.Publish, m.ReplicateDone)):
-                # A version can come and go between two ticks (a short job): record it now too.
-                self._metrics.table(self.core)
-            if isinstance(reply, m.Waiting) and wait_s > 0 and client_id:
-                deadline = time.monotonic() + wait_s
-                while (ev := self.mail.pop_terminal(client_id)) is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    try:
-                        await asyncio.wait_for(cond.wait(), timeout=left)
-                    except asyncio.TimeoutError:
-                        pass
-                if ev is not None:
-                    reply = ev
+        # The core runs between two awaits: one event loop, no lock needed.
+        reply, woken = apply_request(self.core, self.mail, req, time.monotonic())
+        self._wake(woken)
+        self._metrics.request(type(req).__name__, reply)
+        if isinstance(req, (m.Publish, m.ReplicateDone)):
+            # A version can come and go between two ticks (a short job): record it now too.
+            self._metrics.table(self.core)
+        if isinstance(reply, m.Waiting) and wait_s > 0 and client_id:
+            ev = await self._wait_terminal(client_id, time.monotonic() + wait_s)
+            if ev is not None:
+                reply = ev
         return m.encode(reply)
 
+    async def _wait_terminal(self, client_id: str, deadline: float):
+        """The next terminal event of ``client_id`` before ``deadline``, or None."""
+        w = self._waiters.get(client_id)
+        if w is None:
+            w = self._waiters[client_id] = _Waiter()
+        w.calls += 1
+        try:
+            while True:
+                w.event.clear()  # before looking: a later event sets it again
+                ev = self.mail.pop_terminal(client_id)
+                left = deadline - time.monotonic()
+                if ev is not None or left <= 0:
+                    return ev
+                try:
+                    await asyncio.wait_for(w.event.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            w.calls -= 1
+            if not w.calls:
+                del self._waiters[client_id]
+
+    def _wake(self, client_ids) -> None:
+        for cid in client_ids:
+            w = self._waiters.get(cid)
+            if w is not None:
+                w.event.set()
+
     async def notes(self, client_id: str) -> list[bytes]:
-        cond = self._start()
-        async with cond:
-            return [m.encode(e) for e in self.mail.pop_background(client_id)]
+        self._start()
+        return [m.encode(e) for e in self.mail.pop_background(client_id)]
 
     async def status(self, model: str = "") -> bytes:
         return m.encode(self.core.status(model))
@@ -83,15 +103,13 @@ class ReferenceServer:
         self._start()
         return "ok"
 
-    def _start(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
-        return self._cond
 
     def _route(self, effects: list[m.Deliver]) -> None:
-        if self.mail.route(effects):
-            self._cond.notify_all()
+        self._wake(self.mail.route(effects))
 
     async def _sweep(self, targeted: tuple[str, ...] = ()) -> None:
         """Ask Ray which clients' processes are gone (off the event loop) and remove them."""
@@ -100,23 +118,30 @@ class ReferenceServer:
         self._swept_at = time.monotonic()
         processes = self.core.processes()
         gone = await asyncio.to_thread(self._liveness.gone, processes, targeted)
-        if gone:
-            async with self._cond:
-                for cid, why in sorted(gone.items()):
-                    log.info("client %s is gone: %s", cid, why)
-                    self._route(self.core.declare_dead([cid], time.monotonic(), f"process gone: {why}"))
+        for cid, why in sorted(gone.items()):
+            log.info("client %s is gone: %s", cid, why)
+            self._route(self.core.declare_dead([cid], time.monotonic(), f"process gone: {why}"))
 
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.server_tick_s)
-            async with self._cond:
-                self._route(self.core.tick(time.monotonic()))
-                self._metrics.table(self.core)
+            self._route(self.core.tick(time.monotonic()))
+            self._metrics.table(self.core)
             if self.config.liveness_check_s > 0 and time.monotonic() - self._swept_at >= self.config.liveness_check_s:
                 try:
                     await self._sweep()
                 except Exception:  # noqa: BLE001 - liveness is best effort; leases remain
                     log.warning("liveness sweep failed", exc_info=True)
+
+
+class _Waiter:
+    """The blocking calls of one client waiting in the server."""
+
+    __slots__ = ("event", "calls")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.calls = 0
 
 
 class _Metrics:
@@ -140,10 +165,7 @@ class _Metrics:
     def table(self, core: ReferenceCore) -> None:
         if self.requests is None:
             return
-        counts: dict[tuple[str, str], int] = {}
-        for n in core.nodes.values():
-            counts[(n.model, n.state.value)] = counts.get((n.model, n.state.value), 0) + 1
-        for (model, state), c in counts.items():
+        for (model, state), c in core.holder_counts().items():
             self.holders.set(c, tags={"model": model, "state": state})
         for model in core.models:
             avail = core.available(model)

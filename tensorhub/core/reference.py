@@ -22,16 +22,23 @@ Rules kept here (DESIGN.md section 1):
   reader reported failed gets only ``2.5 * heartbeat_interval_s`` to heartbeat again); readers of a
   dead source are reassigned and resume from their own progress; readers of a version no one
   holds any more fail with ``VersionLost``.
+
+No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
+counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
+owner and model, and its clients in the order they were last heard from (lease expiry).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import logging
-from typing import Optional
+from typing import Iterable, Optional
 
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core import scheduler, versions
+from tensorhub.core.index import Group, Index
 from tensorhub.core.state import COMPLETE, LEGAL, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import (
     InvalidState,
@@ -58,6 +65,8 @@ _SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
 SERVABLE_OR_READING = frozenset({S.PUBLISHED, S.OFFLOADING, S.READING, S.WAITING})
 """A datacenter with a node of a version in one of these states has (or is getting) it."""
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
+_NO_GROUP = Group()
+"""Stands for a group with no node (never written)."""
 
 
 class _Model:
@@ -93,6 +102,21 @@ class ReferenceCore:
         self._window_closed = True
         self._pending_edges: dict[str, set[str]] = {}
         """After a restart: announced readers whose source has not announced itself yet."""
+        # Indexes, so that no request scans the table (tensorhub/core/index.py):
+        self.index = Index(self.config.readers_per_source_max)
+        self._shards: dict[tuple[str, str, int], str] = {}
+        """(model, replica, shard) -> the client holding that shard (host copies excluded)."""
+        self._replicas: dict[tuple[str, str], set[str]] = {}
+        """(model, replica) -> its clients (host copies excluded)."""
+        self._model_nodes: collections.Counter = collections.Counter()
+        """model -> nodes (host copies included)."""
+        self._model_hosts: collections.Counter = collections.Counter()
+        """model -> host copies."""
+        self._hosts_of: dict[str, set[str]] = {}
+        """client -> the host copies it serves."""
+        self._lease: dict[str, None] = {}
+        """Clients (host copies excluded) in the order they were last heard from, oldest first:
+        ``now`` never decreases, so moving a client to the end on each request keeps it sorted."""
 
     # ------------------------------------------------------------------ driver interface
 
@@ -111,7 +135,7 @@ class ReferenceCore:
                 node = self.nodes.get(client_id)
                 if node is None or node.host:
                     raise UnknownClient(f"client {client_id} is not registered (expired, or the server restarted)")
-                node.last_seen = now
+                self._seen(node, now)
                 node.unreachable = False  # it talks to us: alive, reachable from somewhere
                 if node.state is S.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
@@ -148,12 +172,17 @@ class ReferenceCore:
         lease = self.config.lease_timeout_s
         probe = 2.5 * self.config.heartbeat_interval_s
         dead_replicas = set()
-        for n in self.nodes.values():
-            if n.host:
-                continue
-            if n.suspected_at is not None and n.last_seen > n.suspected_at:
+        for cid in self._lease:  # oldest first: stop at the first one still within its lease
+            n = self.nodes[cid]
+            if now - n.last_seen <= lease:
+                break
+            dead_replicas.add((n.model, n.replica_id))
+        for cid in list(self.index.suspected()):
+            n = self.nodes[cid]
+            if n.last_seen > n.suspected_at:
                 n.suspected_at = None  # it heartbeated since it was reported: alive after all
-            if now - n.last_seen > lease or (n.suspected_at is not None and now - n.suspected_at > probe):
+                self.index.mark(n)
+            elif now - n.suspected_at > probe:
                 dead_replicas.add((n.model, n.replica_id))
         for model, replica in sorted(dead_replicas):
             log.info("model=%s replica=%s lease expired or reported dead: removing the replica", model, replica)
@@ -163,9 +192,11 @@ class ReferenceCore:
                 # VersionLost was held back during the window: re-check every read group once.
                 self._window_closed = True
                 self._touched.update(n.key for n in self.nodes.values() if n.state in (S.WAITING, S.READING))
-            for node in sorted(self.nodes.values(), key=lambda n: n.order):
+            pending = self.index.awaiting() | self.index.draining()
+            for node in sorted((self.nodes[i] for i in pending), key=lambda n: n.order):
                 if node.awaiting_source is not None:
                     node.awaiting_source = None  # its source never came back: schedule it anew
+                    self.index.mark(node)
                     self._pending_edges.clear()
                     self._touched.add(node.key)
                 if node.state is S.DRAINING and not node.readers:
@@ -196,6 +227,11 @@ class ReferenceCore:
         self._settle()
         effects, self._effects = self._effects, []
         return effects
+
+    def holder_counts(self) -> dict[tuple[str, str], int]:
+        """Nodes by (model, state value), kept by the index (no scan of the table)."""
+        self.index.flush()
+        return dict(self.index.state_counts)
 
     def processes(self) -> dict[str, m.ProcessId]:
         """The process of every registered client (host copies excluded)."""
@@ -253,8 +289,7 @@ class ReferenceCore:
             raise InvalidState(f"client {req.client_id} is already registered with other parameters")
         self._check_registration(req)
         if req.num_shards > 1 and now < self._recovering_until:
-            present = sum(1 for n in self.nodes.values()
-                          if not n.host and n.model == req.model and n.replica_id == req.replica_id)
+            present = len(self._replicas.get((req.model, req.replica_id), ()))
             if present < req.num_shards - 1:
                 # After a restart the replica's rounds are known only from its shards'
                 # announcements: a fresh process waits for them to count on with its siblings.
@@ -278,8 +313,8 @@ class ReferenceCore:
             return 0
         newest = max(k[2] for k in keys)
         version = self.txns[(req.model, req.replica_id, newest)][1]
-        inside = any(n.model == req.model and n.replica_id == req.replica_id and not n.host and n.shard != req.shard
-                     and n.state in (S.WAITING, S.READING) and n.version == version for n in self.nodes.values())
+        inside = any(n.shard != req.shard and n.state in (S.WAITING, S.READING) and n.version == version
+                     for n in self._replica_nodes(req.model, req.replica_id))
         return newest - 1 if inside else newest
 
     def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
@@ -294,7 +329,7 @@ class ReferenceCore:
             self._recovering_until = max(self._recovering_until, self._born + self.config.lease_timeout_s)
             self._window_closed = False
         node = self.nodes[reg.client_id]
-        node.last_seen = now
+        self._seen(node, now)
         if hold.published is not None and node.state is S.IDLE:
             self._set_version(node, hold.published, S.PUBLISHED, node.units)
             self._maybe_commit(node)
@@ -305,6 +340,7 @@ class ReferenceCore:
             self._set_version(node, hold.reading_version, S.WAITING, max(0, min(hold.reading_units, node.units)))
             self._stamp += 1
             node.stamp = self._stamp
+            self.index.mark(node)
             src = self.nodes.get(hold.reading_source)
             if src is not None and src.version == hold.reading_version and src.state is not S.IDLE:
                 self._attach(node, src)
@@ -312,11 +348,13 @@ class ReferenceCore:
                 # Its source has not announced yet: wait for it (it may bring the edge back). One
                 # that announced already without this version is no source: queue normally.
                 node.awaiting_source = hold.reading_source
+                self.index.mark(node)
                 self._pending_edges.setdefault(hold.reading_source, set()).add(node.id)
         for rid in sorted(self._pending_edges.pop(node.id, ())):
             reader = self.nodes.get(rid)
             if reader is not None and reader.state is S.WAITING and reader.awaiting_source == node.id:
                 reader.awaiting_source = None
+                self.index.mark(reader)
                 if reader.version == node.version:
                     self._attach(reader, node)
         for version, endpoint in hold.host_copies:
@@ -337,9 +375,8 @@ class ReferenceCore:
     def _round_completed(self, node: Node, txn: tuple[object, int, set[int]]) -> bool:
         """Whether a sibling shard of ``node`` that took ``txn``'s version holds all of it."""
         _, version, consumed = txn
-        return any(n.model == node.model and n.replica_id == node.replica_id and not n.host and n.id != node.id
-                   and n.shard in consumed and n.version == version and n.state in COMPLETE
-                   for n in self.nodes.values())
+        return any(n.id != node.id and n.shard in consumed and n.version == version and n.state in COMPLETE
+                   for n in self._replica_nodes(node.model, node.replica_id))
 
     def _on_Heartbeat(self, req: m.Heartbeat, now: float) -> m.Reply:
         return m.Ok()
@@ -390,12 +427,14 @@ class ReferenceCore:
     def _on_SourceFailed(self, req: m.SourceFailed, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         node.progress = max(0, min(req.units_done, node.units))
+        self.index.mark(node)
         node.failed_gone = req.source_id not in self.nodes
         if node.state is S.WAITING:
             if node.awaiting_source == req.source_id:
                 # Announced after a restart as reading from this source, which it has since found
                 # failed: do not restore that edge when the source announces; schedule anew.
                 node.awaiting_source = None
+                self.index.mark(node)
                 node.suspects.add(req.source_id)
                 self._touched.add(node.key)
             return m.Waiting(version=node.version)
@@ -407,6 +446,7 @@ class ReferenceCore:
         src = self.nodes.get(req.source_id)
         if src is not None and not src.host and src.suspected_at is None:
             src.suspected_at = now
+            self.index.mark(src)
         if src is not None and req.unreachable:
             src.unreachable = True
         self._detach_from_source(node)
@@ -416,6 +456,7 @@ class ReferenceCore:
     def _on_Progress(self, req: m.Progress, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         node.progress = max(node.progress, min(req.units_done, node.units))
+        self.index.mark(node)
         return m.Ok()
 
     def _on_ReplicateDone(self, req: m.ReplicateDone, now: float) -> m.Reply:
@@ -443,6 +484,7 @@ class ReferenceCore:
         self._detach_from_source(node)
         node.suspects.clear()
         node.awaiting_source = None
+        self.index.mark(node)
         self._maybe_commit(node)
         self._ask_host_copy(node)
 
@@ -453,11 +495,11 @@ class ReferenceCore:
             return
         if node.version not in self.retained(node.model):
             return
-        for nid in self.groups.get(node.key, ()):
-            other = self.nodes[nid]
-            if other.host or (other.copy_asked == node.version and other.id != node.id):
-                return
+        g = self.index.group(node.key)
+        if g is not None and (g.hosts or g.asked - {node.id}):
+            return
         node.copy_asked = node.version
+        self.index.mark(node)
         self._deliver(node.id, m.MakeHostCopy(version=node.version))
 
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
@@ -480,8 +522,9 @@ class ReferenceCore:
         node = self.nodes[req.client_id]
         wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
                   and req.version in self.retained(node.model)
-                  and not any(self.nodes[n].host for n in self.groups.get(node.key, ())))
+                  and not self._group(node.key).hosts)
         node.copy_asked = -1
+        self.index.mark(node)
         if wanted:
             self._add_host_copy(node, req.version, req.endpoint)
         else:
@@ -514,9 +557,9 @@ class ReferenceCore:
             known = mod.layouts.get(req.shard)
             if known is not None and (known.fingerprint, known.unit_count) != (req.layout.fingerprint, req.layout.unit_count):
                 raise LayoutMismatch(f"{req.model} shard {req.shard}: {_first_difference(known, req.layout)}")
-        for n in self.nodes.values():
-            if not n.host and (n.model, n.replica_id, n.shard) == (req.model, req.replica_id, req.shard):
-                raise ShardTaken(f"{req.model} replica {req.replica_id} shard {req.shard} is held by client {n.id}")
+        holder = self._shards.get((req.model, req.replica_id, req.shard))
+        if holder is not None:
+            raise ShardTaken(f"{req.model} replica {req.replica_id} shard {req.shard} is held by client {holder}")
 
     def _add_node(self, req: m.Register, now: float) -> Node:
         mod = self.models.get(req.model)
@@ -531,6 +574,11 @@ class ReferenceCore:
             process=req.process, machine=req.machine, stage_for=req.stage_for,
         )
         self.nodes[node.id] = node
+        self._shards[(node.model, node.replica_id, node.shard)] = node.id
+        self._replicas.setdefault((node.model, node.replica_id), set()).add(node.id)
+        self._model_nodes[node.model] += 1
+        self._lease[node.id] = None
+        self.index.mark(node)
         return node
 
     def _registration_of(self, n: Node) -> m.Register:
@@ -553,6 +601,9 @@ class ReferenceCore:
             machine=owner.machine,
         )
         self.nodes[hid] = host
+        self._model_nodes[host.model] += 1
+        self._model_hosts[host.model] += 1
+        self._hosts_of.setdefault(owner.id, set()).add(hid)
         self._set_version(host, version, S.PUBLISHED, host.units)
         self._maybe_commit(host)
         log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
@@ -568,6 +619,7 @@ class ReferenceCore:
                     del self.groups[node.key]
             self._touched.add(node.key)
         node.version, node.state, node.progress = version, state, progress
+        self.index.mark(node)
         if version >= 0:
             self.groups.setdefault(node.key, set()).add(node.id)
             self._touched.add(node.key)
@@ -575,7 +627,8 @@ class ReferenceCore:
     def _has_visible(self, model: str, version: int, shard: int) -> bool:
         """A source now, or one about to publish a host copy (OFFLOADING): a reader resolving
         to such a version waits a moment for the copy instead of failing."""
-        return any(self.nodes[i].state in _SERVABLE for i in self.groups.get((model, version, shard), ()))
+        g = self._group((model, version, shard))
+        return any(g.counts[s] for s in _SERVABLE)
 
     def _maybe_commit(self, node: Node) -> None:
         """Commit ``node``'s version once every shard of its replica holds it complete and visible.
@@ -590,12 +643,14 @@ class ReferenceCore:
             return
         replica = owner.replica_id
         covered = set()
-        for n in self.nodes.values():
-            if n.model != node.model or n.version != v or n.state not in VISIBLE_SOURCE:
-                continue
-            n_owner = self.nodes.get(n.owner) if n.host else n
-            if n_owner is not None and n_owner.replica_id == replica:
-                covered.add(n.shard)
+        for shard in range(mod.num_shards):  # the holders of v before it commits: a few
+            for i in self.groups.get((node.model, v, shard), ()):
+                n = self.nodes[i]
+                if n.state not in VISIBLE_SOURCE:
+                    continue
+                n_owner = self.nodes.get(n.owner) if n.host else n
+                if n_owner is not None and n_owner.replica_id == replica:
+                    covered.add(n.shard)
         if len(covered) == mod.num_shards:
             self._commit(node.model, v, replica)
 
@@ -638,14 +693,15 @@ class ReferenceCore:
                 held = held or n.state in _SERVABLE
         if not held:
             return  # nothing to seed from (yet, or any more)
-        replicas: dict[tuple[str, str], list[Node]] = {}
-        for n in self.nodes.values():
-            if n.model == model and not n.host and not n.stage_for and (dcs is None or n.datacenter in dcs):
-                replicas.setdefault((n.datacenter, n.replica_id), []).append(n)
         by_dc: dict[str, list[list[Node]]] = {}
-        for (dc, _rid), nodes in replicas.items():
-            if len(nodes) == mod.num_shards:
-                by_dc.setdefault(dc, []).append(nodes)
+        for (mo, _rid), ids in self._replicas.items():
+            if mo != model or len(ids) != mod.num_shards:
+                continue
+            nodes = [self.nodes[i] for i in ids]
+            dc = nodes[0].datacenter
+            if nodes[0].stage_for or (dcs is not None and dc not in dcs) or any(n.datacenter != dc for n in nodes):
+                continue
+            by_dc.setdefault(dc, []).append(nodes)
         for dc in sorted(by_dc):
             asked = mod.seed_asked.get(dc)
             if dc in reached:
@@ -709,9 +765,8 @@ class ReferenceCore:
             if skipped is not None:
                 node.in_flight = avail[-1]
                 return skipped
-        if not mod.committed and not any(
-            n.model == node.model and n.replica_id != node.replica_id for n in self.nodes.values()
-        ):
+        others = self._model_nodes[node.model] - len(self._replicas.get((node.model, node.replica_id), ()))
+        if not mod.committed and not others:
             raise UnknownModel(f"{node.model}: no other replica of this model is registered")
         return versions.resolve(spec, node.model, avail, mod.forgotten_below)
 
@@ -723,24 +778,23 @@ class ReferenceCore:
         shards = range(self.models[node.model].num_shards)
 
         def complete_here(v: int) -> bool:
-            return all(
-                any(self.nodes[i].datacenter == dc and self.nodes[i].state in VISIBLE_SOURCE
-                    for i in self.groups.get((node.model, v, s), ()))
-                for s in shards
-            )
+            return all(self._group((node.model, v, s)).visible_dc[dc] > 0 for s in shards)
 
         if complete_here(newest):
             return None
-        seeding = dc in self._seed_pending(node.model, newest) or any(
-            self.nodes[i].datacenter == dc and self.nodes[i].state in (S.READING, S.WAITING) and i != node.id
-            for s in shards for i in self.groups.get((node.model, newest, s), ())
-        )
-        if not seeding:
+        local = next((v for v in reversed(avail[:-1]) if complete_here(v)), None)
+        if local is None:
             return None
-        for v in reversed(avail[:-1]):
-            if complete_here(v):
-                return v
-        return None
+        # Something newer than ``local`` is on its way into this datacenter: a seed asked of a
+        # replica here, or a read under way (the reader's own read aside).
+
+        def active_here(v: int, s: int) -> int:
+            me = 1 if (node.version == v and s == node.shard and node.state in (S.READING, S.WAITING)) else 0
+            return self._group((node.model, v, s)).active_dc[dc] - me
+
+        seeding = dc in self._seed_pending(node.model, newest) or any(
+            active_here(v, s) > 0 for v in avail if v > local for s in shards)
+        return local if seeding else None
 
     def _resolve_in_txn(self, node: Node, req: m.Replicate) -> int:
         if node.num_shards == 1:
@@ -748,8 +802,7 @@ class ReferenceCore:
         key = (node.model, node.replica_id, req.seq)
         txn = self.txns.get(key)
         if txn is None:
-            present = sum(1 for n in self.nodes.values()
-                          if not n.host and n.model == node.model and n.replica_id == node.replica_id)
+            present = len(self._replicas.get((node.model, node.replica_id), ()))
             if present < node.num_shards:
                 # After a restart a sibling may not have re-announced the version it got in this
                 # round yet; resolving now could split the transaction.
@@ -783,8 +836,7 @@ class ReferenceCore:
     def _consumer_unaccounted(self, node: Node, consumed: set[int]) -> bool:
         """A sibling shard that took this round's version is not registered right now (evicted,
         or not re-announced yet): it may still hold the version, so the round must not move."""
-        present = {n.shard for n in self.nodes.values()
-                   if not n.host and n.model == node.model and n.replica_id == node.replica_id}
+        present = {n.shard for n in self._replica_nodes(node.model, node.replica_id)}
         return any(sh != node.shard and sh not in present for sh in consumed)
 
     def _round_version_held(self, node: Node, version: int) -> bool:
@@ -792,10 +844,9 @@ class ReferenceCore:
         ``node``'s replica holds or receives it (or will, once its drain or offload ends)."""
         if version in self.available(node.model):
             return True
-        return any(n.model == node.model and n.replica_id == node.replica_id and n.shard != node.shard
-                   and not n.host and ((n.version == version and n.state is not S.IDLE)
-                                       or (n.pending_read is not None and n.pending_read[0] == version))
-                   for n in self.nodes.values())
+        return any(n.shard != node.shard and ((n.version == version and n.state is not S.IDLE)
+                                              or (n.pending_read is not None and n.pending_read[0] == version))
+                   for n in self._replica_nodes(node.model, node.replica_id))
 
     # ------------------------------------------------------------------ unpublish, drain, offload
 
@@ -811,10 +862,10 @@ class ReferenceCore:
     def _last_copies(self, node: Node) -> list[int]:
         """Retained versions of which ``node`` (or a host copy it serves) is the last live non-spot
         copy, while clients other than ``node`` remain in its model (else nobody could read them)."""
-        if not any(n.model == node.model and not n.host and n.id != node.id for n in self.nodes.values()):
-            return []
+        if self._model_nodes[node.model] - self._model_hosts[node.model] <= 1:
+            return []  # node is the model's only client
         retained = self.retained(node.model)
-        mine = [node] + [n for n in self.nodes.values() if n.owner == node.id]
+        mine = [node] + [self.nodes[h] for h in self._hosts_of.get(node.id, ())]
         held = set()
         for n in mine:
             if n.spot or n.version not in retained or n.state not in COMPLETE:
@@ -841,6 +892,7 @@ class ReferenceCore:
 
     def _drain(self, node: Node) -> None:
         node.state = S.DRAINING
+        self.index.mark(node)
         self._touched.add(node.key)
         if not node.readers:
             self._finish_drain(node)
@@ -855,6 +907,7 @@ class ReferenceCore:
         version (checked now, not at unpublish time: the readers just drained are holders now)."""
         if not node.host and self._needs_offload(node):
             node.state = S.OFFLOADING
+            self.index.mark(node)
             log.info("model=%s version=%d shard=%d %s holds the last non-spot copy: offload first",
                      node.model, node.version, node.shard, node.id)
             self._deliver(node.id, m.OffloadOrder(version=node.version))
@@ -865,7 +918,7 @@ class ReferenceCore:
         version = node.version
         self._set_version(node, -1, S.IDLE, 0)
         if node.host:
-            del self.nodes[node.id]
+            self._forget_node(node)
             if node.owner in self.nodes:
                 self._deliver(node.owner, m.DropHostCopy(version=version))
             return
@@ -883,10 +936,12 @@ class ReferenceCore:
         node.suspects.clear()
         self._stamp += 1
         node.stamp = self._stamp
+        self.index.mark(node)
 
     def _wait(self, node: Node) -> None:
         node.state = S.WAITING
         node.source = None
+        self.index.mark(node)
         self._touched.add(node.key)
 
     def _detach_from_source(self, node: Node) -> None:
@@ -894,6 +949,7 @@ class ReferenceCore:
         node.source = None
         if src is not None:
             src.readers.discard(node.id)
+            self.index.mark(src)
             self._touched.add(src.key)
             if src.state is S.DRAINING and not src.readers:
                 self._finish_drain(src)
@@ -962,34 +1018,37 @@ class ReferenceCore:
                 log.info("model=%s version=%d lost: no holder of some shard is left", model, version)
 
     def _pump(self, key: Key) -> None:
-        ids = self.groups.get(key)
-        if not ids:
-            return
-        members = [self.nodes[i] for i in ids]
-        waiting = sorted((n for n in members if n.state is S.WAITING), key=lambda n: n.stamp)
-        if not waiting and not any(n.state is S.READING for n in members):
+        """Assign the waiting readers of one group, FIFO. Cost: the readers assigned plus those
+        looked at while some source is still free (none once every source is busy)."""
+        g = self.index.group(key)
+        if g is None or (not g.waiting and not g.counts[S.READING]):
             return
         recovering = self._now < self._recovering_until
-        if not recovering and not any(n.state in COMPLETE for n in members):
+        if not recovering and not g.complete():
             # Every chain of partial holders roots at a complete one; with none left, no
             # reader of this group can finish.
             lost = VersionLost(f"{key[0]} version {key[1]} shard {key[2]}: no holder is left")
-            for n in sorted(members, key=lambda n: n.stamp):
+            for n in sorted((self.nodes[i] for i in self.groups.get(key, ())), key=lambda n: n.stamp):
                 if n.state in (S.WAITING, S.READING):
                     self._fail_read(n, lost)
             return
         blocked_dcs = self._seed_pending(key[0], key[1])
         passed_over = False
-        # A host copy stands in for its owner's GPU copy only once the owner stops serving the
-        # version: both live behind the owner's NIC, so serving from both would double its load
-        # (and break the pipeline) instead of spreading it.
-        candidates = [n for n in members
-                      if not (n.host and n.owner in ids and self.nodes[n.owner].state in VISIBLE_SOURCE)]
-        for reader in waiting:
+        pool = _GroupPool(self, key)
+        after: tuple = ()
+        while True:
+            g = self.index.group(key)
+            if g is None or not (g.free_all or g.staged):
+                return  # every source is busy: no reader can be assigned (rules 2 and 4)
+            i = bisect.bisect_right(g.waiting, after)
+            if i == len(g.waiting):
+                return
+            after = g.waiting[i]
+            reader = self.nodes[after[1]]
             if reader.awaiting_source is not None:
                 continue
             src = scheduler.choose_source(
-                reader, candidates, downstream=self._downstream(reader),
+                reader, pool, downstream=self._downstream(reader),
                 readers_per_source_max=self.config.readers_per_source_max,
                 seeding_blocked=reader.datacenter in blocked_dcs and not reader.stage_for
                 and blocked_dcs.get(reader.datacenter) != reader.replica_id,
@@ -1010,6 +1069,8 @@ class ReferenceCore:
         reader.source = src.id
         reader.assign_no += 1
         src.readers.add(reader.id)
+        self.index.mark(reader)
+        self.index.mark(src)
 
     def _fail_read(self, node: Node, err: TensorHubError) -> None:
         log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)
@@ -1020,7 +1081,7 @@ class ReferenceCore:
     # ------------------------------------------------------------------ removal
 
     def _remove_replica(self, model: str, replica_id: str, reason: str) -> None:
-        members = sorted(n.id for n in self.nodes.values() if not n.host and n.model == model and n.replica_id == replica_id)
+        members = sorted(self._replicas.get((model, replica_id), ()))
         for nid in members:
             node = self.nodes.get(nid)
             if node is None:
@@ -1036,14 +1097,14 @@ class ReferenceCore:
         node = self.nodes.get(node_id)
         if node is None:
             return
-        for hid in [n.id for n in self.nodes.values() if n.owner == node_id]:
+        for hid in sorted(self._hosts_of.get(node_id, ()), key=lambda h: self.nodes[h].order):
             self._remove(hid)
         self._detach_from_source(node)
         for r in sorted(node.readers):
             self._orphan(r)
         node.readers.clear()
         self._set_version(node, -1, S.IDLE, 0)
-        del self.nodes[node_id]
+        self._forget_node(node)
         mod = self.models.get(node.model)
         if mod is not None and not node.host:
             asked = mod.seed_asked.get(node.datacenter)
@@ -1055,9 +1116,42 @@ class ReferenceCore:
         self._effects = [e for e in self._effects if e.client_id != node_id or isinstance(e.event, m.Evicted)]
 
     def _forget_empty_models(self) -> None:
-        live = {n.model for n in self.nodes.values()}
-        for name in [k for k in self.models if k not in live]:
+        for name in [k for k in self.models if not self._model_nodes[k]]:
             del self.models[name]
+            self._model_nodes.pop(name, None)
+            self._model_hosts.pop(name, None)
+
+    def _forget_node(self, node: Node) -> None:
+        """Take ``node`` (IDLE by now) out of the table and every index."""
+        del self.nodes[node.id]
+        self.index.drop(node)
+        self._model_nodes[node.model] -= 1
+        if node.host:
+            self._model_hosts[node.model] -= 1
+            hosts = self._hosts_of.get(node.owner)
+            if hosts is not None:
+                hosts.discard(node.id)
+                if not hosts:
+                    del self._hosts_of[node.owner]
+            return
+        del self._shards[(node.model, node.replica_id, node.shard)]
+        replica = self._replicas[(node.model, node.replica_id)]
+        replica.discard(node.id)
+        if not replica:
+            del self._replicas[(node.model, node.replica_id)]
+        del self._lease[node.id]
+
+    def _seen(self, node: Node, now: float) -> None:
+        node.last_seen = now
+        self._lease.pop(node.id, None)
+        self._lease[node.id] = None
+
+    def _replica_nodes(self, model: str, replica_id: str) -> list[Node]:
+        """The clients of one replica (host copies excluded)."""
+        return [self.nodes[i] for i in self._replicas.get((model, replica_id), ())]
+
+    def _group(self, key: Key) -> Group:
+        return self.index.group(key) or _NO_GROUP
 
     # ------------------------------------------------------------------ helpers
 
@@ -1078,3 +1172,36 @@ def _first_difference(a: m.LayoutInfo, b: m.LayoutInfo) -> str:
     if a.unit_count != b.unit_count:
         return f"{b.unit_count} transfer units, the model has {a.unit_count} (unit_bytes differs?)"
     return f"layout fingerprint {b.fingerprint[:12]} differs from the model's {a.fingerprint[:12]}"
+
+
+class _GroupPool:
+    """The scheduler's view (:class:`scheduler.Pool`) of one group through the core's index. A
+    host copy stands in for its owner's GPU copy only once the owner stops serving the version:
+    both live behind the owner's NIC, so serving from both would double its load (and break the
+    pipeline) instead of spreading it."""
+
+    def __init__(self, core: ReferenceCore, key: Key) -> None:
+        self.core = core
+        self.key = key
+
+    def _nodes(self, ids: Iterable[str]) -> Iterable[Node]:
+        nodes = self.core.nodes
+        for i in ids:
+            n = nodes[i]
+            if n.host:
+                owner = nodes.get(n.owner)
+                if owner is not None and owner.key == self.key and owner.state in VISIBLE_SOURCE:
+                    continue
+            yield n
+
+    def everyone(self) -> Iterable[Node]:
+        return self._nodes(self.core._group(self.key).all_candidates())
+
+    def in_datacenter(self, dc: str) -> Iterable[Node]:
+        return self._nodes(self.core._group(self.key).candidates_in(dc))
+
+    def staged_for(self, reader_id: str) -> Iterable[Node]:
+        return self._nodes(self.core._group(self.key).staged.get(reader_id, ()))
+
+    def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
+        return self._nodes(self.core._group(self.key).free(dc, machine))

@@ -3,9 +3,10 @@
 Given a reader and the nodes holding or receiving the same (model, version, shard), pick the
 source, or none (the reader waits). Rules, in order:
 
-1. A candidate is complete and visible (PUBLISHED / OFFLOADING), or a partial holder
+1. A candidate is complete and visible (PUBLISHED; not OFFLOADING), or a partial holder
    (READING) that is not downstream of the reader and at least as far as the reader; a node some
-   reader could not reach at all is no candidate until it talks to the server again.
+   reader could not reach at all is no candidate until it talks to the server again. Sources
+   the reader reported failed (``Node.suspects``) only when no other candidate is left.
 2. The reader's own prefetch staging copy (``Node.stage_for``) before anything else, whatever
    its load: it lives in the reader's process, the copy is local and crosses no link.
 3. Same datacenter first: when any candidate, busy or not, lives in the reader's datacenter,
@@ -20,9 +21,26 @@ source, or none (the reader waits). Rules, in order:
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 from tensorhub.core.state import S, VISIBLE_SOURCE, Node
+
+
+class Pool(Protocol):
+    """The candidate holders of one (model, version, shard) as the scheduler reads them: nodes
+    that are PUBLISHED or READING (``eligible`` narrows further per reader). ``free`` yields
+    the candidates with fewer than ``readers_per_source_max`` readers in ``rank`` order, best
+    first, so a choice stops at the first usable one instead of ranking the whole group."""
+
+    def everyone(self) -> Iterable[Node]: ...
+
+    def in_datacenter(self, dc: str) -> Iterable[Node]: ...
+
+    def staged_for(self, reader_id: str) -> Iterable[Node]: ...
+
+    def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
+        """Free candidates, best first; only in ``dc`` unless None, only on ``machine`` unless ""."""
+        ...
 
 
 def eligible(reader: Node, cand: Node, downstream: set[str]) -> bool:
@@ -45,30 +63,60 @@ def rank(cand: Node) -> tuple:
 
 def choose_source(
     reader: Node,
-    candidates: Iterable[Node],
+    pool: Pool,
     *,
     downstream: set[str],
     readers_per_source_max: int,
     seeding_blocked: bool,
 ) -> Optional[Node]:
     """The source for ``reader`` or None. ``seeding_blocked``: an earlier reader of the same
-    datacenter is waiting to seed, so this one must not open a second cross-datacenter copy."""
-    usable = [c for c in candidates if eligible(reader, c, downstream)]
-    fresh = [c for c in usable if c.id not in reader.suspects]
-    if fresh:
-        usable = fresh
-    own = [c for c in usable if c.stage_for and c.stage_for == reader.id]
+    datacenter is waiting to seed, so this one must not open a second cross-datacenter copy.
+    Cost: the candidates looked at before the answer (the first usable one, typically)."""
+    def ok(c: Node) -> bool:
+        return eligible(reader, c, downstream)
+
+    suspects = reader.suspects
+    if suspects and not any(ok(c) and c.id not in suspects for c in pool.everyone()):
+        suspects = set()  # rule 1: suspects only when nothing else is eligible
+
+    def usable(c: Node) -> bool:
+        return ok(c) and c.id not in suspects
+
+    own = [c for c in pool.staged_for(reader.id) if usable(c)]  # rule 2
     if own:
         return min(own, key=rank)
-    local = [c for c in usable if c.datacenter == reader.datacenter]
-    if local:
-        pool = local
-    else:
+    dc: Optional[str] = reader.datacenter  # rule 3
+    if not any(usable(c) for c in pool.in_datacenter(reader.datacenter)):
         if seeding_blocked:
             return None
-        pool = usable
-    free = [c for c in pool if len(c.readers) < readers_per_source_max]
-    if not free:
+        dc = None
+
+    def first_free(machine: str) -> Optional[Node]:  # rules 4 and 6
+        for c in pool.free(dc, machine):
+            if len(c.readers) < readers_per_source_max and usable(c) and (dc is None or c.datacenter == dc):
+                return c
         return None
-    near = [c for c in free if reader.machine and c.machine == reader.machine]
-    return min(near or free, key=rank)
+
+    near = first_free(reader.machine) if reader.machine else None  # rule 5
+    return near or first_free("")
+
+
+class ListPool:
+    """A :class:`Pool` over a plain list (tests, small tables): every query scans it."""
+
+    def __init__(self, candidates: Iterable[Node], readers_per_source_max: int) -> None:
+        self.nodes = [c for c in candidates if c.state is S.PUBLISHED or c.state is S.READING]
+        self.max = readers_per_source_max
+
+    def everyone(self) -> Iterable[Node]:
+        return self.nodes
+
+    def in_datacenter(self, dc: str) -> Iterable[Node]:
+        return [c for c in self.nodes if c.datacenter == dc]
+
+    def staged_for(self, reader_id: str) -> Iterable[Node]:
+        return [c for c in self.nodes if c.stage_for and c.stage_for == reader_id]
+
+    def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
+        return sorted((c for c in self.nodes if len(c.readers) < self.max
+                       and (dc is None or c.datacenter == dc) and (not machine or c.machine == machine)), key=rank)

@@ -107,6 +107,8 @@ class Node:
     """Announced after a restart as reading from this source, which has not announced yet."""
     pending_read: Optional[tuple[int, int]] = None
     """update(): (version, resume_units) to read once the drain of the old version ends."""
+    indexed: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    """What the core's index (``tensorhub.core.index``) last recorded for this node."""
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -1,0 +1,306 @@
+"""What one reference server costs per client, at 100 to 10,000 clients of one model.
+
+Core part (no Ray): ``ReferenceCore.handle`` driven directly, one model, one trainer holding
+version 1, N single-shard readers. Per N, microseconds per operation, averaged over the N
+operations of one round (so a cost that grows with the table shows as growth with N), median
+of ``--reps`` rounds:
+
+- ``Register``: N readers register one after another (the table grows from 1 to N + 1);
+- ``Replicate``: every reader asks for ``"latest"`` (a storm; with the default
+  ``readers_per_source_max = 1`` they form the pipeline ``trainer -> r1 -> r2 -> ... -> rN``);
+- ``ReplicateDone``: every reader finishes, in pipeline order;
+- ``Heartbeat+tick``: one reader's heartbeat followed by one ``tick`` (lease expiry), for
+  ``min(N, 2000)`` readers.
+
+Ray part (``--ray``, see ``ray_part``): load-generator processes send raw protocol messages to
+a real ``ReferenceServer`` actor standing in for 10,000 clients at the default config.
+
+Last stdout line: one JSON object, ``core_us`` = {op: {N: microseconds}} (and, with ``--ray``,
+``steady_busy_fraction_10k`` and ``storm_10k_s``). Human lines go to stderr.
+
+    python benchmarks/server_scale.py --json [--sizes 100,1000,10000] [--ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+
+OPS = ("Register", "Replicate", "ReplicateDone", "Heartbeat+tick")
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def core_round(n: int) -> dict[str, float]:
+    """One storm of ``n`` readers against a fresh core; microseconds per operation."""
+    from tensorhub.config import Config
+    from tensorhub.core import messages as m
+    from tensorhub.core.reference import ReferenceCore
+
+    layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
+    core = ReferenceCore(Config())
+    clock = [0.0]
+
+    def send(req):
+        clock[0] += 1e-6  # virtual time moves on, far below any lease
+        reply, _ = core.handle(req, clock[0])
+        assert not isinstance(reply, m.ErrorReply), reply
+        return reply
+
+    send(m.Register("t", "pol", "t", 0, 1, layout, b"t"))
+    send(m.Publish("t", 1))
+    ids = [f"r{i}" for i in range(n)]
+    out = {}
+
+    t0 = time.perf_counter()
+    for cid in ids:
+        send(m.Register(cid, "pol", cid, 0, 1, layout, cid.encode(), machine=f"h{hash(cid) % 64}"))
+    out["Register"] = (time.perf_counter() - t0) / n * 1e6
+
+    t0 = time.perf_counter()
+    for cid in ids:
+        send(m.Replicate(cid, "latest", 1))
+    out["Replicate"] = (time.perf_counter() - t0) / n * 1e6
+    assert all(core.nodes[c].state.value == "reading" for c in ids), "every reader is assigned"
+
+    t0 = time.perf_counter()
+    for cid in ids:
+        send(m.ReplicateDone(cid, 1))
+    out["ReplicateDone"] = (time.perf_counter() - t0) / n * 1e6
+    assert all(core.nodes[c].state.value == "published" for c in ids)
+
+    k = min(n, 2000)
+    t0 = time.perf_counter()
+    for cid in ids[:k]:
+        send(m.Heartbeat(cid))
+        clock[0] += 1e-6
+        core.tick(clock[0])
+    out["Heartbeat+tick"] = (time.perf_counter() - t0) / k * 1e6
+    return out
+
+
+def core_part(sizes: list[int], reps: int) -> dict[str, dict[str, float]]:
+    """Per N, the median of ``reps`` rounds (after one warm-up round at the smallest N)."""
+    table: dict[str, dict[str, float]] = {op: {} for op in OPS}
+    core_round(min(sizes))
+    for n in sizes:
+        t0 = time.perf_counter()
+        rounds = [core_round(n) for _ in range(reps)]
+        row = {op: statistics.median(r[op] for r in rounds) for op in OPS}
+        for op in OPS:
+            table[op][str(n)] = round(row[op], 2)
+        say(f"core N={n}: " + ", ".join(f"{op} {row[op]:.1f} us" for op in OPS)
+            + f"  ({time.perf_counter() - t0:.1f} s)")
+    return table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="100,1000,10000", help="reader counts for the core part")
+    ap.add_argument("--reps", type=int, default=3, help="core rounds per N (the median is reported)")
+    ap.add_argument("--ray", action="store_true", help="also run the Ray part (10,000 simulated clients)")
+    ap.add_argument("--clients", type=int, default=10_000, help="Ray part: simulated clients")
+    ap.add_argument("--generators", type=int, default=4, help="Ray part: load-generator processes")
+    ap.add_argument("--steady-s", type=float, default=10.0, help="Ray part: steady-state window measured")
+    ap.add_argument("--json", action="store_true", help="no extra human output (the JSON line is printed either way)")
+    args = ap.parse_args()
+
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    summary: dict = {"name": "server_scale", "core_us": core_part(sizes, args.reps)}
+    big, small = str(max(sizes)), str(min(sizes))
+    summary["core_ratio_max_over_min"] = {
+        op: round(summary["core_us"][op][big] / summary["core_us"][op][small], 2) for op in OPS
+    }
+    if args.ray:
+        summary.update(ray_part(args))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def ray_part(args) -> dict:
+    """A real ReferenceServer actor and ``--generators`` load-generator actors that stand in for
+    ``--clients`` clients with raw protocol messages (no tensors, no client library):
+
+    - capacity: calls/s the server answers when pipelined heartbeats keep it busy;
+    - steady state: every client does what a ``Hub`` does at the default config while idle, a
+      ``Heartbeat`` and a ``notes`` poll every ``heartbeat_interval_s``. Busy fraction = the
+      time the clients ask of the server: offered calls/s over capacity calls/s (above 1 the
+      server is saturated); also measured over ``--steady-s``: calls/s achieved and the server
+      process's CPU seconds per wall second;
+    - storm, right after the clients registered: a trainer publishes a new version and every
+      client sends ``Replicate("latest")`` at once; seconds from the first send to the last
+      ``Assignment`` received;
+    - then the steady state, and the clients whose lease ran out during it (a heartbeat answered
+      ``UnknownClient``: the server fell so far behind that a client's heartbeats came more than
+      ``lease_timeout_s`` apart).
+    """
+    import os
+    import uuid
+
+    import ray
+
+    from tensorhub.actors.server import server_handle
+    from tensorhub.config import Config
+    from tensorhub.core import messages as m
+
+    ns = f"tensorhub-bench-scale-{uuid.uuid4().hex[:6]}"
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    # address="local": a cluster of our own, never one another user started on this machine.
+    ray.init(address="local", namespace=ns, num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
+    config = Config(server_name="tensorhub-bench-scale", namespace=ns)
+    server = server_handle(config)
+    pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
+    tick_hz = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s() -> float:
+        """The server process's user + system CPU seconds (Linux /proc), all its threads."""
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick_hz
+
+    n, g = args.clients, args.generators
+    ids = [f"c{i}" for i in range(n)]
+    gens = [LoadGen.remote(config.server_name, ns, ids[i::g]) for i in range(g)]
+    out: dict = {"clients": n, "generators": g, "heartbeat_interval_s": config.heartbeat_interval_s}
+
+    # capacity: pipelined heartbeats from every generator (clients unknown: answered UnknownClient,
+    # the same path through the actor as a heartbeat)
+    ray.get([gen.burst.remote("Heartbeat", 50) for gen in gens])  # warm up: workers, connections
+    t0, c0 = time.perf_counter(), cpu_s()
+    done = sum(ray.get([gen.burst.remote("Heartbeat", 10_000 // g) for gen in gens]))
+    wall = time.perf_counter() - t0
+    out["capacity_calls_per_s"] = round(done / wall, 1)
+    out["capacity_server_cpu_fraction"] = round((cpu_s() - c0) / wall, 3)
+    say(f"capacity: {out['capacity_calls_per_s']} calls/s (server CPU {out['capacity_server_cpu_fraction']})")
+
+    t0 = time.perf_counter()
+    bad = [c for *_, errs in ray.get([gen.send_all.remote("Register") for gen in gens]) for c in errs]
+    assert not bad, bad[:3]
+    out["register_10k_s"] = round(time.perf_counter() - t0, 3)
+    say(f"registered {n} clients in {out['register_10k_s']} s")
+
+    layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
+    for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t"), m.Publish("trainer", 1)):
+        assert not isinstance(m.decode_reply(ray.get(server.call.remote(m.encode(req)))), m.ErrorReply)
+    stop = threading.Event()
+
+    def trainer_alive() -> None:  # the trainer heartbeats as a Hub would (it roots the pipeline)
+        while not stop.wait(config.heartbeat_interval_s):
+            server.call.remote(m.encode(m.Heartbeat("trainer")))
+
+    threading.Thread(target=trainer_alive, daemon=True).start()
+    t0 = time.time()
+    spans = ray.get([gen.send_all.remote("Replicate") for gen in gens])
+    stop.set()
+    out["storm_10k_s"] = round(max(end for _, end, _, _ in spans) - t0, 3)
+    out["storm_assigned"] = sum(k for _, _, k, _ in spans)
+    out["storm_errors"] = sorted({c for *_, errs in spans for c in errs})
+    say(f"storm: {out['storm_assigned']} of {n} Replicates assigned in {out['storm_10k_s']} s "
+        f"(errors: {out['storm_errors'] or 'none'})")
+    t0, c0 = time.perf_counter(), cpu_s()
+    stats = ray.get([gen.steady.remote(args.steady_s, config.heartbeat_interval_s) for gen in gens])
+    wall = time.perf_counter() - t0
+    calls = sum(s["calls"] for s in stats)
+    out["steady_server_cpu_fraction"] = round((cpu_s() - c0) / wall, 3)
+    out["steady_offered_calls_per_s"] = round(2 * n / config.heartbeat_interval_s, 1)
+    out["steady_achieved_calls_per_s"] = round(calls / wall, 1)
+    # The server's time the clients ask for: offered calls/s x seconds per call at capacity
+    # (> 1: saturated; clients then heartbeat less often than configured).
+    out["steady_busy_fraction_10k"] = round(out["steady_offered_calls_per_s"] / out["capacity_calls_per_s"], 2)
+    out["steady_achieved_over_capacity"] = round(out["steady_achieved_calls_per_s"] / out["capacity_calls_per_s"], 2)
+    out["steady_late_rounds"] = sum(s["late"] for s in stats)
+    out["steady_clients_expired"] = sum(s["expired"] for s in stats)
+    say(f"steady: busy fraction {out['steady_busy_fraction_10k']} (offered / capacity), server CPU "
+        f"{out['steady_server_cpu_fraction']} of a core, {out['steady_achieved_calls_per_s']} of "
+        f"{out['steady_offered_calls_per_s']} calls/s offered; late rounds {out['steady_late_rounds']}, "
+        f"clients whose lease ran out {out['steady_clients_expired']}")
+
+    ray.kill(server)
+    ray.shutdown()
+    return out
+
+
+def _load_gen_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class LoadGen:
+        """Raw protocol messages for a slice of the simulated clients (async: many calls in flight)."""
+
+        def __init__(self, server_name: str, namespace: str, ids: list[str]) -> None:
+            from tensorhub.core import messages as m
+
+            self.m = m
+            self.server = ray.get_actor(server_name, namespace=namespace)
+            self.ids = ids
+            self.layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
+
+        def _req(self, kind: str, cid: str):
+            m = self.m
+            if kind == "Register":
+                return m.Register(cid, "pol", cid, 0, 1, self.layout, cid.encode(), machine=f"h{int(cid[1:]) // 8}")
+            if kind == "Replicate":
+                return m.Replicate(cid, "latest", 1)
+            return m.Heartbeat(cid)
+
+        async def burst(self, kind: str, count: int) -> int:
+            data = self.m.encode(self._req(kind, "c0"))
+            await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(count)])
+            return count
+
+        async def send_all(self, kind: str) -> tuple[float, float, int, list]:
+            """Every client sends one ``kind`` at once; (first send, last reply, assignments, the
+            first few error replies)."""
+            msgs = [self.m.encode(self._req(kind, cid)) for cid in self.ids]
+            t0 = time.time()
+            replies = await asyncio.gather(*[self.server.call.remote(d, 0.0) for d in msgs])
+            end = time.time()
+            decoded = [self.m.decode_reply(r) for r in replies]
+            bad = [r.code for r in decoded if isinstance(r, self.m.ErrorReply)]
+            return t0, end, sum(isinstance(r, self.m.Assignment) for r in decoded), bad
+
+        async def steady(self, duration_s: float, interval_s: float) -> dict:
+            """Each round (one per ``interval_s``): a Heartbeat and a notes poll per client."""
+            hb = [self.m.encode(self.m.Heartbeat(cid)) for cid in self.ids]
+            end = time.monotonic() + duration_s
+            calls = late = 0
+            expired: set[str] = set()
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                refs = [self.server.call.remote(d, 0.0) for d in hb]
+                refs += [self.server.notes.remote(cid) for cid in self.ids]
+                replies = await asyncio.gather(*refs)
+                for cid, r in zip(self.ids, replies):
+                    if isinstance(self.m.decode_reply(r), self.m.ErrorReply):
+                        expired.add(cid)  # its lease ran out between two of its heartbeats
+                calls += len(refs)
+                spent = time.monotonic() - t0
+                if spent > interval_s:
+                    late += 1
+                else:
+                    await asyncio.sleep(interval_s - spent)
+            return {"calls": calls, "late": late, "expired": len(expired)}
+
+    return LoadGen
+
+
+class _LazyLoadGen:
+    def remote(self, *a):
+        global LoadGen
+        LoadGen = _load_gen_class()
+        return LoadGen.remote(*a)
+
+
+LoadGen = _LazyLoadGen()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
