@@ -2,11 +2,17 @@
 
     tensorhub simulate --seeds 500 [--start 0] [--workload NAME] [--json]
     tensorhub simulate --seed 1234 --verbose-trace      # replay one seed, print its trace
+    tensorhub simulate --whatif paper [--json]          # the paper's three headline comparisons
 
 With ``--json`` the last stdout line is one JSON object: ``runs``, ``faults`` (injections per
 kind), ``violations`` (count; must be 0), ``violation_kinds``, ``requests`` (``completed`` and
 ``failed`` per error code), ``seconds`` (wall time), ``digest`` (of all trace digests).
 A failing seed prints the command that replays it on stderr. Exit code 1 on any violation.
+
+``--whatif paper`` runs :mod:`tensorhub.sim.whatif_paper` instead (``paper-small``: its fast
+version): a table on stdout (stderr with ``--json``), and with ``--json`` a last line
+``{"whatif", "seed", "results": [{setting, tensorhub_stall_s, baseline_stall_s, ratio,
+paper_ratio, metric, ...}], "seconds"}``. Exit code 1 if an invariant checker saw a violation.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default=None, help="force one workload")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--verbose-trace", action="store_true", help="print every trace line (stderr)")
+    parser.add_argument("--whatif", choices=("paper", "paper-small"), default=None,
+                        help="run the paper's three headline comparisons at paper scale (or small)")
     parser.add_argument("--no-interrupts", action="store_true",
                         help="never inject the interrupt fault (a user stops a replicate mid-read)")
 
@@ -37,7 +45,24 @@ def _replay_cmd(seed: int, workload) -> str:
     return f"PYTHONPATH=. python -m tensorhub.cli simulate --seed {seed}{w} --verbose-trace"
 
 
+def run_whatif(args: argparse.Namespace) -> int:
+    from tensorhub.sim.whatif_paper import run_paper
+
+    seed = args.seed if args.seed is not None else 0
+    out = run_paper(small=args.whatif == "paper-small", seed=seed)
+    table = sys.stderr if args.json else sys.stdout
+    print(f"{'setting':<11} {'tensorhub_s':>12} {'baseline_s':>11} {'ratio':>6} {'paper':>6}  metric", file=table)
+    for r in out["results"]:
+        print(f"{r['setting']:<11} {r['tensorhub_stall_s']:>12.3f} {r['baseline_stall_s']:>11.3f} "
+              f"{r['ratio']:>6.2f} {r['paper_ratio']:>6.1f}  {r['metric']}", file=table)
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    return 1 if any(r["violations"] for r in out["results"]) else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "whatif", None):
+        return run_whatif(args)
     seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.seeds))
     t0 = time.monotonic()
     faults = {k: 0 for k in FAULT_KINDS}
