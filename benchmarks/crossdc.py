@@ -106,6 +106,12 @@ def run_path(args, path: str) -> dict:
         "cross_reads": sum(1 for r in ok if r["cross_datacenter"] and r["action"] == "replicated"),
         "last_versions": last,
         "publish_span_s": round(published[-1][1] - published[0][1], 2),
+        "slowest": [{"reader": i, "t": round(r["t"] - published[0][1], 2), "wall_s": round(r["wall_s"], 2),
+                     **{k: r.get(k) for k in ("version", "action", "skipped_in_flight", "prefetched",
+                                              "cross_datacenter", "error", "offload_s", "stall_s",
+                                              "transfer_s")}, "sources": [x.split("/")[1] for x in r.get("sources") or []]}
+                    for i, r in sorted(((i, r) for i, rs in enumerate(records) for r in rs),
+                                       key=lambda x: -x[1]["wall_s"])[:6]],
     }
     say(f"{path:12s} stall {out['stall_s']:7.2f}s (max {out['stall_per_update_max_s']:.2f}s per update), "
         f"{out['inter_dc_bytes_per_version'] / 2**20:6.1f} MiB crossed per version, staleness "

@@ -326,7 +326,12 @@ class Hub:
         none). Prefetches run one after the other. Raises ``InvalidState`` before
         :meth:`register`, ``LayoutMismatch`` for a ``buffer`` of another layout, and
         ``HandleClosed``."""
-        round_no = _check_round(round)
+        return self._start_prefetch(spec, _check_round(round), buffer, seed=None)
+
+    def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
+                        seed: Optional[int]) -> "concurrent.futures.Future[ReadStats]":
+        """``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked before
+        this one starts)."""
         if self._stage_for:
             raise errors.InvalidState("a prefetch staging handle does not prefetch")
         with self._stage_lock:
@@ -350,7 +355,7 @@ class Hub:
                 first_buffer = buffer
             else:
                 first_buffer = None
-            return self._prefetcher.submit(self._prefetch_job, spec, round_no, first_buffer)
+            return self._prefetcher.submit(self._prefetch_job, spec, round_no, first_buffer, seed)
 
     async def aprefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
                         buffer: Optional[NamedTensors] = None) -> ReadStats:
@@ -358,7 +363,10 @@ class Hub:
         return await asyncio.wrap_future(self.prefetch(spec, round=round, buffer=buffer))
 
     def _prefetch_job(self, spec: m.VersionSpec, round_no: Optional[int],
-                      buffer: Optional[list]) -> ReadStats:
+                      buffer: Optional[list], seed: Optional[int] = None) -> ReadStats:
+        if seed is not None and seed < self._seeding:
+            # A seed asked while an older one was crossing: only the newest is worth the link.
+            return ReadStats(action="noop", version=seed)
         stage = self._stage
         if stage is None:
             stage = self._open_stage(buffer)
@@ -406,7 +414,7 @@ class Hub:
             return
         self._seeding = version
         try:
-            fut = self.prefetch(version)
+            fut = self._start_prefetch(version, None, None, seed=version)
         except errors.TensorHubError as e:
             log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
             return

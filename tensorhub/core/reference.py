@@ -771,8 +771,11 @@ class ReferenceCore:
         return versions.resolve(spec, node.model, avail, mod.forgotten_below)
 
     def _smart_skip(self, node: Node, avail: list[int]) -> Optional[int]:
-        """While the newest version is being seeded into the reader's datacenter, answer the
-        newest version already complete there (if any) instead of queueing behind the seed."""
+        """While a newer version is on its way into the reader's datacenter (a seed asked of a
+        replica there, or any read of it there), answer the newest version already complete
+        there instead of queueing behind it -- or the version the reader itself publishes, if
+        that is newer (it may be past retention: the engine keeps what it has until the seed
+        lands rather than fetching across on its own)."""
         newest = avail[-1]
         dc = node.datacenter
         shards = range(self.models[node.model].num_shards)
@@ -782,19 +785,19 @@ class ReferenceCore:
 
         if complete_here(newest):
             return None
-        local = next((v for v in reversed(avail[:-1]) if complete_here(v)), None)
-        if local is None:
+        local = next((v for v in reversed(avail[:-1]) if complete_here(v)), -1)
+        own = node.version if node.state is S.PUBLISHED and node.version < newest else -1
+        keep = max(local, own)
+        if keep < 0:
             return None
-        # Something newer than ``local`` is on its way into this datacenter: a seed asked of a
-        # replica here, or a read under way (the reader's own read aside).
 
         def active_here(v: int, s: int) -> int:
             me = 1 if (node.version == v and s == node.shard and node.state in (S.READING, S.WAITING)) else 0
             return self._group((node.model, v, s)).active_dc[dc] - me
 
         seeding = dc in self._seed_pending(node.model, newest) or any(
-            active_here(v, s) > 0 for v in avail if v > local for s in shards)
-        return local if seeding else None
+            active_here(v, s) > 0 for v in avail if v > keep for s in shards)
+        return keep if seeding else None
 
     def _resolve_in_txn(self, node: Node, req: m.Replicate) -> int:
         if node.num_shards == 1:
@@ -1056,6 +1059,14 @@ class ReferenceCore:
             if src is None:
                 blocked_dcs.setdefault(reader.datacenter, "")
                 passed_over = True
+                continue
+            if reader.in_flight >= 0 and src.datacenter != reader.datacenter:
+                # Smart skipping chose this version because it was complete here; its holders
+                # here moved on meanwhile. Fetching it across would cost the link for a version
+                # already stale: end the read (a "latest" caller retries and resolves anew).
+                self._fail_read(reader, VersionLost(
+                    f"{key[0]} version {key[1]} shard {key[2]}: chosen by smart skipping, no longer held in "
+                    f"datacenter {reader.datacenter}"))
                 continue
             self._attach(reader, src)
             self._deliver(reader.id, self._assignment(reader))

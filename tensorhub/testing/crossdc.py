@@ -67,7 +67,8 @@ class DcReplica(Replica):
             time.sleep(gen_s)
             r = self.timed_update("latest")
             out.append({k: r.get(k) for k in ("ok", "error", "version", "wall_s", "action", "skipped_in_flight",
-                                              "prefetched", "cross_datacenter", "bytes", "done_at")}
+                                              "prefetched", "cross_datacenter", "bytes", "done_at", "sources",
+                                              "offload_s", "stall_s", "transfer_s")}
                        | {"t": time.time()})
         return out
 
