@@ -449,3 +449,14 @@ def test_seed_8444_a_read_failed_before_a_restart_does_not_finish_in_a_moved_rou
     from tensorhub.sim.scenario import run_scenario
 
     assert not run_scenario(8444).violations
+
+
+@pytest.mark.sim
+def test_seed_1882_readers_waiting_for_an_asked_seeder_are_released_when_a_newer_seed_replaces_it():
+    """Simulator seed 1882 (crossdc): two readers of dc2 waited for version 3's asked seeder (a
+    client that ignores SeedAhead); version 4's seed replaced that entry before it expired, and
+    nothing looked at version 3's waiting readers again: they hung. Replacing an entry now
+    re-pumps its version's groups."""
+    from tensorhub.sim.scenario import run_scenario
+
+    assert not run_scenario(1882).violations

@@ -205,7 +205,7 @@ class ReferenceCore:
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
                 if rid and now - t >= self.config.seed_wait_s:
                     # The asked seeder never started: its datacenter's waiting readers may cross.
-                    mod.seed_asked[dc] = (v, "", t)
+                    self._set_seed_asked(mod, dc, (v, "", t))
                     self._touched.update((mod.name, v, sh) for sh in range(mod.num_shards)
                                          if (mod.name, v, sh) in self.groups)
         self._settle()
@@ -706,17 +706,27 @@ class ReferenceCore:
             asked = mod.seed_asked.get(dc)
             if dc in reached:
                 if asked is None or asked[0] < v:
-                    mod.seed_asked[dc] = (v, "", self._now)
+                    self._set_seed_asked(mod, dc, (v, "", self._now))
                 continue
             if asked is not None and asked[0] >= v and any(nodes[0].replica_id == asked[1] for nodes in by_dc[dc]):
                 continue  # asked already, and alive
             nodes = min(by_dc[dc], key=lambda ns: (
                 any(n.state in (S.READING, S.WAITING, S.DRAINING, S.OFFLOADING) for n in ns),
                 any(n.spot for n in ns), min(n.order for n in ns)))
-            mod.seed_asked[dc] = (v, nodes[0].replica_id, self._now)
+            self._set_seed_asked(mod, dc, (v, nodes[0].replica_id, self._now))
             log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
             for n in sorted(nodes, key=lambda n: n.shard):
                 self._deliver(n.id, m.SeedAhead(version=v))
+
+    def _set_seed_asked(self, mod: _Model, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
+        """Replace (or drop) ``dc``'s seed entry. Readers of the old entry's version there may
+        have been waiting for that seeder (``_seed_pending``): look at them again."""
+        old = mod.seed_asked.pop(dc, None)
+        if entry is not None:
+            mod.seed_asked[dc] = entry
+        if old is not None and old[1]:
+            self._touched.update((mod.name, old[0], sh) for sh in range(mod.num_shards)
+                                 if (mod.name, old[0], sh) in self.groups)
 
     def _seed_pending(self, model: str, version: int) -> dict[str, str]:
         """Datacenter -> asked seeder replica, where that seeder of ``version`` was asked less
@@ -994,6 +1004,10 @@ class ReferenceCore:
 
     def _settle(self) -> None:
         """Assign waiting readers of every touched group, FIFO; fail readers of lost versions."""
+        if self._reseed:  # first: a new seed entry may release readers waiting for an old one
+            todo, self._reseed = sorted(self._reseed), set()
+            for model in sorted({mo for mo, _ in todo}):
+                self._seed_remote(model, {dc for mo, dc in todo if mo == model})
         seen: set[Key] = set()
         while self._touched:
             keys = sorted(self._touched)
@@ -1002,10 +1016,6 @@ class ReferenceCore:
             for key in keys:
                 self._pump(key)
         self._drop_lost_versions(seen)
-        if self._reseed:
-            todo, self._reseed = sorted(self._reseed), set()
-            for model in sorted({mo for mo, _ in todo}):
-                self._seed_remote(model, {dc for mo, dc in todo if mo == model})
 
     def _drop_lost_versions(self, keys: set[Key]) -> None:
         """A committed version of which some shard has no node left at all can never be read
@@ -1122,7 +1132,7 @@ class ReferenceCore:
             if asked is not None and asked[1] in ("", node.replica_id, node.replica_id.removesuffix("~prefetch")):
                 # The seeder (or the reader that had the version there) is gone: another
                 # replica of that datacenter takes over the seed.
-                del mod.seed_asked[node.datacenter]
+                self._set_seed_asked(mod, node.datacenter, None)
                 self._reseed.add((node.model, node.datacenter))
         self._effects = [e for e in self._effects if e.client_id != node_id or isinstance(e.event, m.Evicted)]
 
