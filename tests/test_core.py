@@ -514,6 +514,24 @@ def test_a_skipped_to_version_no_longer_held_locally_is_not_fetched_across():
     assert w.send(m.Replicate("b3", 1)).source_id == "a1"
 
 
+def test_an_asked_seeder_still_crossing_an_older_version_keeps_its_datacenters_claim():
+    w = World(seed_wait_s=5.0)
+    w.reg("t", dc="a"); w.reg("u", dc="a"); w.reg("b0", dc="b"); w.reg("b1", dc="b")
+    w.send(m.Publish("t", 1))
+    assert _seeds(w, "b0") == [1]
+    w.send(m.Register("b0~s", "pol", "b0~prefetch", 0, 1, LAYOUT, b"s", "b", False, stage_for="b0"))
+    assert w.send(m.Replicate("b0~s", 1)).source_id == "t"  # crossing, slowly
+    w.send(m.Publish("u", 2))
+    assert _seeds(w, "b0") == [2]
+    assert w.send(m.Replicate("b1", 2)) == m.Waiting(version=2)
+    w.tick(6.0)  # past seed_wait_s, but b0's staging copy is still crossing version 1
+    assert not [e for e in w.pop("b1") if isinstance(e, m.Assignment)]
+    w.send(m.ReplicateDone("b0~s", 1))
+    w.tick(1.0)  # the seeder is idle and did not take version 2 up: b1 may cross now
+    ev = [e for e in w.pop("b1") if isinstance(e, m.Assignment)]
+    assert ev and ev[-1].version == 2 and ev[-1].cross_datacenter
+
+
 def test_offload_seeding_prefers_an_idle_replica_asks_every_shard_and_can_be_off():
     w = World()
     w.reg("t0", replica="t", shard=0, num_shards=2, dc="a"); w.reg("t1", replica="t", shard=1, num_shards=2, dc="a")

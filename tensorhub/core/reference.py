@@ -203,7 +203,7 @@ class ReferenceCore:
                     self._finish_drain(node)
         for mod in self.models.values():
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
-                if rid and now - t >= self.config.seed_wait_s:
+                if rid and now - t >= self.config.seed_wait_s and not self._seeder_busy(mod.name, rid):
                     # The asked seeder never started: its datacenter's waiting readers may cross.
                     self._set_seed_asked(mod, dc, (v, "", t))
                     self._touched.update((mod.name, v, sh) for sh in range(mod.num_shards)
@@ -738,7 +738,18 @@ class ReferenceCore:
         if mod is None or not mod.seed_asked:
             return {}
         return {dc: rid for dc, (v, rid, t) in mod.seed_asked.items()
-                if v == version and rid and self._now - t < self.config.seed_wait_s}
+                if v == version and rid and (self._now - t < self.config.seed_wait_s
+                                             or self._seeder_busy(model, rid))}
+
+    def _seeder_busy(self, model: str, replica_id: str) -> bool:
+        """The replica's staging copy (replica ``<replica>~prefetch``) is reading a version:
+        an asked seeder still crossing an older version keeps its datacenter's claim on the
+        link (it takes the newer one next) instead of letting every reader there cross."""
+        for i in self._replicas.get((model, f"{replica_id}~prefetch"), ()):
+            n = self.nodes[i]
+            if n.stage_for and n.state in (S.READING, S.WAITING):
+                return True
+        return False
 
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""
