@@ -76,6 +76,8 @@ class _Model:
         self.layouts: dict[int, m.LayoutInfo] = {}
         self.committed: list[int] = []  # ascending
         self.forgotten_below = 0  # versions under this are past retention
+        self.origin_dc: dict[int, str] = {}
+        """The datacenter of the replica that committed each version (cross-DC reads from there)."""
         self.seed_asked: dict[str, tuple[int, str, float]] = {}
         """Offload seeding: per datacenter, (version, replica, when) last asked to seed it;
         replica "" once the datacenter has (or reads) that version."""
@@ -660,6 +662,9 @@ class ReferenceCore:
             return
         mod.committed.append(v)
         mod.committed.sort()
+        replica = self._replica_nodes(model, by)
+        if replica:
+            mod.origin_dc[v] = replica[0].datacenter
         log.info("model=%s version=%d committed by replica %s", model, v, by)
         self._seed_remote(model)
         keep = self.config.versions_retained
@@ -754,6 +759,7 @@ class ReferenceCore:
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""
         log.info("model=%s version=%d is past retention", model, version)
+        self.models[model].origin_dc.pop(version, None)
         for i in range(self.models[model].num_shards):
             for nid in sorted(self.groups.get((model, version, i), ())):
                 host = self.nodes[nid]
@@ -1076,6 +1082,7 @@ class ReferenceCore:
                 readers_per_source_max=self.config.readers_per_source_max,
                 seeding_blocked=reader.datacenter in blocked_dcs and not reader.stage_for
                 and blocked_dcs.get(reader.datacenter) != reader.replica_id,
+                origin_dc=self.models[key[0]].origin_dc.get(key[1]) if key[0] in self.models else None,
             )
             if src is None:
                 blocked_dcs.setdefault(reader.datacenter, "")

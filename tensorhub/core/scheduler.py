@@ -8,11 +8,13 @@ source, or none (the reader waits). Rules, in order:
    reader could not reach at all is no candidate until it talks to the server again. Sources
    the reader reported failed (``Node.suspects``) only when no other candidate is left.
 2. The reader's own prefetch staging copy (``Node.stage_for``) before anything else, whatever
-   its load: it lives in the reader's process, the copy is local and crosses no link.
+   its load: it lives in the reader's process, the copy is local and crosses no link. While it
+   is still arriving, a free complete holder in the reader's datacenter goes first.
 3. Same datacenter first: when any candidate, busy or not, lives in the reader's datacenter,
    only those are used, and the reader waits if all are busy. Only when the datacenter has
    none does the reader read across (it becomes that datacenter's *seeder*), and then only if
-   no earlier reader of that datacenter is already waiting to seed.
+   no earlier reader of that datacenter is already waiting to seed; from the version's origin
+   datacenter (where the replica that committed it lives) when a source there is free.
 4. At most ``readers_per_source_max`` readers per source.
 5. A free candidate on the reader's own host first (memory copies, no network), then any.
 6. Least loaded first; ties: complete before partial, further progress, GPU before host copy,
@@ -68,6 +70,7 @@ def choose_source(
     downstream: set[str],
     readers_per_source_max: int,
     seeding_blocked: bool,
+    origin_dc: Optional[str] = None,
 ) -> Optional[Node]:
     """The source for ``reader`` or None. ``seeding_blocked``: an earlier reader of the same
     datacenter is waiting to seed, so this one must not open a second cross-datacenter copy.
@@ -82,23 +85,35 @@ def choose_source(
     def usable(c: Node) -> bool:
         return ok(c) and c.id not in suspects
 
+    def first_free(dc: Optional[str], machine: str, complete: bool = False) -> Optional[Node]:  # rules 4, 6
+        for c in pool.free(dc, machine):
+            if (len(c.readers) < readers_per_source_max and usable(c) and (dc is None or c.datacenter == dc)
+                    and (not complete or c.state is S.PUBLISHED)):
+                return c
+        return None
+
     own = [c for c in pool.staged_for(reader.id) if usable(c)]  # rule 2
     if own:
-        return min(own, key=rank)
+        best = min(own, key=rank)
+        if best.state is S.READING:
+            # Still arriving (across datacenters, perhaps): a free complete holder in the
+            # datacenter is faster than waiting behind it.
+            return first_free(reader.datacenter, "", complete=True) or best
+        return best
     dc: Optional[str] = reader.datacenter  # rule 3
     if not any(usable(c) for c in pool.in_datacenter(reader.datacenter)):
         if seeding_blocked:
             return None
+        if origin_dc is not None and origin_dc != reader.datacenter:
+            # Across datacenters, from where the version was made first (the trainer's
+            # datacenter), not from another remote datacenter's copy (two slow links).
+            src = first_free(origin_dc, "")
+            if src is not None:
+                return src
         dc = None
 
-    def first_free(machine: str) -> Optional[Node]:  # rules 4 and 6
-        for c in pool.free(dc, machine):
-            if len(c.readers) < readers_per_source_max and usable(c) and (dc is None or c.datacenter == dc):
-                return c
-        return None
-
-    near = first_free(reader.machine) if reader.machine else None  # rule 5
-    return near or first_free("")
+    near = first_free(dc, reader.machine) if reader.machine else None  # rule 5
+    return near or first_free(dc, "")
 
 
 class ListPool:
