@@ -86,12 +86,12 @@ class DcReplica(Replica):
         stage = self.hub._stage
         return None if stage is None else stage.version
 
-    def stage_reading(self) -> tuple[Optional[int], int]:
-        """The staging copy's (version being read or held, units in place)."""
+    def stage_reading(self) -> tuple[Optional[int], int, int]:
+        """The staging copy's (version being read or held, units in place, units in all)."""
         stage = self.hub._stage
         if stage is None or stage._region is None:
-            return None, 0
-        return stage._region.version, stage._region.progress
+            return None, 0, 0
+        return stage._region.version, stage._region.progress, stage._layout.unit_count
 
 
 Actor = ray.remote(num_cpus=0)(DcReplica)
@@ -224,15 +224,16 @@ def seeder_dies(args) -> dict:
     assert seeder is not None, "no seeder started"
     other = next(a for a in first if a is not seeder)
     pending = other.timed_update.remote(2)  # reads behind the seed, in its datacenter
-    units = _until(lambda: ray.get(seeder.stage_reading.remote())[1] > 0, 30, 0.02)
-    time.sleep(0.5)
+    # Kill once a quarter of the seed has crossed: the other reader is then mid-read behind it.
+    started = _until(lambda: (lambda st: st[2] and st[1] >= st[2] // 4)(ray.get(seeder.stage_reading.remote())),
+                     60, 0.02)
     killed_at = ray.get(seeder.stage_reading.remote())[1]
     ray.kill(seeder, no_restart=True)  # the seeder's process dies, staging copy and all
     r = ray.get(pending, timeout=180)
     crossed = s.crossed()
     out = {"scenario": "seeder_dies", "shard_bytes": s.nbytes, "units_when_killed": killed_at,
            "reader": {k: r.get(k) for k in ("ok", "error", "version", "sources", "failovers", "wall_s")},
-           "digest_ok": r.get("digest") == digest2, "crossed_total": crossed, "started": bool(units)}
+           "digest_ok": r.get("digest") == digest2, "crossed_total": crossed, "started": bool(started)}
     s.close()
     return out
 
