@@ -67,7 +67,7 @@ def test_smart_skipping_while_the_seed_crosses_then_the_new_version_is_read_loca
 
 
 def test_a_seeder_dying_mid_seed_leaves_its_datacenter_reader_to_finish(dcs):
-    out = _run(dcs, "seeder_dies", "--mib", "48")  # long enough a seed to die in the middle of
+    out = _run(dcs, "seeder_dies", "--mib", "48")
     r = out["reader"]
     assert r["ok"] and r["version"] == 2 and out["digest_ok"], out
     assert r["failovers"] >= 1, out

@@ -82,6 +82,11 @@ class DcReplica(Replica):
             time.sleep(max(0.0, step_s - (time.time() - t0)))
         return out
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def staged(self) -> Optional[int]:
         stage = self.hub._stage
         return None if stage is None else stage.version
@@ -212,28 +217,35 @@ def skip(args) -> dict:
 
 
 def seeder_dies(args) -> dict:
-    """dc1's seeder (its staging copy) dies mid-seed while its sibling reads behind it."""
+    """dc1's seeder dies mid-seed while its sibling reads behind it. To be sure the seed is cut in
+    the middle on any machine, the seeder's process is frozen (SIGSTOP) once its staging copy
+    has some units but not half, the sibling starts reading (behind the frozen partial copy),
+    and then the process is killed (SIGKILL): the sibling must fail over across the link."""
+    import os
+    import signal
+
     s = Setup(args, config={"smart_skipping": False})
     ray.get(s.trainer.publish.remote(1))
     first = s.readers[1]
     for a in first:
         _until(lambda: ray.get(a.timed_update.remote("latest")).get("version") == 1, 120, 0.2)
     digest2 = ray.get(s.trainer.publish.remote(2))
-    seeder = _until(lambda: next((a for a in first if ray.get(a.staged.remote()) is not None
-                                  and ray.get(a.stage_reading.remote())[0] == 2), None), 30, 0.05)
+    seeder = _until(lambda: next((a for a in first if ray.get(a.stage_reading.remote())[0] == 2), None), 30, 0.02)
     assert seeder is not None, "no seeder started"
+    pid = ray.get(seeder.pid.remote())
+    st = _until(lambda: (lambda st: st if st[1] >= 1 else None)(ray.get(seeder.stage_reading.remote())), 60, 0.01)
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = st[1]  # at least this many units in the staging copy when it froze
     other = next(a for a in first if a is not seeder)
-    pending = other.timed_update.remote(2)  # reads behind the seed, in its datacenter
-    # Kill once a quarter of the seed has crossed: the other reader is then mid-read behind it.
-    started = _until(lambda: (lambda st: st[2] and st[1] >= st[2] // 4)(ray.get(seeder.stage_reading.remote())),
-                     60, 0.02)
-    killed_at = ray.get(seeder.stage_reading.remote())[1]
-    ray.kill(seeder, no_restart=True)  # the seeder's process dies, staging copy and all
-    r = ray.get(pending, timeout=180)
+    pending = other.timed_update.remote(2)  # reads behind the frozen seed, in its datacenter
+    time.sleep(2.0)
+    os.kill(pid, signal.SIGKILL)  # the seeder's process dies, staging copy and all
+    r = ray.get(pending, timeout=300)
     crossed = s.crossed()
-    out = {"scenario": "seeder_dies", "shard_bytes": s.nbytes, "units_when_killed": killed_at,
+    out = {"scenario": "seeder_dies", "shard_bytes": s.nbytes, "units_when_frozen": frozen_at,
+           "units": st[2],
            "reader": {k: r.get(k) for k in ("ok", "error", "version", "sources", "failovers", "wall_s")},
-           "digest_ok": r.get("digest") == digest2, "crossed_total": crossed, "started": bool(started)}
+           "digest_ok": r.get("digest") == digest2, "crossed_total": crossed}
     s.close()
     return out
 
