@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,21 +208,16 @@ def main(argv=None) -> int:
         print(json.dumps(drive(args)), flush=True)
         return 0
 
-    from tensorhub.testing.cluster import emulated_cluster
+    from benchmarks import emulated
 
     sizes = [1] + [args.readers_per_dc] * (args.dcs - 1)
     say(f"building an emulated cluster: datacenters {sizes}, {args.gbit} Gbit/s inside, "
         f"{args.inter_dc_gbit} Gbit/s + {args.inter_dc_ms} ms between")
-    with emulated_cluster(hosts=sum(sizes), datacenters=sizes, gbit=args.gbit, inter_dc_gbit=args.inter_dc_gbit,
-                          inter_dc_latency_ms=args.inter_dc_ms, name=args.name, subnet="10.75.0.0/16") as c:
-        argv2 = [sys.executable, __file__, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"],
-                 *(["--quiet"] if args.json else [])]
-        proc = subprocess.run(argv2, env=c.driver_env(), stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        say(f"driver failed (rc={proc.returncode})")
-        return proc.returncode
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    say(json.dumps(summary, indent=1))
+    summary = emulated.run_driver(__file__, argv, args.json, hosts=sum(sizes), datacenters=sizes, gbit=args.gbit,
+                                  inter_dc_gbit=args.inter_dc_gbit, inter_dc_latency_ms=args.inter_dc_ms,
+                                  name=args.name, subnet="10.75.0.0/16")
+    if summary is None:
+        return 1
     if args.plot:
         plot(summary, args.plot)
         say(f"plot written to {args.plot}")

@@ -33,7 +33,6 @@ import logging
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -289,19 +288,13 @@ def main(argv=None) -> int:
         print(json.dumps(drive(args)), flush=True)
         return 0
 
-    from tensorhub.testing.cluster import emulated_cluster
+    from benchmarks import emulated
 
     hosts = max(args.ns) + 1
     say(f"building an emulated cluster: {hosts} hosts at {args.gbit} Gbit/s")
-    with emulated_cluster(hosts=hosts, gbit=args.gbit, name=args.name) as c:
-        argv2 = [sys.executable, __file__, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"],
-                 *(["--quiet"] if args.json else [])]
-        proc = subprocess.run(argv2, env=c.driver_env(), stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        say(f"driver failed (rc={proc.returncode})")
-        return proc.returncode
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    say(json.dumps(summary, indent=1))
+    summary = emulated.run_driver(__file__, argv, args.json, hosts=hosts, gbit=args.gbit, name=args.name)
+    if summary is None:
+        return 1
     if args.plot:
         plot(summary, args.plot)
         say(f"plot written to {args.plot}")

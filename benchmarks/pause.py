@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -208,18 +207,12 @@ def main(argv=None) -> int:
         print(json.dumps(drive(args)), flush=True)
         return 0
 
-    from tensorhub.testing.cluster import emulated_cluster
+    from benchmarks import emulated
 
     say(f"building an emulated cluster: 2 hosts at {args.gbit} Gbit/s")
-    with emulated_cluster(hosts=2, gbit=args.gbit, name=args.name) as c:
-        argv2 = [sys.executable, __file__, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"],
-                 *(["--quiet"] if args.json else [])]
-        proc = subprocess.run(argv2, env=c.driver_env(), stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        say(f"driver failed (rc={proc.returncode})")
-        return proc.returncode
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    say(json.dumps(summary, indent=1))
+    summary = emulated.run_driver(__file__, argv, args.json, hosts=2, gbit=args.gbit, name=args.name)
+    if summary is None:
+        return 1
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -12,12 +12,10 @@ import tensorhub
 from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.port import LocalPort
-from tensorhub.testing import workload
+from tensorhub.testing import inproc, workload
 
-CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
-             same_host=False)
+CFG, SPEC = inproc.CONFIG, inproc.SPEC
 """The NIXL data path (every handle here shares one host); tests/test_shm.py covers the same-host tier."""
-SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
 
 
 @pytest.fixture

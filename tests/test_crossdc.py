@@ -5,15 +5,13 @@ locally. The byte counts on real (emulated) links are in tests/test_crossdc_clus
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-import tensorhub
 from tensorhub.config import Config
 from tensorhub.port import LocalPort
-from tensorhub.testing import workload
+from tensorhub.testing import inproc, workload
 
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.1, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
              same_host=False, versions_retained=3)
@@ -26,17 +24,10 @@ def port():
 
 
 def _hub(port, dc, config=CFG, **kw):
-    named = workload.allocate(SPEC)
-    hub = tensorhub.open("m", port=port, config=config, datacenter=dc, **kw)
-    hub.register(named)
-    return hub, [t for _, t in named]
+    return inproc.open_hub(port, config=config, spec=SPEC, datacenter=dc, **kw)
 
 
-def _publish(hub, ts, version):
-    if hub.version is not None:
-        hub.unpublish()
-    workload.fill_version(ts, version)
-    hub.publish(version)
+_publish = inproc.publish
 
 
 def _wait(cond, timeout=20.0):
@@ -81,16 +72,7 @@ def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locall
     assert b1.update("latest").version == 1 and b0.update("latest").prefetched
     # Hold b0's seed of version 2 half way.
     stage = b0._stage
-    half, go = threading.Event(), threading.Event()
-    pull_range = stage._pull_range
-
-    def held_half_way(a, end_unit, **kw):
-        n = pull_range(a, end_unit // 2, **kw)
-        half.set()
-        assert go.wait(30)
-        return n + pull_range(a, end_unit, **kw)
-
-    stage._pull_range = held_half_way
+    half, go = inproc.hold_half_way(stage)
     _publish(trainer, tt, 2)
     assert half.wait(20)
     st = b1.update("latest")

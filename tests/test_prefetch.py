@@ -13,13 +13,10 @@ import torch
 
 import tensorhub
 from tensorhub import errors
-from tensorhub.config import Config
 from tensorhub.port import LocalPort
-from tensorhub.testing import workload
+from tensorhub.testing import inproc, workload
 
-CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
-             same_host=False)
-SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
+CFG, SPEC = inproc.CONFIG, inproc.SPEC
 
 
 @pytest.fixture
@@ -27,18 +24,7 @@ def port():
     return LocalPort(CFG)
 
 
-def _hub(port, model="m", **kw):
-    named = workload.allocate(SPEC)
-    hub = tensorhub.open(model, port=port, config=CFG, **kw)
-    hub.register(named)
-    return hub, [t for _, t in named]
-
-
-def _publish(hub, ts, version):
-    if hub.version is not None:
-        hub.unpublish()
-    workload.fill_version(ts, version)
-    hub.publish(version)
+_hub, _publish = inproc.open_hub, inproc.publish
 
 
 def _holders(port, model="m"):
@@ -104,16 +90,7 @@ def test_update_while_the_prefetch_is_still_arriving_copies_behind_it(port):
     _publish(trainer, tt, 1)
     rollout.prefetch(1).result(timeout=30)  # makes the staging copy
     stage = rollout._stage
-    half, go = threading.Event(), threading.Event()
-    pull_range = stage._pull_range
-
-    def held_half_way(a, end_unit, **kw):
-        n = pull_range(a, end_unit // 2, **kw)
-        half.set()
-        assert go.wait(30)
-        return n + pull_range(a, end_unit, **kw)
-
-    stage._pull_range = held_half_way
+    half, go = inproc.hold_half_way(stage)
     _publish(trainer, tt, 3)
     fut = rollout.prefetch(3)
     assert half.wait(30) and not fut.done()

@@ -206,10 +206,9 @@ class ReferenceCore:
         for mod in self.models.values():
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
                 if rid and now - t >= self.config.seed_wait_s and not self._seeder_busy(mod.name, rid):
-                    # The asked seeder never started: its datacenter's waiting readers may cross.
+                    # The asked seeder never started: its datacenter's waiting readers may cross
+                    # (replacing the entry looks at them again).
                     self._set_seed_asked(mod, dc, (v, "", t))
-                    self._touched.update((mod.name, v, sh) for sh in range(mod.num_shards)
-                                         if (mod.name, v, sh) in self.groups)
         self._settle()
         effects, self._effects = self._effects, []
         return effects

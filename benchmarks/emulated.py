@@ -1,0 +1,31 @@
+"""The benchmarks' outer half on an emulated cluster: build it, run the script as its driver.
+
+A benchmark's ``main`` builds the cluster (:func:`tensorhub.testing.cluster.emulated_cluster`,
+needs root) and runs itself inside with ``--driver`` (plus ``--quiet`` for ``--json``: no live
+progress); the driver prints its summary as the last stdout line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+
+def run_driver(script: str, argv: Optional[Sequence[str]], json_mode: bool, **cluster) -> Optional[dict]:
+    """Run ``script --driver ARGV`` (``ARGV``: this process's arguments without ``--json``)
+    inside an emulated cluster built from ``cluster`` (keywords of ``emulated_cluster``); returns
+    the driver's JSON summary (also shown on stderr), or None if the driver failed."""
+    from tensorhub.testing.cluster import emulated_cluster
+
+    with emulated_cluster(**cluster) as c:
+        argv2 = [sys.executable, script, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"],
+                 *(["--quiet"] if json_mode else [])]
+        proc = subprocess.run(argv2, env=c.driver_env(), stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        print(f"driver failed (rc={proc.returncode})", file=sys.stderr, flush=True)
+        return None
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(summary, indent=1), file=sys.stderr, flush=True)
+    return summary
