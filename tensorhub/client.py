@@ -385,13 +385,8 @@ class Hub:
                     replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
                     config=self.config)
         stage._stage_for = self.client_id
-        if buffer is None:
-            pin = any(t.is_cuda for t in self._tensors) and torch.cuda.is_available()
-            buffer = []
-            for meta, t in zip(self._layout.metas, self._tensors):
-                c = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                c.zero_()  # first touch here, in the background, not in the update that reads it
-                buffer.append((meta.name, c))
+        if buffer is None:  # touched here, in the background, not in the update that reads it
+            buffer = [(meta.name, c) for meta, c in zip(self._layout.metas, self._host_like(touch=True))]
         stage.register(buffer)
         with self._stage_lock:
             if self._machine.phase is HubState.CLOSED:
@@ -960,15 +955,21 @@ class Hub:
                 return
         entry[0].close()
 
-    def _new_host_buffer(self, touch: bool) -> tuple[tx.Region, list[torch.Tensor]]:
-        """Host tensors shaped like the registered ones, registered with the transport.
-        ``touch``: write every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM),
-        so that the offload that uses the buffer later copies at memory speed."""
+    def _host_like(self, touch: bool) -> list[torch.Tensor]:
+        """Host tensors shaped like the registered ones (pinned for CUDA ones); ``touch``: write
+        every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM)."""
         pin = any(t.is_cuda for t in self._tensors) and torch.cuda.is_available()
         copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in self._tensors]
         if touch:
             for c in copies:
                 c.zero_()
+        return copies
+
+    def _new_host_buffer(self, touch: bool) -> tuple[tx.Region, list[torch.Tensor]]:
+        """Host tensors shaped like the registered ones, registered with the transport.
+        ``touch``: write every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM),
+        so that the offload that uses the buffer later copies at memory speed."""
+        copies = self._host_like(touch)
         region = tx.Region.register(copies, self._layout, self.config)
         self.host_buffers_allocated += 1
         return region, copies
