@@ -26,7 +26,7 @@ def dcs():
     # The link-down test cuts the Ray control plane of dc1 too: the head must not declare its
     # nodes dead within seconds (Ray's default node health check), as it would a lost host.
     with pytest.MonkeyPatch.context() as mp, emulated_cluster(hosts=5, datacenters=[1, 2, 2], gbit=1.0, inter_dc_gbit=0.1, inter_dc_latency_ms=20,
-                          name=NAME, subnet="10.76.0.0/16",
+                          name=NAME, subnet="10.74.0.0/16",
                           **_tolerant_health_checks(mp)) as c:
         yield c
 
