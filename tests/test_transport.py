@@ -517,3 +517,58 @@ def test_await_terminal_releases_a_read_only_once_it_is_terminal(case, states, t
     _await_terminal(Nixl(), handles, timeout_s)
     assert (7 in handles) == kept, case
     assert h.released_in is None if kept else h.released_in in ("DONE", "ERR"), case
+
+
+_CHURN = r"""
+import sys, threading, time, torch
+from tensorhub.config import Config
+from tensorhub.layout import Layout, checksum_all
+from tensorhub.transport import Agent, Region, open_source, pull
+cfg = Config(unit_bytes=64 << 10, source_stall_timeout_s=5.0)
+agent = Agent(cfg, name="churn-agent")
+named = [("w", torch.arange(1 << 18, dtype=torch.float32))]
+layout = Layout.build(named, cfg.unit_bytes, cfg.pack_below_bytes)
+src = Region.register([named[0][1]], layout, cfg, agent=agent)
+src.publish_complete(1, checksum_all([named[0][1]], layout))
+stop = time.monotonic() + float(sys.argv[1])
+errors = []
+
+def churn():  # a retention pool filling while another handle closes: register/deregister
+    try:
+        while time.monotonic() < stop:
+            r = Region.register([torch.zeros(1 << 18, dtype=torch.float32)], layout, cfg, agent=agent)
+            r.endpoint()
+            r.close()
+    except BaseException as e:
+        errors.append(e)
+
+def reads():
+    try:
+        while time.monotonic() < stop:
+            dst = Region.register([torch.zeros(1 << 18, dtype=torch.float32)], layout, cfg, agent=agent)
+            s = open_source(src.endpoint(), agent=agent)
+            pull(dst, s, layout, expect_version=1, config=cfg)
+            assert torch.equal(dst.tensors[0], named[0][1])
+            s.close(); dst.close()
+    except BaseException as e:
+        errors.append(e)
+
+ts = [threading.Thread(target=churn) for _ in range(3)] + [threading.Thread(target=reads)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print("errors:", errors)
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_one_agent_survives_registrations_from_many_threads_while_pulling(tmp_path):
+    """Regression (CI segfault in ``deregister_memory`` during ``Hub.close``): one handle's pool
+    thread registered a retention buffer while another handle of the process deregistered. The
+    agent must lock its own state (NIXL_THREAD_SYNC_RW); with the wrapper's default (NONE) this
+    script corrupts the heap within seconds. Run in a subprocess: a crash must not take pytest."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "churn.py"
+    script.write_text(_CHURN)
+    proc = subprocess.run([sys.executable, str(script), "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])

@@ -254,9 +254,14 @@ def _new_nixl_agent(name: str, config: Config):
     needed where the target must progress (same-process peers, UCX over TCP), so it stays on
     and the delay is patched into the config the wrapper builds."""
     from nixl import _api as api  # heavy import, keep it lazy
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    conf = nixl_agent_config(enable_prog_thread=True, backends=[])
+    # RW: the agent locks its own state (exclusive for register/deregister, shared for
+    # transfers). The wrapper's default without a listener thread is NONE, and then a retention
+    # buffer registered by one handle's pool thread while another handle of the process
+    # deregisters on close corrupts the heap (seen as a segfault in deregister_memory).
+    conf = nixl_agent_config(enable_prog_thread=True, backends=[],
+                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
     delay = int(config.nixl_progress_delay_us)
     real = api.nixlBind.nixlAgent
 
