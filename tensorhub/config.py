@@ -84,6 +84,10 @@ class Config:
     (:mod:`tensorhub.transport.shm`)."""
     same_host_threads: int = 2
     """Copy threads of a same-host read (units copied and checksummed at once)."""
+    cuda_ipc: bool = True
+    """With ``same_host``: registered CUDA tensors are exported by CUDA IPC, so a reader on the
+    same host whose process sees the GPU copies GPU to GPU instead of going through NIXL
+    (:mod:`tensorhub.transport.cuda_ipc`)."""
 
     # --- Ray ------------------------------------------------------------------------------
     server_name: str = "tensorhub-server"

@@ -14,9 +14,10 @@ checksums, the stall timeout, a partial holder's progress.
 Host identity is the kernel's boot id plus the network namespace: the emulated cluster's hosts
 (namespaces on one machine) are different hosts, two Ray nodes in one namespace are one.
 
-Not for CUDA tensors (CUDA IPC is the equivalent; not built) nor where ``/dev/shm`` lacks the
-room: those keep NIXL. A reader that cannot open the holder's memory (another PID namespace,
-no permission) falls back to NIXL too.
+CUDA tensors take CUDA IPC instead (:mod:`tensorhub.transport.cuda_ipc`: the handles travel in
+:attr:`ShmInfo.cuda`, the control block stays here in host shared memory). Where ``/dev/shm``
+lacks the room the region keeps NIXL only. A reader that cannot open the holder's memory
+(another PID namespace, no permission, a GPU it does not see) falls back to NIXL too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch
 from tensorhub.config import Config
 from tensorhub.errors import ChecksumMismatch, InvalidState, SourceUnreachable
 from tensorhub.layout import Layout, checksum_unit
+from tensorhub.transport import cuda_ipc
+from tensorhub.transport.cuda_ipc import CudaStorage
 from tensorhub.transport.readstate import ReadState
 
 logger = logging.getLogger(__name__)
@@ -48,13 +51,15 @@ _HEADER = 2  # the control block: [version, progress, checksum per unit] (as in 
 class ShmInfo(msgspec.Struct, frozen=True):
     """How a reader on the same host maps a region: ``storages`` are (fd, bytes) in the
     holder's process ``pid``; ``tensors`` (layout order) are (storage index, byte offset), -1
-    for an empty tensor; ``control`` the control block's (fd, bytes)."""
+    for an empty tensor; ``control`` the control block's (fd, bytes). For a region on a GPU,
+    ``storages`` is empty and ``cuda`` holds the exported CUDA storages ``tensors`` index."""
 
     host: str
     pid: int
     storages: tuple[tuple[int, int], ...]
     tensors: tuple[tuple[int, int], ...]
     control: tuple[int, int]
+    cuda: tuple[CudaStorage, ...] = ()
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,7 +87,10 @@ def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config
     same-host readers can map them; None (nothing changed) if not possible or not wanted."""
     if not config.same_host or not host_key():
         return None
-    if any(t.device.type != "cpu" for t in tensors):
+    devices = {t.device.type for t in tensors}
+    if devices == {"cuda"}:
+        return _share_cuda(tensors, control, config)
+    if devices != {"cpu"}:
         return None
     storages: dict[int, torch.UntypedStorage] = {}
     for t in list(tensors) + [control]:
@@ -117,9 +125,32 @@ def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config
                    tensors=tuple(descs), control=(ctl_fd, ctl_size))
 
 
+def _share_cuda(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config) -> Optional[ShmInfo]:
+    """CUDA tensors: their storages exported by CUDA IPC, the control block in shared memory."""
+    if not config.cuda_ipc:
+        return None
+    exported = cuda_ipc.export(tensors)
+    if exported is None:
+        return None
+    cuda, descs = exported
+    try:
+        st = control.untyped_storage()
+        st.share_memory_()
+        fd, size = st._share_fd_cpu_()
+    except Exception as e:  # noqa: BLE001
+        logger.info("CUDA IPC off for this region: control block not shareable: %s", e)
+        return None
+    return ShmInfo(host=host_key(), pid=os.getpid(), storages=(), tensors=descs, control=(int(fd), int(size)),
+                   cuda=cuda)
+
+
 def usable(info: Optional[ShmInfo]) -> bool:
-    """Whether a region described by ``info`` can be read through shared memory from here."""
-    return info is not None and bool(info.host) and info.host == host_key()
+    """Whether a region described by ``info`` can be read through shared memory from here (for a
+    GPU region: by CUDA IPC, every GPU it uses visible in this process)."""
+    if info is None or not info.host or info.host != host_key():
+        return False
+    # CUDA cannot open this process's own IPC handles: a GPU region of this process goes by NIXL
+    return not info.cuda or (info.pid != os.getpid() and cuda_ipc.usable(info.cuda))
 
 
 class ShmSource:
@@ -134,7 +165,10 @@ class ShmSource:
         try:
             views = [self._map(fd, size) for fd, size in info.storages]
             self.control = self._map(*info.control).view(torch.int64)
-        except OSError as e:
+            if info.cuda:
+                views = cuda_ipc.open_storages(info.cuda)
+                self.name = f"cuda-ipc:{info.pid}"
+        except (OSError, RuntimeError, LookupError) as e:
             self.close()
             raise SourceUnreachable(f"cannot map the memory of process {info.pid}: {e}") from e
         self._views = views
@@ -222,6 +256,7 @@ class LocalSource:
         if threads <= 1 or torch.get_num_threads() > 1 or any(d.device.type != "cpu" for d, _ in pairs):
             for d, s in pairs:
                 d.copy_(s)
+            cuda_ipc.synchronize(dst)
             return
         total = sum(s.numel() for _, s in pairs)
         span = -(-total // threads)
@@ -269,6 +304,8 @@ def _copy_units(src, dst: Sequence[torch.Tensor], layout: Layout, units: Sequenc
             dst[p.tensor_index].reshape(-1).view(torch.uint8)[p.offset:p.offset + p.nbytes].copy_(
                 src.piece(p.tensor_index, p.offset, p.nbytes))
         out.append(checksum_unit(dst, unit) if checksums else None)
+    if not checksums and dst[0].is_cuda:  # GPU copies return early (hashing waits for them)
+        cuda_ipc.synchronize(dst)
     return out
 
 
