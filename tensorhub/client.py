@@ -149,6 +149,8 @@ class Hub:
         """Taking and applying background notes vs. announcing: a drop fetched before an
         announcement is applied before it (the announcement then leaves the copy out)."""
         self._pool_wake = threading.Event()
+        self._pool_urgent = threading.Event()
+        """An offload is waiting for a pooled buffer: the pool thread prepares one at once."""
         self._pool_thread: Optional[threading.Thread] = None
         self._pool_busy = False
         self.host_buffers_allocated = 0
@@ -932,6 +934,7 @@ class Hub:
     def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a
         second fresh buffer would only compete with it for first touches), unless cancelled."""
+        self._pool_urgent.set()
         self._pool_wake.set()
         t0 = time.monotonic()
         while True:
@@ -997,11 +1000,18 @@ class Hub:
         while True:
             self._pool_wake.wait()
             self._pool_wake.clear()
+            if not self._pool_urgent.is_set():
+                # A retention copy just took the pooled buffer. The host copy that the next commit
+                # frees usually refills the pool first: wait for that instead of allocating and
+                # touching a fresh buffer (which competes with this process's reads for the CPU and
+                # the memory bus, and is freed again at the next drop), unless an offload needs one.
+                self._pool_urgent.wait(self.config.host_pool_refill_delay_s)
             while not self._hb_stop.is_set():
                 with self._host_lock:
                     if len(self._host_pool) >= self.config.host_copies_pooled:
                         break
                 self._pool_busy = True
+                self._pool_urgent.clear()
                 try:
                     entry = self._new_host_buffer(touch=True)
                 except Exception:  # noqa: BLE001 - an offload allocates inline instead
@@ -1021,6 +1031,7 @@ class Hub:
 
     def _stop_threads(self) -> None:
         self._hb_stop.set()
+        self._pool_urgent.set()
         self._pool_wake.set()
         t = self._pool_thread
         if t is not None and t is not threading.current_thread():

@@ -47,6 +47,11 @@ class Config:
     offload copies at memory speed instead of paying for fresh memory on a reader's critical
     path; freed host copies return to the pool. Costs this many shard-sized host buffers per
     handle on top of the host copies it holds. 0: allocate on demand (slow first touch)."""
+    host_pool_refill_delay_s: float = 5.0
+    """After a retention copy takes the pooled buffer, wait this long before preparing another:
+    the host copy freed at the next commit usually refills the pool first (no allocation, no
+    first touch competing with this process's reads). An offload that finds the pool empty has
+    one prepared at once."""
     host_copy_ahead: bool = True
     """When the server asks (the first non-spot reader to finish a retained version), copy it to
     a host buffer in the background and offer it as the version's retention copy, so that the
@@ -130,6 +135,7 @@ class Config:
         need(self.same_host_threads >= 1, "same_host_threads must be >= 1")
         need(self.source_stall_timeout_s > 0, "source_stall_timeout_s must be > 0")
         need(self.host_copies_pooled >= 0, "host_copies_pooled must be >= 0")
+        need(self.host_pool_refill_delay_s >= 0, "host_pool_refill_delay_s must be >= 0")
         need(self.reconnects_max >= 0, "reconnects_max must be >= 0")
         need(self.failovers_max >= 0, "failovers_max must be >= 0")
         need(self.request_timeout_s > 0, "request_timeout_s must be > 0")

@@ -302,7 +302,7 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
     """Every non-spot handle has a touched, registered retention buffer once register returns; the
     last holder's offload uses it (no allocation on the critical path) and the pool refills in
     the background. Spot handles keep none (they are never asked to offload)."""
-    cfg = CFG.replace(host_copy_ahead=False)
+    cfg = CFG.replace(host_copy_ahead=False, host_pool_refill_delay_s=0.2)
     t = tensorhub.open("m", port=port, config=cfg, replica="t")
     named = workload.allocate(SPEC)
     tt = [x for _, x in named]
@@ -326,6 +326,27 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
     assert len(r._host_pool) == 1, "refilled in the background"
     for h in (r, t, spot):
         h.close(drop_last_copy=True)
+
+
+def test_a_host_copy_freed_by_a_commit_refills_the_pool_instead_of_a_fresh_buffer(port):
+    """After an offload takes the pooled buffer, the pool thread waits: the copy that falls out
+    of retention at the next commit comes back to the pool, and the next offload uses it. One
+    buffer is allocated (at register) for all of it: nothing is touched again per version."""
+    cfg = CFG.replace(host_copy_ahead=False, host_pool_refill_delay_s=60.0)
+    t, tt = inproc.open_hub(port, config=cfg, replica="t")
+    r, _ = inproc.open_hub(port, config=cfg, replica="r")
+    workload.fill_version(tt, 1); t.publish(1)
+    r.replicate(1)
+    for v in (2, 3, 4):
+        t.unpublish(); workload.fill_version(tt, v); t.publish(v)
+        deadline = time.monotonic() + 10  # the drop of v-2's copy reaches r with its heartbeat
+        while v >= 3 and not r._host_pool and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert v < 3 or len(r._host_pool) == 1, "the freed host copy went back to the pool"
+        st = r.update("latest")  # r holds the last copy of v-1: it offloads into the pooled buffer
+        assert st.version == v and st.offload_s > 0
+        assert r.host_buffers_inline == 0 and r.host_buffers_allocated == 1
+    r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 
 def test_the_first_reader_copies_the_version_ahead_so_the_last_holder_need_not_offload(port):
