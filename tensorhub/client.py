@@ -85,6 +85,9 @@ class ReadStats:
     prefetched: bool = False
     """The bytes came from this handle's own prefetch staging copy (:meth:`Hub.prefetch`): a
     local copy, complete or still arriving."""
+    swapped: bool = False
+    """A double buffer (:meth:`Hub.register`): the handle took over its complete staging copy's
+    memory instead of copying it; :attr:`Hub.tensors` are the other set of tensors now."""
     skipped_in_flight: Optional[int] = None
     """Smart skipping: ``"latest"`` gave ``version``, the newest complete in this datacenter,
     because this newer version is still being seeded into it (None: no skip)."""
@@ -168,6 +171,9 @@ class Hub:
         self._seeding = -1
         """The newest version a SeedAhead asked this handle to prefetch."""
         self._prefetcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._double: Optional[list[tuple[str, torch.Tensor]]] = None
+        """The second set of tensors registered as a double buffer: prefetches land there and an
+        update swaps the two sets instead of copying."""
 
     # ------------------------------------------------------------------ public API
 
@@ -184,14 +190,41 @@ class Hub:
     def _published(self) -> Optional[int]:
         return self._machine.published
 
-    def register(self, tensors: NamedTensors) -> None:
+    @property
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The registered tensors that hold :attr:`version`, as ``(name, tensor)`` in layout
+        order. With a double buffer they alternate between the two sets after each swapped
+        update (``ReadStats.swapped``): hand these to the engine after such an update."""
+        if self._layout is None:
+            return []
+        return [(meta.name, t) for meta, t in zip(self._layout.metas, self._tensors)]
+
+    def register(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
         """Declare the tensors this shard holds, in order (a state dict works). Registers their
         memory with the transport once. The layout must match the model's layout for this shard
-        index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle."""
+        index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle.
+
+        ``double_buffer``: a second set of tensors with the same layout (e.g. spare GPU memory).
+        Prefetches (:meth:`prefetch`) then land there, and an :meth:`update` to the prefetched
+        version swaps the two sets instead of copying: no byte moves, :attr:`tensors` names the
+        set that holds the new version, and the next prefetch overwrites the other set (the engine
+        must have moved to the new one). Unsharded handles only (sharded replicas copy, in rounds);
+        an update that cannot swap (the prefetch is incomplete or not the version asked, others
+        read the staging copy) copies as without a double buffer."""
         with self._lock:
             if self._machine.phase is not HubState.OPEN:
                 self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
             layout = Layout.for_config(tensors, self.config)
+            if double_buffer is not None:
+                spare = list(double_buffer.items()) if isinstance(double_buffer, Mapping) else list(double_buffer)
+                if _layout_info(Layout.for_config(spare, self.config)) != _layout_info(layout):
+                    raise errors.LayoutMismatch("double_buffer: its layout differs from the tensors' (names, "
+                                                "dtypes, shapes and order must match)")
+                if {t.data_ptr() for _, t in spare if t.numel()} & {
+                        t.data_ptr() for t in (tensors.values() if isinstance(tensors, Mapping) else
+                                               [x for _, x in tensors]) if t.numel()}:
+                    raise errors.LayoutMismatch("double_buffer: shares memory with the tensors")
+                self._double = spare
             items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
             ts = [t for _, t in items]
             region = tx.Region.register(ts, layout, self.config)
@@ -241,10 +274,13 @@ class Hub:
         for the last non-spot copy of a retained version, until a host copy is published).
         After it returns the caller may write the tensors. Idempotent."""
         with self._lock:
-            self._stop_host_copy()
-            out = self._run(hm.UnpublishOp())
-            if out.was_published is not None and self.config.verify_mutability:
-                self._verify_unchanged(out.was_published)
+            self._unpublish_locked()
+
+    def _unpublish_locked(self) -> None:
+        self._stop_host_copy()
+        out = self._run(hm.UnpublishOp())
+        if out.was_published is not None and self.config.verify_mutability:
+            self._verify_unchanged(out.was_published)
 
     def replicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
                   progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
@@ -271,7 +307,53 @@ class Hub:
         retries once in the same round (the shards of a replica stay in one transaction).
         ``round``, ``progress``: as for :meth:`replicate`."""
         with self._lock:
+            if self._double is not None and round is None:
+                st = self._swap(spec)
+                if st is not None:
+                    return st
             return self._replicate(spec, update=True, round_no=_check_round(round), progress=progress)
+
+    def _swap(self, spec: m.VersionSpec) -> Optional[ReadStats]:
+        """update() with a double buffer: take over the complete staging copy's memory (the
+        server exchanges the two holders' endpoints) instead of copying it. None: not possible
+        now (the caller copies)."""
+        stage = self._stage
+        if stage is None or self.num_shards > 1:
+            return None
+        with stage._lock:  # no prefetch may start on the staging copy meanwhile
+            v = stage._machine.published
+            if (v is None or stage._region is None or stage._region.progress != self._layout.unit_count
+                    or self._machine.published == v or self._machine.reading):
+                return None
+            t0 = time.perf_counter()
+            stage._stop_host_copy(cancel_it=False)
+            self._stop_host_copy()
+            if self._machine.published is not None:
+                self._unpublish_locked()
+            reply = self._port.call(m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v, spec=spec))
+            if isinstance(reply, m.ErrorReply):
+                log.info("model=%s replica=%s shard=%d: no swap, copying instead: %s", self.model, self.replica,
+                         self.shard, reply.message)
+                return None
+            with self._mlock, stage._mlock:
+                self._region, stage._region = stage._region, self._region
+                self._tensors, stage._tensors = stage._tensors, self._tensors
+                stage._region.set_progress(0)
+                stage._region.set_version(-1)
+                self._machine.swapped_in(v, msgspec.structs.replace(
+                    self._machine.register_msg, endpoint=tx.encode_endpoint(self._region.endpoint())))
+                stage._machine.swapped_out(msgspec.structs.replace(
+                    stage._machine.register_msg, endpoint=tx.encode_endpoint(stage._region.endpoint())))
+            if self.config.checksums or self.config.verify_mutability:
+                self._checksums = (self._region.checksums() if self.config.checksums
+                                   else checksum_all(self._tensors, self._layout))
+        dt = time.perf_counter() - t0
+        log.info("model=%s replica=%s shard=%d: swapped to prefetched version %d in %.4fs", self.model,
+                 self.replica, self.shard, v, dt)
+        st = ReadStats(action="replicated", version=v, seconds=dt, sources=(stage.client_id,), prefetched=True,
+                       swapped=True, finished_at=time.time())
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers, stall_s=0.0)
+        return st
 
     def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
@@ -342,6 +424,8 @@ class Hub:
             if self._layout is None:
                 raise errors.InvalidState("prefetch() needs register() first")
             if buffer is not None:
+                if self._double is not None:
+                    raise errors.InvalidState("prefetches land in the registered double buffer: no buffer= here")
                 if self._stage is not None or self._prefetcher is not None:
                     raise errors.InvalidState("the staging buffer is set by the first prefetch() only")
                 items = list(buffer.items()) if isinstance(buffer, Mapping) else list(buffer)
@@ -371,7 +455,7 @@ class Hub:
             return ReadStats(action="noop", version=seed)
         stage = self._stage
         if stage is None:
-            stage = self._open_stage(buffer)
+            stage = self._open_stage(buffer if buffer is not None else self._double)
         st = stage.update(spec, round=round_no)
         with stage._lock:
             # A retention copy the server asked of the staging copy (MakeHostCopy) is part of

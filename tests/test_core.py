@@ -355,6 +355,40 @@ def test_a_readers_own_staging_copy_is_its_source_first_whatever_its_load():
     assert w.core._registration_of(w.core.nodes["r~stage"]).stage_for == "r"  # kept across a restart
 
 
+def test_swap_exchanges_a_handle_and_its_complete_staging_copy_or_refuses_changing_nothing():
+    """A double buffer (Swap): the handle publishes its staging copy's version from the staging
+    copy's endpoint; the staging copy holds nothing at the handle's old endpoint. Refused while
+    the staging copy has a reader, is not the handle's, is not complete at the version, or the
+    spec names another version; and while the handle publishes or reads (LEGAL)."""
+    w = World(readers_per_source_max=2)
+    w.reg("t"); w.reg("r"); w.reg("y")
+    w.send(m.Register("r~s", "pol", "r~s", 0, 1, LAYOUT, b"stage", "a", False, stage_for="r"))
+    w.send(m.Register("y~s", "pol", "y~s", 0, 1, LAYOUT, b"ystage", "a", False, stage_for="y"))
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Replicate("r~s", 1)).source_id == "t"
+    assert err(w.send(m.Swap("r", "r~s", 1))) == "InvalidState"  # still reading
+    w.send(m.ReplicateDone("r~s", 1))
+    assert err(w.send(m.Swap("r", "y~s", 1))) == "InvalidState"  # not r's staging copy
+    assert err(w.send(m.Swap("r", "r~s", 2))) == "InvalidState"  # not the version it holds
+    assert w.send(m.Replicate("y", 1)).source_id in ("t", "r~s")
+    if w.core.nodes["y"].source == "r~s":
+        assert err(w.send(m.Swap("r", "r~s", 1))) == "InvalidState"  # has a reader
+        w.send(m.ReplicateDone("y", 1))
+    else:
+        w.send(m.ReplicateDone("y", 1))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    assert err(w.send(m.Swap("r", "r~s", 1, spec="latest"))) == "InvalidState"  # latest is 2 now
+    assert (w.state("r"), w.state("r~s")) == (("idle", -1), ("published", 1))
+    assert w.core.nodes["r"].endpoint == b"r" and w.core.nodes["r~s"].endpoint == b"stage"
+    assert isinstance(w.send(m.Swap("r", "r~s", 1, spec=1)), m.Ok)
+    assert (w.state("r"), w.state("r~s")) == (("published", 1), ("idle", -1))
+    assert w.core.nodes["r"].endpoint == b"stage" and w.core.nodes["r~s"].endpoint == b"r"
+    assert err(w.send(m.Swap("r", "r~s", 1))) == "InvalidState"  # publishes: not legal
+    w.send(m.Unpublish("y"))
+    a = w.send(m.Replicate("y", 1))
+    assert (a.source_id, a.source_endpoint) == ("r", b"stage")  # r, at its new endpoint
+
+
 def test_waiting_readers_are_served_fifo():
     """t busy with r1 (which nobody can follow: all readers resume ahead of it); r2 then r3 wait;
     when t frees, r2 (the earlier) gets it."""

@@ -220,3 +220,88 @@ def test_local_copy_of_a_complete_staging_copy_cuts_the_bytes_into_exact_spans(s
     dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     shm.LocalSource(Region(), "stage").copy_all(dst, threads)
     assert all(torch.equal(a, b) for a, b in zip(dst, src))
+
+
+def _double(port, replica="rollout"):
+    """A handle with a double buffer: (hub, primary tensors, spare tensors)."""
+    named, spare = workload.allocate(SPEC), workload.allocate(SPEC)
+    hub = tensorhub.open("m", port=port, config=CFG, replica=replica)
+    hub.register(named, double_buffer=spare)
+    return hub, [t for _, t in named], [t for _, t in spare]
+
+
+def test_double_buffer_update_swaps_instead_of_copying_and_serves_from_the_new_set(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, primary, spare = _double(port)
+    _publish(trainer, tt, 1)
+    assert rollout.update("latest").version == 1 and workload.digest(primary) == workload.digest(tt)
+    for v, live, other in ((2, spare, primary), (3, primary, spare)):
+        _publish(trainer, tt, v)
+        before = workload.digest(other)  # the set that serves version v-1 until the swap
+        assert rollout.prefetch("latest").result(timeout=30).version == v
+        assert workload.digest(other) == before and rollout.version == v - 1
+        st = rollout.update("latest")
+        assert (st.action, st.version, st.swapped, st.prefetched, st.bytes) == ("replicated", v, True, True, 0)
+        assert [t.data_ptr() for _, t in rollout.tensors] == [t.data_ptr() for t in live]
+        assert workload.digest(live) == workload.digest(tt) and rollout.version == v
+        held = _holders(port)
+        assert held[rollout.client_id].version == v and held[rollout._stage.client_id].version == -1
+        # Others read version v from the rollout: the server gives them the new set's endpoint.
+        trainer.unpublish()
+        reader, rt = _hub(port, replica=f"reader{v}")
+        got = reader.replicate(v)
+        assert got.sources == (rollout.client_id,) and workload.digest(rt) == workload.digest(live)
+        reader.close(drop_last_copy=True)
+        trainer.publish(v)
+    assert rollout.update("latest").action == "noop"
+    rollout.close(drop_last_copy=True); trainer.close(drop_last_copy=True)
+
+
+def test_double_buffer_copies_when_the_prefetch_is_not_what_update_asks(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, primary, spare = _double(port)
+    _publish(trainer, tt, 1)
+    rollout.update("latest")
+    _publish(trainer, tt, 2)
+    rollout.prefetch("latest").result(timeout=30)
+    _publish(trainer, tt, 3)  # "latest" moved on: the staging copy's version 2 is not it
+    st = rollout.update("latest")
+    assert (st.version, st.swapped) == (3, False) and st.bytes > 0
+    assert [t.data_ptr() for _, t in rollout.tensors] == [t.data_ptr() for t in primary]
+    assert workload.digest(primary) == workload.digest(tt)
+    rollout.close(drop_last_copy=True); trainer.close(drop_last_copy=True)
+
+
+def test_a_swapped_handle_reannounces_its_new_endpoint_after_a_server_restart(port):
+    trainer, tt = _hub(port, replica="trainer")
+    rollout, primary, spare = _double(port)
+    _publish(trainer, tt, 1)
+    rollout.update("latest")
+    _publish(trainer, tt, 2)
+    rollout.prefetch("latest").result(timeout=30)
+    assert rollout.update("latest").swapped
+    trainer.close(drop_last_copy=True)
+    port.restart()
+    reader, rt = _hub(port, replica="reader")
+    deadline = __import__("time").monotonic() + 20
+    while True:  # the rollout re-announces with its next heartbeat
+        try:
+            got = reader.replicate(2)
+            break
+        except (errors.ServerRecovering, errors.VersionNotFound, errors.UnknownModel):
+            assert __import__("time").monotonic() < deadline
+            __import__("time").sleep(0.1)
+    assert got.sources == (rollout.client_id,) and workload.digest(rt) == workload.digest(spare)
+    reader.close(drop_last_copy=True); rollout.close(drop_last_copy=True)
+
+
+def test_double_buffer_bad_input(port):
+    named, other = workload.allocate(SPEC), workload.allocate(workload.small_spec(1 << 20, big=1, tiny=3))
+    with pytest.raises(errors.LayoutMismatch):
+        tensorhub.open("m", port=port, config=CFG, replica="a").register(named, double_buffer=other)
+    with pytest.raises(errors.LayoutMismatch, match="shares memory"):
+        tensorhub.open("m", port=port, config=CFG, replica="b").register(named, double_buffer=named)
+    rollout, _, _ = _double(port, replica="c")
+    with pytest.raises(errors.InvalidState):
+        rollout.prefetch("latest", buffer=workload.allocate(SPEC))
+    rollout.close(drop_last_copy=True)

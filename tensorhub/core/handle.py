@@ -330,6 +330,22 @@ class HandleMachine:
         self._restoring: Optional[tuple[str, str]] = None
         """update() failed after the drain: the old version is being published again; the error."""
 
+    # ------------------------------------------------------------------ a double buffer's swap
+
+    def swapped_in(self, version: int, register: m.Register) -> None:
+        """The server let this handle take over its staging copy's memory (``Swap``): it
+        publishes ``version`` from the region it has now; ``register`` (the registration with
+        the new endpoint) is what it re-announces after a server restart."""
+        self.phase, self.published = Phase.PUBLISHED, version
+        self.region_version, self.region_progress = version, self.unit_count
+        self.register_msg = register
+
+    def swapped_out(self, register: m.Register) -> None:
+        """The staging side of a ``Swap``: it holds nothing now, at its new endpoint."""
+        self.phase, self.published = Phase.IDLE, None
+        self.region_version, self.region_progress = -1, 0
+        self.register_msg = register
+
     # ------------------------------------------------------------------ queries
 
     @property

@@ -145,6 +145,20 @@ class ReplicateDone(_Msg, frozen=True):
     version: int
 
 
+class Swap(_Msg, frozen=True):
+    """A handle takes over the memory of its prefetch staging copy instead of copying it (a
+    double buffer, :meth:`tensorhub.Hub.register`): the two exchange endpoints, the handle then
+    publishes the staging copy's ``version`` and the staging copy holds nothing. Refused
+    (``InvalidState``, nothing changed) unless ``stage_id`` is this handle's staging copy, holds
+    ``version`` complete and has no reader, this unsharded handle holds and reads nothing, and
+    ``spec`` resolves to ``version`` now."""
+
+    client_id: str
+    stage_id: str
+    version: int
+    spec: VersionSpec = "latest"
+
+
 class ReplicateAbort(_Msg, frozen=True):
     """The reader gives up (bad bytes it cannot fix, user cancel); it holds nothing now."""
 
@@ -183,7 +197,7 @@ class Query(_Msg, frozen=True):
 
 Request = Union[
     Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
-    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query,
+    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap,
 ]
 
 

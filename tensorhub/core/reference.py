@@ -503,6 +503,33 @@ class ReferenceCore:
         self.index.mark(node)
         self._deliver(node.id, m.MakeHostCopy(version=node.version))
 
+    def _on_Swap(self, req: m.Swap, now: float) -> m.Reply:
+        """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""
+        x, y = self.nodes[req.client_id], self.nodes.get(req.stage_id)
+        why = ""
+        if y is None or y.host or y.stage_for != x.id:
+            why = f"{req.stage_id} is not this handle's staging copy"
+        elif x.num_shards > 1:
+            why = "sharded replicas read in rounds: they copy"
+        elif y.state is not S.PUBLISHED or y.version != req.version:
+            why = f"the staging copy is {y.state.value} at version {y.version}, not complete at {req.version}"
+        elif y.readers:
+            why = f"the staging copy has {len(y.readers)} reader(s)"
+        else:
+            v = self._resolve(x, req.spec)
+            if v != req.version:
+                why = f"{req.spec!r} is version {v} now"
+        if why:
+            raise InvalidState(f"{self._describe(x)}: swap refused: {why}")
+        x.endpoint, y.endpoint = y.endpoint, x.endpoint
+        if y.copy_asked >= 0:  # its retention copy would now come from nowhere: ask the handle
+            y.copy_asked = -1
+        self._set_version(y, -1, S.IDLE, 0)
+        self._set_version(x, req.version, S.PUBLISHED, x.units)
+        self._maybe_commit(x)
+        self._ask_host_copy(x)
+        return m.Ok()
+
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         self._stop_reading(node)

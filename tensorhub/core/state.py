@@ -52,6 +52,7 @@ LEGAL: dict[str, frozenset[S]] = {
     "HostCopy": frozenset(S),
     "Heartbeat": frozenset(S),
     "Leave": frozenset(S),
+    "Swap": frozenset({S.IDLE}),
 }
 
 
