@@ -305,3 +305,15 @@ def test_double_buffer_bad_input(port):
     with pytest.raises(errors.InvalidState):
         rollout.prefetch("latest", buffer=workload.allocate(SPEC))
     rollout.close(drop_last_copy=True)
+
+
+def test_swap_benchmark_runs_and_checks_its_bytes():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/swap.py", "--bytes", "4MiB", "--versions", "3", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["bytes"] > 3 << 20 and len(res["runs"]) == 3 and res["swap_update_s"] > 0
