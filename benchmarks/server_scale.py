@@ -13,7 +13,9 @@ of ``--reps`` rounds:
   ``min(N, 2000)`` readers.
 
 Ray part (``--ray``, see ``ray_part``): load-generator processes send raw protocol messages to
-a real ``ReferenceServer`` actor standing in for 10,000 clients at the default config.
+a real ``ReferenceServer`` actor standing in for 10,000 clients at the default config. They are
+all clients of one model, so this is one model's server; with ``server_per_model`` (default)
+other models' fleets load their own servers, not this one.
 
 Last stdout line: one JSON object, ``core_us`` = {op: {N: microseconds}} (and, with ``--ray``,
 ``steady_busy_fraction_10k`` and ``storm_10k_s``). Human lines go to stderr.
@@ -156,7 +158,7 @@ def ray_part(args) -> dict:
     ray.init(address="local", namespace=ns, num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": env})
     config = Config(server_name="tensorhub-bench-scale", namespace=ns)
-    server = server_handle(config)
+    server = server_handle(config, "pol")  # the one model's own server (server_per_model)
     pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
     tick_hz = os.sysconf("SC_CLK_TCK")
 
@@ -168,7 +170,7 @@ def ray_part(args) -> dict:
 
     n, g = args.clients, args.generators
     ids = [f"c{i}" for i in range(n)]
-    gens = [LoadGen.remote(config.server_name, ns, ids[i::g]) for i in range(g)]
+    gens = [LoadGen.remote(config.server_actor_name("pol"), ns, ids[i::g]) for i in range(g)]
     out: dict = {"clients": n, "generators": g, "heartbeat_interval_s": config.heartbeat_interval_s}
 
     # capacity: pipelined heartbeats from every generator (clients unknown: answered UnknownClient,
