@@ -8,13 +8,14 @@ Two models, two fleets, one server each::
 The names are pure functions of the config and the model (table tests, no Ray). On Ray: each
 server's table lists only its model and a transfer works for both; killing model a's server
 (its clients reconnect and re-announce to a new one) leaves model b's server, its table and
-its clients untouched: not one of b's handles reconnects, and b's reads go on while a has no
-server at all. ``tensorhub status`` shows both models across both servers, ``--model`` one.
+its clients untouched: not one of b's handles reconnects, and b's reads go on while a's
+clients reconnect. ``tensorhub status`` shows both models across both servers, ``--model`` one.
 One-server mode (``server_per_model=False``) still serves both models from one actor.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -176,9 +177,9 @@ def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_
 
 @pytest.mark.ray
 def test_killing_one_models_server_affects_only_that_model(ray_cluster, model_name):
-    """a's server is killed. While a has no server, b publishes 2 and b's reader updates to it
-    with exact bytes; then a's clients reconnect to a new a-server, re-announce and move to 2
-    too. b's server is the same actor throughout, its table has the same clients, and not one
+    """a's server is killed. Right after (while a's clients find a new a-server and re-announce),
+    b publishes 2 and b's reader updates to it with exact bytes; then a publishes 2 through
+    the outage and a's reader moves to it too. b's server is the same actor throughout, its table has the same clients, and not one
     of b's handles reconnected."""
     from tensorhub.actors.server import find_server, list_servers
 
@@ -245,3 +246,21 @@ def test_one_server_mode_serves_both_models_from_one_actor(ray_cluster, model_na
     for t, r in fleets.values():
         ray.get([r.close.remote(), t.close.remote()])
     ray.kill(ray.get_actor(cfg["server_name"], namespace="tensorhub"), no_restart=True)
+
+
+def test_status_table_names_each_models_server():
+    """The table view across servers: one panel per model, titled with its server."""
+    from rich.console import Console
+
+    from tensorhub.status import add_rates, render
+
+    def model(name: str, server: str) -> dict:
+        return {"model": name, "server": server, "num_shards": 1, "available": [1], "retained": [1],
+                "host_copies": [], "holders": [], "transfers": [], "waiting": []}
+
+    snap = {"time": 0.0, "unreachable": {}, "models": [model("a", "th/a"), model("b/c", "th/b%2Fc")]}
+    add_rates(snap, None)
+    console = Console(width=140, record=True, file=io.StringIO())
+    console.print(render(snap))
+    text = console.export_text()
+    assert "model a   server th/a" in text and "model b/c   server th/b%2Fc" in text, text
