@@ -8,9 +8,9 @@ server of ``model`` by name in the configured namespace, creating it on first us
 Partitioning (``Config.server_per_model``, on by default): every model has its own server
 actor, named ``<server_name>/<model percent-encoded>`` (:meth:`Config.server_actor_name`). A
 model's clients only ever talk to their model's server, so its request rate, table size, lease
-ticks and liveness sweeps are that model's alone; nothing is shared between servers (each is
-a separate process with its own event loop, and a restart of one loses only its model's soft
-state). Off: one server named ``server_name`` serves every model, as before.
+ticks and liveness sweeps are that model's alone; no TensorHub state is shared between servers
+(each is a separate process with its own event loop, and a restart of one loses only its
+model's soft state; they share Ray's GCS and their nodes' CPUs). Off: one server named ``server_name`` serves every model, as before.
 :func:`list_servers` finds every server of a namespace by its name.
 """
 
