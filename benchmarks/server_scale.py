@@ -13,12 +13,19 @@ of ``--reps`` rounds:
   ``min(N, 2000)`` readers.
 
 Ray part (``--ray``, see ``ray_part``): load-generator processes send raw protocol messages to
-a real ``ReferenceServer`` actor standing in for 10,000 clients at the default config.
+a real ``ReferenceServer`` actor standing in for 10,000 clients at the default config. They are
+all clients of one model, so this is one model's server; with ``server_per_model`` (default)
+other models' fleets load their own servers, not this one.
+
+Isolation part (``--isolation``, see ``isolation_part``): one model's fleet saturates its server
+while a client of a second model times its own calls, with a server per model
+(``server_per_model``, the default) and with one server for both.
 
 Last stdout line: one JSON object, ``core_us`` = {op: {N: microseconds}} (and, with ``--ray``,
-``steady_busy_fraction_10k`` and ``storm_10k_s``). Human lines go to stderr.
+``steady_busy_fraction_10k`` and ``storm_10k_s``; with ``--isolation``, ``isolation_ms``).
+Human lines go to stderr.
 
-    python benchmarks/server_scale.py --json [--sizes 100,1000,10000] [--ray]
+    python benchmarks/server_scale.py --json [--sizes 100,1000,10000] [--ray] [--isolation]
 """
 
 from __future__ import annotations
@@ -109,6 +116,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=10_000, help="Ray part: simulated clients")
     ap.add_argument("--generators", type=int, default=4, help="Ray part: load-generator processes")
     ap.add_argument("--steady-s", type=float, default=10.0, help="Ray part: steady-state window measured")
+    ap.add_argument("--isolation", action="store_true",
+                    help="also time a second model's calls while the first model's fleet saturates its server")
+    ap.add_argument("--isolation-s", type=float, default=5.0, help="isolation part: seconds of load per mode")
     ap.add_argument("--json", action="store_true", help="no extra human output (the JSON line is printed either way)")
     args = ap.parse_args()
 
@@ -120,6 +130,8 @@ def main() -> int:
     }
     if args.ray:
         summary.update(ray_part(args))
+    if args.isolation:
+        summary["isolation_ms"] = isolation_part(args)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -156,7 +168,7 @@ def ray_part(args) -> dict:
     ray.init(address="local", namespace=ns, num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": env})
     config = Config(server_name="tensorhub-bench-scale", namespace=ns)
-    server = server_handle(config)
+    server = server_handle(config, "pol")  # the one model's own server (server_per_model)
     pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
     tick_hz = os.sysconf("SC_CLK_TCK")
 
@@ -168,7 +180,7 @@ def ray_part(args) -> dict:
 
     n, g = args.clients, args.generators
     ids = [f"c{i}" for i in range(n)]
-    gens = [LoadGen.remote(config.server_name, ns, ids[i::g]) for i in range(g)]
+    gens = [LoadGen.remote(config.server_actor_name("pol"), ns, ids[i::g]) for i in range(g)]
     out: dict = {"clients": n, "generators": g, "heartbeat_interval_s": config.heartbeat_interval_s}
 
     # capacity: pipelined heartbeats from every generator (clients unknown: answered UnknownClient,
@@ -228,6 +240,68 @@ def ray_part(args) -> dict:
     return out
 
 
+def isolation_part(args) -> dict:
+    """Per mode (``per_model``: a server per model; ``shared``: one server for both), the
+    milliseconds of a ``Heartbeat`` of a registered client of model "small" (p50 and p99 of
+    sequential calls), first idle, then while ``--generators`` load generators keep model
+    "big"'s server saturated with pipelined calls (200 in flight each). With a server per model
+    the big fleet's queue is not in the small model's way; on a shared server it is."""
+    import os
+    import uuid
+
+    import ray
+
+    from tensorhub.actors.server import server_handle
+    from tensorhub.config import Config
+    from tensorhub.core import messages as m
+
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    ray.init(address="local", namespace=f"tensorhub-bench-iso-{uuid.uuid4().hex[:6]}", num_cpus=4,
+             include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    ns = ray.get_runtime_context().namespace
+    layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
+
+    def timed(server, count: int) -> list[float]:
+        data = m.encode(m.Heartbeat("small-0"))
+        out = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            reply = m.decode_reply(ray.get(server.call.remote(data, 0.0)))
+            out.append((time.perf_counter() - t0) * 1e3)
+            assert not isinstance(reply, m.ErrorReply), reply
+        return sorted(out)
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)
+
+    result = {}
+    for mode, per_model in (("per_model", True), ("shared", False)):
+        config = Config(server_name=f"tensorhub-bench-iso-{mode}", namespace=ns, server_per_model=per_model)
+        big, small = server_handle(config, "big"), server_handle(config, "small")
+        reply = m.decode_reply(ray.get(small.call.remote(m.encode(m.Register("small-0", "small", "small-0", 0, 1, layout, b"s")))))
+        assert not isinstance(reply, m.ErrorReply), reply
+        idle = timed(small, 200)
+        gens = [LoadGen.remote(config.server_actor_name("big"), ns, [f"c{i}"]) for i in range(args.generators)]
+        ray.get([g.burst.remote("Heartbeat", 50) for g in gens])  # warm up
+        loads = [g.hammer.remote(args.isolation_s) for g in gens]
+        time.sleep(0.5)
+        loaded = []
+        t_end = time.monotonic() + args.isolation_s - 1.0
+        while time.monotonic() < t_end:
+            loaded += timed(small, 10)
+        big_calls = sum(ray.get(loads))
+        loaded.sort()
+        result[mode] = {"idle_p50": pct(idle, 0.5), "loaded_p50": pct(loaded, 0.5), "loaded_p99": pct(loaded, 0.99),
+                        "small_calls": len(loaded), "big_calls_per_s": round(big_calls / args.isolation_s, 1)}
+        say(f"isolation {mode}: small model's heartbeat {result[mode]}")
+        for a in (big, small) if per_model else (small,):
+            ray.kill(a)
+        for g in gens:
+            ray.kill(g)
+    ray.shutdown()
+    return result
+
+
 def _load_gen_class():
     import ray
 
@@ -255,6 +329,15 @@ def _load_gen_class():
             data = self.m.encode(self._req(kind, "c0"))
             await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(count)])
             return count
+
+        async def hammer(self, duration_s: float, in_flight: int = 200) -> int:
+            """Pipelined heartbeats, ``in_flight`` at a time, for ``duration_s``; calls answered."""
+            data = self.m.encode(self._req("Heartbeat", "c0"))
+            end, done = time.monotonic() + duration_s, 0
+            while time.monotonic() < end:
+                await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(in_flight)])
+                done += in_flight
+            return done
 
         async def send_all(self, kind: str) -> tuple[float, float, int, list]:
             """Every client sends one ``kind`` at once; (first send, last reply, assignments, the

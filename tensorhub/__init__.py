@@ -33,8 +33,9 @@ def open(  # noqa: A001 - the paper's name for it
 ) -> Hub:
     """Open a handle on one shard of one replica of ``model``.
 
-    Connects to the reference server (a detached named Ray actor, created by the first
-    ``open()`` in the namespace; ``ray.init()`` is called if Ray is not initialised yet). Works
+    Connects to the reference server of ``model`` (a detached named Ray actor, created by the
+    first ``open()`` of the model in the namespace; with ``Config.server_per_model`` off, one
+    server for every model; ``ray.init()`` is called if Ray is not initialised yet). Works
     from a driver, a task or inside any Ray actor. ``replica`` names the replica (required when
     ``num_shards > 1``: all shards of one replica pass the same name). ``spot=True`` marks a
     holder that may vanish at any time (it does not count toward retention). ``config`` defaults
@@ -45,6 +46,6 @@ def open(  # noqa: A001 - the paper's name for it
     if port is None:
         from tensorhub.actors.server import connect
 
-        port = connect(config)
+        port = connect(config, model)
     return Hub(model, port, shard=shard, num_shards=num_shards, replica=replica,
                datacenter=datacenter, spot=spot, config=config)

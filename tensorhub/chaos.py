@@ -178,6 +178,7 @@ def run_chaos(*, rounds: int, seed: int = 0, rollouts: int = 4, size_mb: int = 1
               address=None, log=sys.stderr, init_ray: bool = True) -> dict:
     import ray
 
+    from tensorhub.actors.server import find_server
     from tensorhub.config import Config
     from tensorhub.testing import workload
     from tensorhub.testing.replica import spawn_many
@@ -268,7 +269,7 @@ def run_chaos(*, rounds: int, seed: int = 0, rollouts: int = 4, size_mb: int = 1
                     kill(n)
         elif fault == "kill_server":
             try:
-                ray.kill(ray.get_actor(cfg.server_name, namespace=cfg.namespace), no_restart=True)
+                ray.kill(find_server(cfg, model), no_restart=True)  # this model's server
             except ValueError:
                 pass
         elif fault == "kill_trainer_after_publish":
@@ -308,7 +309,7 @@ def run_chaos(*, rounds: int, seed: int = 0, rollouts: int = 4, size_mb: int = 1
         except Exception:  # noqa: BLE001
             pass
     try:
-        ray.kill(ray.get_actor(cfg.server_name, namespace=cfg.namespace), no_restart=True)
+        ray.kill(find_server(cfg, model), no_restart=True)
     except Exception:  # noqa: BLE001
         pass
     return {

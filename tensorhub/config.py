@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import urllib.parse
 from typing import Any
 
 from tensorhub.errors import ConfigError
@@ -96,7 +97,15 @@ class Config:
 
     # --- Ray ------------------------------------------------------------------------------
     server_name: str = "tensorhub-server"
+    """Name of the reference server actor (with ``server_per_model``: the prefix of every
+    model's server actor name). No "/" in it."""
     namespace: str = "tensorhub"
+    """Ray namespace of the server actors."""
+    server_per_model: bool = True
+    """Partitioning: each model is served by its own reference server actor, named
+    ``<server_name>/<model, percent-encoded>`` (:func:`tensorhub.actors.server.server_actor_name`),
+    so one model's fleet never queues behind another's and a server restart touches only its
+    model. False: one server named ``server_name`` serves every model."""
     server_tick_s: float = 0.5
     liveness_check_s: float = 1.0
     """How often the server asks Ray which clients' processes are gone (a job that ended takes its
@@ -139,8 +148,43 @@ class Config:
         need(self.reconnects_max >= 0, "reconnects_max must be >= 0")
         need(self.failovers_max >= 0, "failovers_max must be >= 0")
         need(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        need(bool(self.server_name) and "/" not in self.server_name,
+             "server_name must be non-empty and without '/' (it prefixes '<server_name>/<model>')")
         need(self.server_tick_s > 0, "server_tick_s must be > 0")
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
+
+    def server_actor_name(self, model: str) -> str:
+        """The name of the reference server actor that serves ``model`` (in ``namespace``).
+
+        With ``server_per_model``: ``<server_name>/<model>``, the model percent-encoded
+        (``urllib.parse.quote(model, safe="")``: letters, digits and ``_.-~`` stay, every other
+        byte of its UTF-8 becomes ``%XX``, so "/" never appears in the suffix), e.g.
+        ``tensorhub-server/policy`` and ``tensorhub-server/org%2Fpolicy%20v2``. Without:
+        ``server_name`` for every model. Raises ConfigError for an empty model."""
+        if not isinstance(model, str) or not model:
+            raise ConfigError("model must be a non-empty string")
+        if not self.server_per_model:
+            return self.server_name
+        return f"{self.server_name}/{urllib.parse.quote(model, safe='')}"
+
+    def served_model(self, actor_name: str) -> str | None:
+        """The inverse of :meth:`server_actor_name` for any mode: the model a server actor of
+        this ``server_name`` serves by its name, ``""`` for the one-server-for-all actor, None
+        for a name that is not one of ours (``<server_name>-graphs``, another prefix)."""
+        if actor_name == self.server_name:
+            return ""
+        head, sep, tail = actor_name.partition("/")
+        if head != self.server_name or not sep or not tail or tail != urllib.parse.quote(urllib.parse.unquote(tail), safe=""):
+            return None
+        return urllib.parse.unquote(tail)
+
+    def graphs_actor_name(self, model: str = "") -> str:
+        """The compiled-graph coordinator's actor name beside the server of ``model``:
+        ``<server_name>-graphs/<model, encoded as above>`` with ``server_per_model`` and a
+        model, else ``<server_name>-graphs`` (one per namespace)."""
+        if not self.server_per_model or not model:
+            return f"{self.server_name}-graphs"
+        return f"{self.server_name}-graphs/{urllib.parse.quote(model, safe='')}"
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,4 @@
-"""``tensorhub status``: what the reference server of a running cluster knows, per model.
+"""``tensorhub status``: what the reference servers of a running cluster know, per model.
 
     tensorhub status [--address auto] [--model NAME] [--json] [--watch [SECONDS]]
 
@@ -6,6 +6,11 @@ Per model: the available and retained versions, host copies, every holder (repli
 state, datacenter, spot, version, units done, readers attached), the transfers in flight
 (reader <- source, units done/total, rate) and the waiting readers. Tables on a terminal (rich),
 one JSON object per sample with ``--json``, a refreshing view with ``--watch``.
+
+Which servers: every server actor of the namespace named after ``server_name`` (one per model
+with ``Config.server_per_model``, or one for all), found by listing Ray's named actors and asked
+at once; ``--model`` asks only the server that serves that model. Each model row names its
+server; a server that does not answer is reported on stderr and under ``unreachable``.
 
 Where the numbers come from: the server actor's ``status(model)`` (:class:`~tensorhub.core.
 messages.Status`): per node its state, version, units done, unit count, size and the source it
@@ -26,6 +31,7 @@ import time
 from typing import Any, Optional
 
 from tensorhub.config import Config
+from tensorhub.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,19 +42,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refresh every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--sample-s", type=float, default=0.5,
                    help="one-shot: second sample this much later to compute transfer rates (0: none)")
-    p.add_argument("--server-name", default=None, help="server actor name (default: config's)")
+    p.add_argument("--server-name", default=None,
+                   help="server actor name, the prefix of the per-model servers' names (default: config's)")
     p.add_argument("--namespace", default=None, help="server actor namespace (default: config's)")
 
 
 def snapshot(server, model: str = "") -> dict[str, Any]:
-    """One sample as plain data: ``{"time", "models": [{model, num_shards, available, retained,
-    host_copies, holders, transfers, waiting}]}``. Blocks on one actor call (30 s at most)."""
+    """One sample of one server as plain data: ``{"time", "models": [{model, num_shards,
+    available, retained, host_copies, holders, transfers, waiting}]}``. Blocks on one actor call
+    (30 s at most)."""
     import ray
 
     from tensorhub.core import messages as m
 
     status = m.decode_reply(ray.get(server.status.remote(model), timeout=30))
-    t = time.time()
+    return {"time": time.time(), "models": _model_rows(status)}
+
+
+def snapshot_all(servers: dict[str, Any], model: str = "") -> dict[str, Any]:
+    """One sample across ``servers`` (``{actor name: handle}``, as :func:`find_servers` returns):
+    the models of every server that answered, sorted by name, each with a ``"server"`` key (its
+    actor's name), plus ``"unreachable"``: the servers that did not answer (killed between the
+    listing and the call, or 30 s without a reply; ``{name: error}``). Asks them all at once."""
+    import ray
+
+    from tensorhub.core import messages as m
+
+    refs = {name: h.status.remote(model) for name, h in servers.items()}
+    models, unreachable = [], {}
+    for name, ref in refs.items():
+        try:
+            status = m.decode_reply(ray.get(ref, timeout=30))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            unreachable[name] = type(e).__name__
+            continue
+        models += [{**row, "server": name} for row in _model_rows(status)]
+    return {"time": time.time(), "models": sorted(models, key=lambda r: r["model"]), "unreachable": unreachable}
+
+
+def find_servers(cfg: Config, model: str = "") -> dict[str, Any]:
+    """``{actor name: handle}`` of the servers in ``cfg.namespace`` named after
+    ``cfg.server_name`` (per-model servers and a one-server-for-all actor alike, whatever
+    ``cfg.server_per_model`` says: the tool reads what the cluster runs). With ``model``: only
+    the servers that may serve it (its own, or a shared one)."""
+    import ray
+
+    from tensorhub.actors.server import list_servers
+
+    out = {}
+    for name, served in list_servers(cfg).items():
+        if model and served not in ("", model):
+            continue
+        try:
+            out[name] = ray.get_actor(name, namespace=cfg.namespace)
+        except ValueError:  # killed since the listing
+            continue
+    return out
+
+
+def _model_rows(status) -> list[dict[str, Any]]:
+    """The per-model rows of one server's :class:`~tensorhub.core.messages.Status`."""
     replica_of = {}
     models = []
     for mv in status.models:
@@ -79,7 +132,7 @@ def snapshot(server, model: str = "") -> dict[str, Any]:
             "retained": list(mv.committed), "host_copies": host_copies, "holders": holders,
             "transfers": transfers, "waiting": waiting,
         })
-    return {"time": t, "models": models}
+    return models
 
 
 def add_rates(now: dict, before: Optional[dict]) -> None:
@@ -117,7 +170,7 @@ def render(snap: dict):
 
     parts = []
     if not snap["models"]:
-        return Text("no models on this server")
+        return Text("no models on these servers")
     for mv in snap["models"]:
         head = Text.assemble(
             ("available ", "bold"), str(mv["available"] or "-"), ("   retained ", "bold"), str(mv["retained"] or "-"),
@@ -147,7 +200,8 @@ def render(snap: dict):
         body = [head, hold]
         body.append(tr if mv["transfers"] else Text("no transfers in flight", style="dim"))
         body.append(wt if mv["waiting"] else Text("no waiting readers", style="dim"))
-        parts.append(Panel(Group(*body), title=f"model [bold]{mv['model']}[/bold]", title_align="left"))
+        where = f"   server {mv['server']}" if "server" in mv else ""
+        parts.append(Panel(Group(*body), title=f"model [bold]{mv['model']}[/bold]{where}", title_align="left"))
     return Group(*parts)
 
 
@@ -155,24 +209,36 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     cfg = Config.from_env()
-    name = args.server_name or cfg.server_name
-    namespace = args.namespace or cfg.namespace
     try:
-        ray.init(address=args.address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+        cfg = cfg.replace(server_name=args.server_name or cfg.server_name, namespace=args.namespace or cfg.namespace)
+    except ConfigError as e:
+        print(f"bad --server-name: {e}", file=sys.stderr)
+        return 2
+    try:
+        ray.init(address=args.address, namespace=cfg.namespace, log_to_driver=False, logging_level="ERROR")
     except ConnectionError as e:
         print(f"no Ray cluster at {args.address}: {e}", file=sys.stderr)
         return 1
-    try:
-        server = ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        print(f"no TensorHub server '{name}' in namespace '{namespace}' on this cluster", file=sys.stderr)
+
+    def sample() -> dict:
+        # Listed anew each time: a model's server may appear, die or be recreated between samples.
+        return snapshot_all(find_servers(cfg, args.model), args.model)
+
+    servers = find_servers(cfg, args.model)
+    if not servers:
+        what = f"for model '{args.model}' " if args.model else ""
+        print(f"no TensorHub server '{cfg.server_name}' {what}in namespace '{cfg.namespace}' on this cluster",
+              file=sys.stderr)
         return 1
+    first = snapshot_all(servers, args.model)
+    for name, why in first["unreachable"].items():
+        print(f"server '{name}' did not answer ({why})", file=sys.stderr)
 
     if args.watch is None:
-        snap = snapshot(server, args.model)
+        snap = first
         if args.sample_s > 0 and _has_transfers(snap):
             time.sleep(args.sample_s)
-            snap, before = snapshot(server, args.model), snap
+            snap, before = sample(), snap
             add_rates(snap, before)
         else:
             add_rates(snap, None)
@@ -185,14 +251,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
             while True:
-                snap = snapshot(server, args.model)
+                snap = sample()
                 add_rates(snap, before)
                 _emit(snap, True)
                 before = snap
                 time.sleep(args.watch)
         with Live(auto_refresh=False) as live:
             while True:
-                snap = snapshot(server, args.model)
+                snap = sample()
                 add_rates(snap, before)
                 live.update(render(snap), refresh=True)
                 before = snap

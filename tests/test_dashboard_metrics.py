@@ -107,3 +107,6 @@ def test_demo_metrics_are_read_back_from_the_prometheus_endpoint_per_model():
         assert dashboard_metrics() - expected_absent <= exported, (dashboard_metrics(), exported)
         holders = {lab["state"]: v for lab, v in samples["ray_tensorhub_holders"] if lab.get("model") == "demo-policy"}
         assert holders, samples["ray_tensorhub_holders"]
+        # the model's own server (server_per_model) tags its request counts with the model
+        assert total(samples, "ray_tensorhub_requests_total", model="demo-policy", type="Publish") >= versions, \
+            samples["ray_tensorhub_requests_total"]

@@ -238,7 +238,7 @@ def test_server_side_coordinator_builds_caches_and_reuses_the_graph(ray_cluster,
 
     ray = ray_cluster
     config = tensorhub.Config(**CFG)
-    coord = coordinator(config)
+    coord = coordinator(config, model_name)  # the model's own coordinator (server_per_model)
     ray.get(coord.clear.remote())
     before = ray.get(coord.stats.remote())["compiles"]
     trainer, *readers = _spawn(model_name, ["trainer", "g0", "g1", "g2"])

@@ -47,11 +47,19 @@ def _pid(ray, actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
 
 
+def _server(cfg: dict, model: str):
+    """The running server actor of ``model`` (its own with ``server_per_model``)."""
+    from tensorhub.actors.server import find_server
+    from tensorhub.config import Config
+
+    return find_server(Config(**cfg), model)
+
+
 def _table(ray, cfg: dict, model: str) -> dict:
     """The server's holders of ``model`` by client id (host copies under their own ids)."""
     from tensorhub.core import messages as m
 
-    server = ray.get_actor(cfg["server_name"], namespace="tensorhub")
+    server = _server(cfg, model)
     status = m.decode_reply(ray.get(server.status.remote(model)))
     return {h.client_id: h for mv in status.models for h in mv.holders}
 
@@ -176,7 +184,7 @@ def test_server_killed_mid_run_clients_reconnect_and_nothing_is_lost(ray_cluster
     trainer, r0, r1, late = spawn_many(model_name, SPEC, ["trainer", "r0", "r1", "late"], config=cfg)
     d1 = ray.get(trainer.publish.remote(1))
     assert ray.get(r0.update.remote("latest"))["digest"] == d1
-    ray.kill(ray.get_actor(cfg["server_name"], namespace="tensorhub"), no_restart=True)
+    ray.kill(_server(cfg, model_name), no_restart=True)
     # the trainer publishes through the outage; readers keep going
     d2 = ray.get(trainer.publish.remote(2), timeout=60)
     sts = ray.get([r0.update.remote("latest"), r1.update.remote("latest")], timeout=90)
@@ -187,7 +195,7 @@ def test_server_killed_mid_run_clients_reconnect_and_nothing_is_lost(ray_cluster
     st = ray.get(late.replicate.remote(1), timeout=60)
     assert (st["action"], st["version"], st["digest"]) == ("replicated", 1, d1)
     ray.get([x.close.remote() for x in (trainer, r0, r1, late)])
-    ray.kill(ray.get_actor(cfg["server_name"], namespace="tensorhub"), no_restart=True)
+    ray.kill(_server(cfg, model_name), no_restart=True)
 
 
 def test_short_chaos_run_has_no_corruption_and_no_unexpected_failure(ray_cluster):

@@ -20,6 +20,8 @@ import uuid
 
 import pytest
 
+from tensorhub.actors.server import find_server
+from tensorhub.config import Config
 from tensorhub.testing import workload
 from tensorhub.testing.replica import spawn_many
 
@@ -61,7 +63,7 @@ def test_status_shows_two_paused_transfers_with_their_sources_and_the_host_copy(
     holder, a, b = spawn_many(model_name, SPEC, names, per_name={n: {"replica": n} for n in names}, config=cfg)
     id_h, id_a, id_b = ray.get([x.ping.remote() for x in (holder, a, b)])
     pid_a, pid_b = ray.get([x.__ray_call__.remote(lambda self: os.getpid()) for x in (a, b)])
-    server = ray.get_actor(cfg["server_name"], namespace="tensorhub")
+    server = find_server(Config(**cfg), model_name)
 
     def holders() -> dict:
         snap = status.snapshot(server, model_name)
@@ -133,7 +135,7 @@ def test_status_lists_a_waiting_reader_and_the_transfer_it_waits_behind(ray_clus
                               per_name={n: {"replica": n, "datacenter": dc} for n, dc in dcs.items()}, config=cfg)
     id_h, id_a, id_b = ray.get([x.ping.remote() for x in (holder, a, b)])
     (pid_a,) = ray.get([a.__ray_call__.remote(lambda self: os.getpid())])
-    server = ray.get_actor(cfg["server_name"], namespace="tensorhub")
+    server = find_server(Config(**cfg), model_name)
 
     def model_view() -> dict:
         (mv,) = status.snapshot(server, model_name)["models"]

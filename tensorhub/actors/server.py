@@ -2,8 +2,16 @@
 
 It decodes a msgspec request, hands it to the core with the current time, routes the core's
 effects into per-client mailboxes and replies. It never touches tensor bytes. A timer task
-calls ``core.tick`` every ``server_tick_s`` (lease expiry). ``connect(config)`` finds the
-server by name in the configured namespace, creating it on first use.
+calls ``core.tick`` every ``server_tick_s`` (lease expiry). ``connect(config, model)`` finds the
+server of ``model`` by name in the configured namespace, creating it on first use.
+
+Partitioning (``Config.server_per_model``, on by default): every model has its own server
+actor, named ``<server_name>/<model percent-encoded>`` (:meth:`Config.server_actor_name`). A
+model's clients only ever talk to their model's server, so its request rate, table size, lease
+ticks and liveness sweeps are that model's alone; no TensorHub state is shared between servers
+(each is a separate process with its own event loop, and a restart of one loses only its
+model's soft state; they share Ray's GCS and their nodes' CPUs). Off: one server named ``server_name`` serves every model, as before.
+:func:`list_servers` finds every server of a namespace by its name.
 """
 
 from __future__ import annotations
@@ -30,15 +38,17 @@ log = logging.getLogger(__name__)
 class ReferenceServer:
     """Thin shell: ``call(request_bytes, wait_s) -> reply_bytes`` (see :mod:`tensorhub.port`)."""
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, model: str = "") -> None:
         self.config = Config(**config)
+        self.model = model
+        """The model this server is partitioned to ("" : every model, ``server_per_model`` off)."""
         self.core = ReferenceCore(self.config)
         self.mail = Mailboxes()
         self._waiters: dict[str, _Waiter] = {}
         """Blocking calls waiting for an event, by client: an event wakes only its client's."""
         self._started = False
         self._ticker: Optional[asyncio.Task] = None
-        self._metrics = _Metrics()
+        self._metrics = _Metrics(model or "*")
         self._liveness = RayLiveness()
         self._swept_at = float("-inf")
 
@@ -147,20 +157,23 @@ class _Waiter:
 class _Metrics:
     """Ray dashboard metrics (Prometheus through the Ray metrics agent)."""
 
-    def __init__(self) -> None:
+    def __init__(self, served: str) -> None:
+        self.served = served
+        """The ``model`` tag of request counts: the server's model, "*" for a shared server."""
         try:
             from ray.util import metrics
         except ImportError:  # pragma: no cover
             self.requests = None
             return
-        self.requests = metrics.Counter("tensorhub_requests", "requests handled by the reference server", ("type", "outcome"))
+        self.requests = metrics.Counter("tensorhub_requests", "requests handled by the reference server",
+                                        ("type", "outcome", "model"))
         self.holders = metrics.Gauge("tensorhub_holders", "nodes in the reference table by state", ("model", "state"))
         self.versions = metrics.Gauge("tensorhub_latest_version", "newest available version", ("model",))
 
     def request(self, kind: str, reply: object) -> None:
         if self.requests is not None:
             outcome = reply.code if isinstance(reply, m.ErrorReply) else "ok"
-            self.requests.inc(1, tags={"type": kind, "outcome": outcome})
+            self.requests.inc(1, tags={"type": kind, "outcome": outcome, "model": self.served})
 
     def table(self, core: ReferenceCore) -> None:
         if self.requests is None:
@@ -174,11 +187,12 @@ class _Metrics:
 
 
 class RayPort:
-    """A :class:`~tensorhub.port.ServerPort` over the ReferenceServer actor."""
+    """A :class:`~tensorhub.port.ServerPort` over the ReferenceServer actor of one model."""
 
-    def __init__(self, handle, config: Config) -> None:
+    def __init__(self, handle, config: Config, model: str) -> None:
         self.handle = handle
         self.config = config
+        self.model = model
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
         ref = self.handle.call.remote(m.encode(request), float(wait_s))
@@ -200,12 +214,13 @@ class RayPort:
         return current_process()
 
     def reconnect(self) -> None:
-        """Find (or create) the server under the configured name again."""
+        """Find (or create) this model's server under its name again (blocks up to
+        ``request_timeout_s``, then ServerUnavailable). Other models' servers are not touched."""
         deadline = time.monotonic() + self.config.request_timeout_s
         delay = 0.1
         while True:
             try:
-                self.handle = server_handle(self.config)
+                self.handle = server_handle(self.config, self.model)
                 return
             except Exception as e:  # noqa: BLE001 - the old actor's name may still be held
                 if time.monotonic() > deadline:
@@ -217,16 +232,41 @@ class RayPort:
         return m.decode_reply(ray.get(self.handle.status.remote(model)))
 
 
-def server_handle(config: Config):
-    """The server actor, created on first use (detached, named, get-if-exists)."""
+def server_handle(config: Config, model: str):
+    """The server actor of ``model`` (:meth:`Config.server_actor_name`), created on first use
+    (detached, named, get-if-exists; ``ray.init()`` first if Ray is not initialised). Blocks
+    until it answers a ping. The first caller's ``config`` becomes the server's."""
     if not ray.is_initialized():
         ray.init(namespace=config.namespace, log_to_driver=False)
+    name = config.server_actor_name(model)
     handle = ReferenceServer.options(
-        name=config.server_name, namespace=config.namespace, lifetime="detached", get_if_exists=True,
-    ).remote(dataclasses.asdict(config))
+        name=name, namespace=config.namespace, lifetime="detached", get_if_exists=True,
+    ).remote(dataclasses.asdict(config), model if config.server_per_model else "")
     ray.get(handle.ping.remote())
     return handle
 
 
-def connect(config: Config) -> RayPort:
-    return RayPort(server_handle(config), config)
+def connect(config: Config, model: str) -> RayPort:
+    """A port to the server of ``model``, created on first use (see :func:`server_handle`)."""
+    return RayPort(server_handle(config, model), config, model)
+
+
+def find_server(config: Config, model: str):
+    """The running server actor of ``model``; never creates one. Raises ValueError (as
+    ``ray.get_actor``) when there is none. For tools and tests (kill it, read its status)."""
+    return ray.get_actor(config.server_actor_name(model), namespace=config.namespace)
+
+
+def list_servers(config: Config) -> dict[str, str]:
+    """Every live server actor of ``config.server_name`` in ``config.namespace``, both modes:
+    ``{actor name: model it serves}`` ("" for a one-server-for-all actor). One GCS call
+    (``ray.util.list_named_actors(all_namespaces=True)``: the caller's namespace may differ);
+    a killed actor's name is released, so it is not listed."""
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != config.namespace:
+            continue
+        model = config.served_model(entry["name"])
+        if model is not None:
+            out[entry["name"]] = model
+    return dict(sorted(out.items()))

@@ -2,7 +2,9 @@
 
 The reference server itself is an async actor that must never block, and a compiled graph can
 only be executed by the process that compiled it; so graphs are built, cached and executed by
-this companion actor (``tensorhub-graphs`` in the server's namespace), one group at a time. It
+this companion actor, one group at a time: ``<server_name>-graphs/<model>`` beside each model's
+server with ``Config.server_per_model`` (one model's compiles never queue behind another's),
+``<server_name>-graphs`` otherwise (:meth:`Config.graphs_actor_name`). It
 turns the plan the core produced (the chain of assignments the members received) into a Ray
 Compiled Graph, keeps it across versions while the members stay the same, and tears it down
 when membership changes or a member fails. ``replicate_group(..., where="server")`` uses it.
@@ -42,11 +44,12 @@ class GraphCoordinator:
         self.cache.clear()
 
 
-def coordinator(config: Optional[Config] = None):
-    """The coordinator actor of this namespace, created on first use (detached, named)."""
+def coordinator(config: Optional[Config] = None, model: str = ""):
+    """The coordinator actor of ``model`` (``""``, or ``server_per_model`` off: the one of the
+    namespace), created on first use (detached, named). Blocks until it answers."""
     config = config or Config.from_env()
     handle = GraphCoordinator.options(
-        name=f"{config.server_name}-graphs", namespace=config.namespace, lifetime="detached",
+        name=config.graphs_actor_name(model), namespace=config.namespace, lifetime="detached",
         get_if_exists=True,
     ).remote()
     ray.get(handle.stats.remote())

@@ -278,6 +278,10 @@ class GraphMember:
         DAGContext.get_current().buffer_size_bytes = int(buffer_bytes)
         return int(buffer_bytes)
 
+    def th_graph_model(self) -> str:
+        """The hub's model (``replicate_group`` picks the model's coordinator by it)."""
+        return self.tensorhub_hub().model
+
     def th_graph_ping(self) -> str:
         return self.tensorhub_hub().client_id
 

@@ -222,6 +222,18 @@ class GraphCache:
             t.join(timeout_s)
 
 
+def _members_model(actors: Sequence, timeout_s: float) -> str:
+    """The model of the first member that answers (the members of a group share one), or ""
+    when none does (the namespace's shared coordinator then runs it; the members' failures
+    show in its result as usual)."""
+    for a in actors:
+        try:
+            return ray.get(a.th_graph_model.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a dead member: ask the next
+            continue
+    return ""
+
+
 default_cache = GraphCache()
 """The process-wide cache :func:`replicate_group` uses unless given one."""
 
@@ -244,8 +256,9 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     the pull path.
 
     ``where``: ``"server"`` (the default when no ``cache`` is given) builds, caches and runs the
-    graph in the server-side :class:`~tensorhub.graphs.coordinator.GraphCoordinator`
-    (found by ``config``'s server name and namespace), so every driver shares one cache and
+    graph in the server-side :class:`~tensorhub.graphs.coordinator.GraphCoordinator` of the
+    members' model (found by ``config``'s server name and namespace, and the model the first
+    member reports; :meth:`~tensorhub.Config.graphs_actor_name`), so every driver shares one cache and
     compiled graphs outlive the calling process; ``"local"`` (the default with a ``cache``) runs
     them in this process with ``cache``. With ``"server"`` the result's ``plan`` is None and
     ``plan_drawing`` shows the chain."""
@@ -260,7 +273,8 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
         from tensorhub.graphs.coordinator import coordinator
 
         kwargs = dict(update=update, path=path, batches=batches, compile=compile, timeout_s=timeout_s)
-        out = ray.get(coordinator(config).replicate_group.remote(list(actors), spec, kwargs))
+        model = _members_model(actors, timeout_s) if (config is None or config.server_per_model) else ""
+        out = ray.get(coordinator(config, model).replicate_group.remote(list(actors), spec, kwargs))
         drawing = out.pop("plan")
         return GroupResult(**out, plan=None, plan_drawing=drawing)
     if path not in PATHS:
