@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=10_000, help="Ray part: simulated clients")
     ap.add_argument("--generators", type=int, default=4, help="Ray part: load-generator processes")
     ap.add_argument("--steady-s", type=float, default=10.0, help="Ray part: steady-state window measured")
+    ap.add_argument("--handles-per-process", type=int, default=1,
+                    help="Ray part, steady state: handles one process hosts (its pulse carries them all)")
     ap.add_argument("--isolation", action="store_true",
                     help="also time a second model's calls while the first model's fleet saturates its server")
     ap.add_argument("--isolation-s", type=float, default=5.0, help="isolation part: seconds of load per mode")
@@ -141,11 +143,12 @@ def ray_part(args) -> dict:
     ``--clients`` clients with raw protocol messages (no tensors, no client library):
 
     - capacity: calls/s the server answers when pipelined heartbeats keep it busy;
-    - steady state: every client does what a ``Hub`` does at the default config while idle, a
-      ``Heartbeat`` and a ``notes`` poll every ``heartbeat_interval_s``. Busy fraction = the
-      time the clients ask of the server: offered calls/s over capacity calls/s (above 1 the
-      server is saturated); also measured over ``--steady-s``: calls/s achieved and the server
-      process's CPU seconds per wall second;
+    - steady state: every process does what the ``Hub``'s liveness loop does at the default
+      config while idle: one ``Pulse`` every ``heartbeat_interval_s`` carrying the heartbeats of
+      its ``--handles-per-process`` handles (the reply brings their background events: no notes
+      poll). Busy fraction = the time the clients ask of the server: offered calls/s over
+      capacity calls/s (above 1 the server is saturated); also measured over ``--steady-s``:
+      calls/s achieved and the server process's CPU seconds per wall second;
     - storm, right after the clients registered: a trainer publishes a new version and every
       client sends ``Replicate("latest")`` at once; seconds from the first send to the last
       ``Assignment`` received;
@@ -218,11 +221,13 @@ def ray_part(args) -> dict:
     say(f"storm: {out['storm_assigned']} of {n} Replicates assigned in {out['storm_10k_s']} s "
         f"(errors: {out['storm_errors'] or 'none'})")
     t0, c0 = time.perf_counter(), cpu_s()
-    stats = ray.get([gen.steady.remote(args.steady_s, config.heartbeat_interval_s) for gen in gens])
+    per = max(1, args.handles_per_process)
+    stats = ray.get([gen.steady.remote(args.steady_s, config.heartbeat_interval_s, per) for gen in gens])
     wall = time.perf_counter() - t0
     calls = sum(s["calls"] for s in stats)
+    out["steady_handles_per_process"] = per
     out["steady_server_cpu_fraction"] = round((cpu_s() - c0) / wall, 3)
-    out["steady_offered_calls_per_s"] = round(2 * n / config.heartbeat_interval_s, 1)
+    out["steady_offered_calls_per_s"] = round(sum(s["processes"] for s in stats) / config.heartbeat_interval_s, 1)
     out["steady_achieved_calls_per_s"] = round(calls / wall, 1)
     # The server's time the clients ask for: offered calls/s x seconds per call at capacity
     # (> 1: saturated; clients then heartbeat less often than configured).
@@ -350,27 +355,30 @@ def _load_gen_class():
             bad = [r.code for r in decoded if isinstance(r, self.m.ErrorReply)]
             return t0, end, sum(isinstance(r, self.m.Assignment) for r in decoded), bad
 
-        async def steady(self, duration_s: float, interval_s: float) -> dict:
-            """Each round (one per ``interval_s``): a Heartbeat and a notes poll per client."""
-            hb = [self.m.encode(self.m.Heartbeat(cid)) for cid in self.ids]
+        async def steady(self, duration_s: float, interval_s: float, per_process: int = 1) -> dict:
+            """Each round (one per ``interval_s``): one Pulse per process of ``per_process``
+            clients, as the Hub's liveness loop sends it."""
+            m = self.m
+            groups = [self.ids[i:i + per_process] for i in range(0, len(self.ids), per_process)]
+            pulses = [m.encode(m.Pulse(beats=tuple(m.Beat(cid) for cid in g))) for g in groups]
             end = time.monotonic() + duration_s
             calls = late = 0
             expired: set[str] = set()
             while time.monotonic() < end:
                 t0 = time.monotonic()
-                refs = [self.server.call.remote(d, 0.0) for d in hb]
-                refs += [self.server.notes.remote(cid) for cid in self.ids]
+                refs = [self.server.call.remote(d, 0.0) for d in pulses]
                 replies = await asyncio.gather(*refs)
-                for cid, r in zip(self.ids, replies):
-                    if isinstance(self.m.decode_reply(r), self.m.ErrorReply):
-                        expired.add(cid)  # its lease ran out between two of its heartbeats
+                for r in replies:
+                    rep = m.decode_reply(r)
+                    if isinstance(rep, m.PulseReply):
+                        expired.update(rep.unknown)  # a lease ran out between two pulses
                 calls += len(refs)
                 spent = time.monotonic() - t0
                 if spent > interval_s:
                     late += 1
                 else:
                     await asyncio.sleep(interval_s - spent)
-            return {"calls": calls, "late": late, "expired": len(expired)}
+            return {"calls": calls, "late": late, "expired": len(expired), "processes": len(groups)}
 
     return LoadGen
 

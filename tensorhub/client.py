@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import msgspec
 import torch
 
-from tensorhub import errors, metrics
+from tensorhub import errors, metrics, pulse
 from tensorhub.config import Config
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
@@ -144,7 +144,6 @@ class Hub:
         self._finished_at = 0.0
         self._pull_from = 0
         self._hb_stop = threading.Event()
-        self._hb_thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()  # one blocking call at a time
         self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
         self._host_lock = threading.Lock()  # host copies are freed from the heartbeat thread
@@ -1115,6 +1114,7 @@ class Hub:
 
     def _stop_threads(self) -> None:
         self._hb_stop.set()
+        pulse.leave(self)
         self._pool_urgent.set()
         self._pool_wake.set()
         t = self._pool_thread
@@ -1129,29 +1129,37 @@ class Hub:
             log.info("model=%s version=%d shard=%d host copy freed", self.model, version, self.shard)
 
     def _start_heartbeat(self) -> None:
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"tensorhub-hb-{self.client_id}", daemon=True)
-        self._hb_thread.start()
+        """Join this process's liveness loop for the server (:mod:`tensorhub.pulse`): one call
+        per interval carries every handle's heartbeat and brings back its background events."""
+        pulse.join(self)
 
-    def _heartbeat_loop(self) -> None:
-        while not self._hb_stop.wait(self.config.heartbeat_interval_s):
-            try:
-                self._heartbeat_once()
-            except Exception:  # noqa: BLE001 - the heartbeat must survive a flaky server
-                log.debug("heartbeat failed", exc_info=True)
+    def _beat_interval(self) -> float:
+        return self.config.heartbeat_interval_s
 
-    def _heartbeat_once(self) -> None:
+    def _beat(self) -> Optional[m.Beat]:
+        """This interval's heartbeat: read progress while reading (the pulse sends it)."""
+        if self._hb_stop.is_set():
+            return None
         with self._mlock:
             reading = self._machine.reading
         region = self._region
         if region is None:
+            return None
+        return m.Beat(self.client_id, region.progress if reading else -1)
+
+    def _after_beat(self, known: bool, notes: list) -> None:
+        """The pulse's answer for this handle: announce again if the server does not know it,
+        then apply the background events it brought."""
+        if self._hb_stop.is_set():
             return
-        try:
-            reply = self._port.call(m.Progress(self.client_id, region.progress) if reading
-                                    else m.Heartbeat(self.client_id))
-        except errors.ServerUnavailable:
-            self._port.reconnect()
-            reply = m.ErrorReply(code="UnknownClient", message="reconnected")
-        if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
+        with self._notes_lock:
+            # Events the server sent before it forgot this handle come first (a host copy it
+            # dropped must not be announced again).
+            self._apply_notes(notes, in_call=False)
+            if known:
+                return
+            with self._mlock:
+                reading = self._machine.reading
             # A reader announces its edge at once (the holder's drain waits for it); an idle
             # handle only when no call is in flight (that call re-announces itself).
             if reading:
@@ -1162,13 +1170,17 @@ class Hub:
                         self._announce_now()
                 finally:
                     self._lock.release()
-        self._take_notes()
 
     def _take_notes(self, in_call: bool = False) -> None:
         """Background events (host copies to make ahead or past retention, evictions) waiting at
-        the server. ``in_call``: the caller holds ``_lock`` (a user call that just finished)."""
+        the server, fetched now (the pulse brings them otherwise). ``in_call``: the caller holds
+        ``_lock`` (a user call that just finished)."""
         with self._notes_lock:
-            for note in self._port.notes(self.client_id):
+            self._apply_notes(self._port.notes(self.client_id), in_call)
+
+    def _apply_notes(self, notes: list, in_call: bool) -> None:
+        with self._notes_lock:
+            for note in notes:
                 if isinstance(note, m.MakeHostCopy):
                     self._host_copy_asked(note.version, in_call)
                     continue

@@ -39,6 +39,11 @@ class ServerPort(Protocol):
         """Who runs the caller, for the server's liveness checks."""
         ...
 
+    def pulse_key(self) -> tuple:
+        """Which server this port reaches: the handles of a process with the same key share one
+        liveness loop (:mod:`tensorhub.pulse`)."""
+        ...
+
 
 class Mailboxes:
     """Per-client queues of events produced by the core's effects."""
@@ -100,6 +105,8 @@ def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now:
     client's mailbox is forgotten. Returns (reply, the clients that got an event: wake only
     the requests waiting for them). ``tap(reply,
     effects)`` sees both before they are routed (the simulator's checkers)."""
+    if isinstance(request, m.Pulse):
+        return _apply_pulse(core, mail, request, now, tap)
     client_id = getattr(request, "client_id", None)
     if client_id and is_blocking(request):
         mail.clear_terminal(client_id)
@@ -112,6 +119,31 @@ def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now:
     if isinstance(request, m.Leave) and isinstance(reply, m.Ok):
         mail.forget(request.client_id)
     return reply, woken
+
+
+def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: float,
+                 tap=None) -> tuple[m.PulseReply, set[str]]:
+    """A process's pulse: each handle's heartbeat (or read progress) as if sent alone, then the
+    background events waiting for each handle, in one reply."""
+    unknown, woken, failed = [], set(), {}
+    for beat in pulse.beats:
+        req = m.Progress(beat.client_id, beat.reading_units) if beat.reading_units >= 0 else m.Heartbeat(beat.client_id)
+        reply, w = apply_request(core, mail, req, now, tap)
+        woken |= w
+        if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
+            unknown.append(beat.client_id)
+        elif isinstance(reply, m.ErrorReply) and beat.reading_units >= 0:
+            # The read this progress belongs to has failed here: the reader learns it now too,
+            # not only when its read ends (the server may be gone by then).
+            failed[beat.client_id] = m.Failed(code=reply.code, message=reply.message)
+    notes = {}
+    for beat in pulse.beats:
+        events = mail.pop_background(beat.client_id)
+        if beat.client_id in failed:
+            events = [failed[beat.client_id], *events]
+        if events:
+            notes[beat.client_id] = events
+    return m.PulseReply(unknown=tuple(unknown), notes=notes), woken
 
 
 class LocalPort:
@@ -170,6 +202,10 @@ class LocalPort:
     def notes(self, client_id: str) -> list:
         with self._lock:
             return self.mail.pop_background(client_id)
+
+    def pulse_key(self) -> tuple:
+        """Handles on this port share one liveness loop (:mod:`tensorhub.pulse`)."""
+        return ("local", id(self))
 
     def reconnect(self) -> None:
         """Nothing to do in process (see :meth:`restart`)."""

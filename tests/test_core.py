@@ -1084,3 +1084,14 @@ def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
     assert err(reply) == "VersionLost" and "moved to version 1" in reply.message
     a = w.send(m.Replicate("a1", "latest", seq=4))
     assert isinstance(a, m.Assignment) and a.version == 1
+
+
+def test_overdue_lists_the_clients_not_heard_from_oldest_first_without_a_scan():
+    w = World()
+    w.reg("a"); w.now = 0.5; w.reg("b"); w.now = 1.0; w.reg("c")
+    w.now = 1.2
+    w.send(m.Heartbeat("a"))
+    assert w.core.overdue(2.0, 1.0) == ["b", "c"]
+    assert w.core.overdue(2.0, 1.2) == ["b"]
+    assert w.core.overdue(2.0, 0.5, limit=1) == ["b"]
+    assert w.core.overdue(1.3, 1.0) == []

@@ -113,6 +113,34 @@ def test_unterminated_reads_are_never_reported_as_a_failed_source():
     assert hm.SetRegion(-1, 0) in cmds and mc.region_version == -1
 
 
+@pytest.mark.parametrize("lost_server", ["unavailable", "unknown"])
+def test_a_read_the_server_failed_is_not_announced_complete_to_its_successor(lost_server):
+    """Simulator seed 12 (sharded), once heartbeats became pulses: the server failed a shard's
+    read (VersionLost, its round re-resolved for the siblings); the reader learned it only from
+    its pulse (``Noted(Failed)``), finished the bytes anyway, and its ReplicateDone met a
+    restarted server -- which it told it was a complete holder of the lost version in that
+    round: the replica's round split. The read now ends as the failure instead."""
+    mc = _machine()
+    _reading(mc)
+    assert mc.handle(hm.Noted(m.Failed(code="VersionLost", message="no holder is left")), 0.0) == []
+    cmds = mc.handle(hm.Pulled(4), 0.0)
+    assert isinstance(cmds[-1], hm.Send) and isinstance(cmds[-1].request, m.ReplicateDone)
+    if lost_server == "unavailable":
+        mc.handle(hm.Unavailable("down"), 0.0)
+        cmds = mc.handle(hm.TimerFired(), 0.0)
+    else:
+        cmds = mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
+    assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
+    assert not any(isinstance(c, hm.Send) and isinstance(c.request, m.Announce) for c in cmds)
+    assert mc.published is None and mc.op is None
+    # Without the pulse's word the same read is announced complete (the server never failed it).
+    mc = _machine()
+    _reading(mc)
+    mc.handle(hm.Pulled(4), 0.0)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
+    assert isinstance(cmds[-1].request, m.Announce) and cmds[-1].request.holding.published == 1
+
+
 def test_retry_after_version_lost_stays_in_the_round_and_a_new_call_starts_the_next():
     mc = _machine()
     mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
@@ -340,7 +368,7 @@ def _plant_no_recheck(monkeypatch):
 @pytest.mark.parametrize("plant, seeds, kind", [
     (_plant_no_recheck, (734, 998), {"torn"}),  # the user's writes end up in a "finished" replica
     (_plant_no_abort, (10, 41, 66), {"mutate", "hang"}),  # a phantom reader: a drain that never ends
-    (_plant_fresh_round, (12, 98), {"txn"}),
+    (_plant_fresh_round, (169, 170), {"txn"}),  # re-found when heartbeats became pulses (timings moved)
 ])
 def test_the_simulator_catches_bugs_planted_in_the_shipped_machine(monkeypatch, plant, seeds, kind):
     """The simulator drives HandleMachine itself: a bug planted there shows as a violation (these

@@ -11,8 +11,9 @@ Rules (a process is *gone* when):
 - it runs no actor (a driver, a task) and its job is dead.
 
 A sweep (:meth:`RayLiveness.gone`) costs one GCS call for the job table plus one per actor
-client of a dead job (detached actors outlive their job); a targeted check of named clients
-(:meth:`RayLiveness.gone` with ``targeted``) also asks for each named actor. Errors talking to
+process of a dead job (detached actors outlive their job); a targeted check of named clients
+(:meth:`RayLiveness.gone` with ``targeted``: a reader's reported source, and every client whose
+pulse is overdue) also asks for each named actor process, once however many handles it hosts. Errors talking to
 the GCS mean "not known to be gone" (the lease still catches the client).
 """
 
@@ -60,12 +61,16 @@ class RayLiveness:
             log.warning("cannot read Ray's job table", exc_info=True)
             return {}
         out: dict[str, str] = {}
+        seen: dict[tuple[str, int], str] = {}  # one lookup per actor process, however many handles
         for cid, p in processes.items():
             if not p.job_id:
                 continue  # not a Ray process: only the lease can tell
             job_dead = p.job_id in dead_jobs
             if p.actor_id and (job_dead or cid in targeted):
-                why = self._actor_gone(p)
+                key = (p.actor_id, p.pid)
+                if key not in seen:
+                    seen[key] = self._actor_gone(p)
+                why = seen[key]
                 if why:
                     out[cid] = why
             elif not p.actor_id and job_dead:

@@ -51,10 +51,14 @@ class ReferenceServer:
         self._metrics = _Metrics(model or "*")
         self._liveness = RayLiveness()
         self._swept_at = float("-inf")
+        self._counts: dict[str, int] = {}
+        """Calls served, by request type (and ``notes``): :meth:`counts`."""
 
     async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
         self._start()
         req = m.decode_request(data)
+        kind = type(req).__name__
+        self._counts[kind] = self._counts.get(kind, 0) + 1
         client_id = getattr(req, "client_id", None)
         if isinstance(req, m.SourceFailed):
             # Is the source a corpse? Then it goes now, and the reader's budget is not charged.
@@ -104,10 +108,15 @@ class ReferenceServer:
 
     async def notes(self, client_id: str) -> list[bytes]:
         self._start()
+        self._counts["notes"] = self._counts.get("notes", 0) + 1
         return [m.encode(e) for e in self.mail.pop_background(client_id)]
 
     async def status(self, model: str = "") -> bytes:
         return m.encode(self.core.status(model))
+
+    async def counts(self) -> dict[str, int]:
+        """Calls served so far, by request type (``Pulse``, ``Replicate``, ...) and ``notes``."""
+        return dict(self._counts)
 
     async def ping(self) -> str:
         self._start()
@@ -127,6 +136,9 @@ class ReferenceServer:
             return
         self._swept_at = time.monotonic()
         processes = self.core.processes()
+        # A process whose pulse is overdue is asked about by name (its actor may have died while
+        # its job lives on): found within a few intervals, not at the end of its lease.
+        targeted = tuple(targeted) + tuple(self.core.overdue(time.monotonic(), 2 * self.config.heartbeat_interval_s))
         gone = await asyncio.to_thread(self._liveness.gone, processes, targeted)
         for cid, why in sorted(gone.items()):
             log.info("client %s is gone: %s", cid, why)
@@ -212,6 +224,10 @@ class RayPort:
 
     def process(self) -> m.ProcessId:
         return current_process()
+
+    def pulse_key(self) -> tuple:
+        """The handles of this process on this model's server share one liveness loop."""
+        return ("ray", self.config.namespace, self.config.server_actor_name(self.model))
 
     def reconnect(self) -> None:
         """Find (or create) this model's server under its name again (blocks up to

@@ -317,6 +317,10 @@ class HandleMachine:
         self._read_open = False
         """A Replicate was sent and the read has not ended on the server."""
         self._retried_lost = False
+        self._lost_at_server: Optional[m.Failed] = None
+        """The server failed the read in progress (its liveness reply said so, ``Noted(Failed)``):
+        if the server then restarts before the read's own call learns it, the read must not be
+        announced as complete (that would split a sharded replica's round)."""
         self._assignment: Optional[m.Assignment] = None
         self._first: Optional[m.Assignment] = None
         self._sources: list[str] = []
@@ -521,6 +525,12 @@ class HandleMachine:
             case Step.RECONNECT:
                 if self.register_msg is None or isinstance(self._req, (m.Register, m.Leave)):
                     return self._resend(now)
+                if isinstance(self._req, m.ReplicateDone) and self._lost_at_server is not None:
+                    # The server we lost had failed this read: end it as that failure instead of
+                    # announcing it complete (that would split a sharded replica's round).
+                    lost, self._lost_at_server = self._lost_at_server, None
+                    self._read_open = False
+                    return self._fail(lost.code, lost.message)
                 return self._announce(now)
             case Step.RETRY_PAUSE:
                 return self._resend(now)
@@ -549,7 +559,14 @@ class HandleMachine:
         if self.step is not Step.SEND:
             raise AssertionError(f"a reply in step {self.step}")
         req = self._req
-        if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient"
+        if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient" and isinstance(req, m.ReplicateDone)
+                and self._lost_at_server is not None):
+            # The server that forgot us had failed this read: it ends as that failure, not as a
+            # complete holder (the next call announces this handle again).
+            lost, self._lost_at_server = self._lost_at_server, None
+            self._read_open = False
+            return self._fail(lost.code, lost.message)
+        elif (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient"
                 and not isinstance(req, (m.Register, m.Announce, m.Leave)) and self.register_msg is not None):
             self._attempt += 1
             if self._attempt <= self.reconnects_max:
@@ -707,6 +724,7 @@ class HandleMachine:
     # ------------------------------------------------------------------ reading
 
     def _assign(self, a: m.Assignment) -> list[Command]:
+        self._lost_at_server = None
         self._assignment = a
         self._sources.append(a.source_id)
         return self._pull()
@@ -756,6 +774,10 @@ class HandleMachine:
     # ------------------------------------------------------------------ background, endings
 
     def _noted(self, ev: object) -> list[Command]:
+        if isinstance(ev, m.Failed):
+            if isinstance(self.op, ReplicateOp) and self._assignment is not None:
+                self._lost_at_server = ev
+            return []
         if isinstance(ev, m.DropHostCopy) and ev.version in self.host_copies:
             # Keep the host copy while an operation may still announce it (the server restarted
             # mid-offload); otherwise drop it now.

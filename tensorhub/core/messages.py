@@ -100,6 +100,23 @@ class Heartbeat(_Msg, frozen=True):
     client_id: str
 
 
+class Beat(msgspec.Struct, frozen=True, array_like=True):
+    """One handle's share of a :class:`Pulse`: a ``Heartbeat`` or, while it reads
+    (``reading_units >= 0``), a ``Progress`` with its verified units."""
+
+    client_id: str
+    reading_units: int = -1
+
+
+class Pulse(_Msg, frozen=True):
+    """The liveness of every handle of one process on this server, once per heartbeat interval
+    (one call, however many handles): each handle's heartbeat or read progress. The reply
+    (:class:`PulseReply`) carries the handles the server does not know and the background events
+    waiting for each handle, so there is no separate ``notes`` poll."""
+
+    beats: tuple[Beat, ...]
+
+
 class Publish(_Msg, frozen=True):
     client_id: str
     version: int
@@ -197,7 +214,7 @@ class Query(_Msg, frozen=True):
 
 Request = Union[
     Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
-    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap,
+    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap, Pulse,
 ]
 
 
@@ -335,8 +352,18 @@ class Status(_Msg, frozen=True):
     models: tuple[ModelView, ...]
 
 
-Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status]
 Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted]
+
+
+class PulseReply(_Msg, frozen=True):
+    """The answer to a :class:`Pulse`: handles the server does not know (expired, or the server
+    restarted: they announce again), and per handle the background events it had waiting."""
+
+    unknown: tuple[str, ...] = ()
+    notes: dict[str, list[Event]] = {}
+
+
+Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply]
 
 
 class Deliver(msgspec.Struct, frozen=True):
@@ -349,7 +376,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Request)
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted,
+    DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted, PulseReply,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

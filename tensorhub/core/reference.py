@@ -234,6 +234,21 @@ class ReferenceCore:
         self.index.flush()
         return dict(self.index.state_counts)
 
+    def overdue(self, now: float, after_s: float, limit: int = 256) -> list[str]:
+        """Clients not heard from for ``after_s`` (oldest first, at most ``limit``; host copies
+        excluded): the server asks Ray whether their process is gone before their lease runs
+        out. Walks the lease order from its oldest end: nothing to walk when all are current."""
+        out = []
+        for cid in self._lease:
+            n = self.nodes.get(cid)
+            if n is None:
+                continue
+            if now - n.last_seen < after_s or len(out) >= limit:
+                break
+            if not n.host:
+                out.append(cid)
+        return out
+
     def processes(self) -> dict[str, m.ProcessId]:
         """The process of every registered client (host copies excluded)."""
         return {n.id: n.process for n in self.nodes.values() if not n.host}

@@ -339,23 +339,26 @@ class SimClient:
         w = self.world
         if self.registered and not self.hb_busy:
             self.hb_busy = True
-            req = (m.Progress(self.cid, self.region_progress) if self.machine.reading
-                   else m.Heartbeat(self.cid))
-            w.server.call(self, req, False, None, on_reply=self._heartbeat_reply)
+            # The Hub's liveness loop (tensorhub.pulse): one Pulse per process per interval, with
+            # this handle's heartbeat or read progress; the reply brings its background events.
+            beat = m.Beat(self.cid, self.region_progress if self.machine.reading else -1)
+            w.server.call(self, m.Pulse(beats=(beat,)), False, None, on_reply=self._heartbeat_reply)
         w.sim.after(w.config.heartbeat_interval_s, self._heartbeat)
 
     def _heartbeat_reply(self, reply) -> None:
         self.hb_busy = False
         if not self.alive:
             return
-        if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
+        if isinstance(reply, m.ErrorReply):  # the server is down: the next pulse tries again
+            return
+        self._notes(list(reply.notes.get(self.cid, ())))  # Hub: notes first, then announce
+        if self.cid in reply.unknown:
             # A reader announces its edge at once; an idle handle only when no operation is in
             # flight (that operation re-announces itself).
             if self.machine.reading or (self.op is None and self.registered):
                 self.world.stats_recoveries += 1
                 self.world.server.call(self, self.machine.announce_request(reading_units=self.region_progress),
                                        False, None)
-        self.world.server.notes(self, self._notes)
 
     def _notes(self, notes: list) -> None:
         for note in notes:
