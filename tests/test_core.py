@@ -1050,3 +1050,18 @@ def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
     assert err(reply) == "VersionLost" and "moved to version 1" in reply.message
     a = w.send(m.Replicate("a1", "latest", seq=4))
     assert isinstance(a, m.Assignment) and a.version == 1
+
+
+def test_query_answers_the_shard_layouts_only_when_asked():
+    """A reader that has no tensors yet (verl's rollout) allocates its buffer from the layouts the
+    model's first clients registered; a plain status query stays small."""
+    w = World()
+    other = m.LayoutInfo("fp-b", UNITS, 800, (m.TensorMeta("b", "bfloat16", (20, 20), 800),))
+    w.reg("t1", replica="trainer", shard=1, num_shards=2, layout=other)
+    (mv,) = w.send(m.Query("pol", layouts=True)).models
+    assert (mv.num_shards, mv.layouts) == (2, (m.ShardLayout(1, other),))  # shard 0 not registered yet
+    w.reg("t0", replica="trainer", shard=0, num_shards=2)
+    (mv,) = w.send(m.Query("pol", layouts=True)).models
+    assert mv.layouts == (m.ShardLayout(0, LAYOUT), m.ShardLayout(1, other))
+    assert w.send(m.Query("pol")).models[0].layouts == ()
+    assert m.decode_reply(m.encode(w.send(m.Query("pol", layouts=True)))).models[0].layouts == mv.layouts

@@ -104,9 +104,10 @@ def test_build_topology_rejects_ranks_that_disagree():
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
-    """Three CPU actors hosting engines (a process may host several ranks' engines)."""
+    """Four CPU processes hosting engines (a process may host several ranks' engines); each is
+    also a verl worker that verl's CheckpointEngineManager can drive."""
     ray = ray_cluster
-    actors = [_rank_cls(ray).remote() for _ in range(3)]
+    actors = [_rank_cls(ray).remote() for _ in range(4)]
     where = ray.get([a.where.remote() for a in actors])
     assert all(w.startswith(WORKTREE) for w in where), where  # this worktree's tensorhub, not main's
     yield actors
@@ -114,15 +115,40 @@ def pool(ray_cluster):
         ray.kill(a)
 
 
-def _rank_cls(ray):
-    # PYTHONPATH: this worktree's tensorhub, and this module (the actor class refers to `weights`)
-    @ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": f"{WORKTREE}:{WORKTREE}/tests"}})
-    class Rank:
-        """A process holding engines keyed by name, built and called as verl's workers do."""
+class Adapter:
+    """Stands in for the vLLM/SGLang server adapter of a rollout worker: keeps a copy of what
+    ``CheckpointEngineWorker.update_weights`` hands it, by step."""
 
+    def __init__(self):
+        self.got = {}
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **_):
+        assert wire_format == "named_tensors"
+        self.got[global_steps] = [(n, t.clone()) async for n, t in weights]
+
+
+def _rank_cls(ray):
+    """The actor class of a rank's process. It IS verl's ``CheckpointEngineWorker`` (whose
+    ``update_weights`` and ``execute_checkpoint_engine`` the manager calls, unchanged for a
+    rollout); only the constructor differs, because verl's builds a vLLM/SGLang server adapter.
+    Engines are built as verl's workers build them and kept by key; ``use(key)`` makes one the
+    worker's ``checkpoint_engine`` for the manager. A trainer engine's ``update_weights`` sends
+    the generator, as verl's actor worker (``engine_workers.py``) does."""
+    from verl.checkpoint_engine import CheckpointEngineWorker
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    env = {"PYTHONPATH": f"{WORKTREE}:{WORKTREE}/tests",  # this tensorhub, and this module (`weights`)
+           "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": env})
+    class Rank(CheckpointEngineWorker):
         def __init__(self):
+            Worker.__init__(self)
             torch.set_num_threads(1)
             self.engines = {}
+            self.checkpoint_engine = None
+            self.server_adapter = Adapter()
 
         def where(self) -> str:
             import tensorhub
@@ -142,6 +168,20 @@ def _rank_cls(ray):
                 kwargs = {"is_master": is_master, **kwargs}
             self.engines[key] = CheckpointEngineRegistry.new(
                 cfg.backend, bucket_size=cfg.update_weights_bucket_megabytes << 20, **kwargs)
+
+        def use(self, key: str) -> None:
+            self.checkpoint_engine = self.engines[key]
+
+        def received(self, step: int):
+            return self.server_adapter.got.pop(step)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+            engine = self.checkpoint_engine
+            if engine.role == "trainer":
+                gen = (pair for pair in weights(global_steps, engine.rank))
+                return await engine.send_weights(gen, global_steps=global_steps)
+            return await super().update_weights(global_steps)
 
         def execute(self, key: str, method: str, *args, **kwargs):  # execute_checkpoint_engine
             return getattr(self.engines[key], method)(*args, **kwargs)
@@ -238,7 +278,7 @@ def test_rollouts_yield_the_trainers_weights_for_several_steps(ray_cluster, pool
     """trainer -> r0 -> r1 -> r2 for steps 1, 2, 3 (and step 3 again: republished, no-op read)."""
     job = Ranks(ray_cluster, ce_config(model_name))
     job.add("trainer", pool[0], is_master=True)
-    for actor in (pool[1], pool[2], pool[1]):
+    for actor in pool[1:]:
         job.add("rollout", actor)
     for step in (1, 2, 3, 3):
         for got, _sources in job.update(step):
@@ -280,7 +320,7 @@ def test_rollout_killed_mid_update_leaves_the_others_finishing(ray_cluster, pool
     victim_actor = _rank_cls(ray).remote()
     job.add("trainer", pool[0], is_master=True)
     _, victim = job.add("rollout", victim_actor)
-    for actor in (pool[1], pool[2], pool[1]):
+    for actor in pool[1:]:
         job.add("rollout", actor)
     big = {"scale": 64}  # a 32 MiB embed: 8k units, about a second per read
     for got, _ in job.update(1, **big):
@@ -328,7 +368,7 @@ def test_rollout_added_between_updates_gets_the_next_version_and_a_late_one_read
         assert_same(got, expected(2))
     # A rollout that joins after the update reads the current version from a peer: the trainer
     # unpublished at finalize, the rollouts hold version 2.
-    late_actor, late = job.add("rollout", pool[2])
+    late_actor, late = job.add("rollout", pool[3])
     job.connect()
     got, sources = ray_cluster.get(late_actor.receive.remote(late, 2), timeout=60)
     assert_same(got, expected(2))
@@ -350,3 +390,50 @@ def test_sharded_trainer_maps_onto_tensorhub_shards(ray_cluster, pool, model_nam
         for got, sources in job.update(step):
             assert_same(got, expected(step, shards=2))
             assert len(sources) == 2
+
+
+@pytest.mark.ray
+def test_verls_checkpoint_engine_manager_drives_the_backend(ray_cluster, pool, model_name):
+    """verl's own CheckpointEngineManager.update_weights, end to end: a trainer worker group of
+    one, replicas of one rollout worker each (verl's CheckpointEngineWorker handing the weights to
+    a server adapter); a third replica is added between updates (``add_replicas``)."""
+    ray = ray_cluster
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+    from verl.workers.config import CheckpointEngineConfig
+
+    job = Ranks(ray, ce_config(model_name))
+    job.add("trainer", pool[0], is_master=True)
+    for actor in pool[1:]:
+        job.add("rollout", actor)
+    ray.get([a.use.remote(k) for a, k in job.trainers + job.rollouts])
+    actor_wg = RayWorkerGroup(worker_handles=[pool[0]], ray_cls_with_init=RayClassWithInitArgs(cls=_rank_cls(ray)))
+
+    class Replica:
+        """A rollout replica as the manager sees it: its workers and the request / KV-cache
+        hooks around its inference server (none here)."""
+
+        def __init__(self, workers):
+            self.workers = workers
+
+        async def abort_all_requests(self, reject_request: bool = False):
+            pass
+
+        async def release_kv_cache(self):
+            pass
+
+        async def resume_kv_cache(self):
+            pass
+
+        async def resume_generation(self):
+            pass
+
+    manager = CheckpointEngineManager(CheckpointEngineConfig(**job.cfg), actor_wg,
+                                      [Replica([pool[1]]), Replica([pool[2]])])
+    manager.update_weights(global_steps=1)
+    for r in pool[1:3]:
+        assert_same(ray.get(r.received.remote(1)), expected(1))
+    manager.add_replicas([Replica([pool[3]])])
+    manager.update_weights(global_steps=2)
+    for r in pool[1:]:
+        assert_same(ray.get(r.received.remote(2)), expected(2))
