@@ -148,7 +148,9 @@ class Bench:
             from tensorhub.testing.cluster import EmulatedCluster
 
             self.cluster = EmulatedCluster.attach(args.name)
-        th_config = dict(versions_retained=1, lease_timeout_s=60.0, heartbeat_interval_s=1.0,
+        # versions_retained=1: a rollout moving to v+1 never offloads v, so no host buffer is made
+        # ahead either (host_copies_pooled=0): nine processes on one VM, memory is the limit.
+        th_config = dict(versions_retained=1, host_copies_pooled=0, lease_timeout_s=60.0, heartbeat_interval_s=1.0,
                          namespace=f"tensorhub-verl-{int(time.time())}")
         self.ce = {
             "tensorhub": {"backend": "tensorhub", "custom_backend_module": "tensorhub.integrations.verl",
@@ -180,6 +182,22 @@ class Bench:
             return {}
         return {h: self.cluster.nic_bytes(h) for h in range(self.args.rollouts + 1)}
 
+    def settle(self, quiet_bytes: int = 1 << 20, timeout_s: float = 60.0) -> float:
+        """Wait until no host's NIC moves more than ``quiet_bytes`` in a second (Ray's object
+        manager may still be pushing chunks of a transfer whose ``ray.get`` returned); the wait."""
+        if self.cluster is None:
+            return 0.0
+        t0 = time.monotonic()
+        prev = self.counters()
+        while time.monotonic() - t0 < timeout_s:
+            time.sleep(1.0)
+            now = self.counters()
+            moved = max(now[h].sent + now[h].received - prev[h].sent - prev[h].received for h in now)
+            if moved < quiet_bytes:
+                break
+            prev = now
+        return time.monotonic() - t0
+
     def traffic(self, before: dict) -> dict:
         if self.cluster is None:
             return {"rollout_host_received_bytes": None, "trainer_host_sent_bytes": None}
@@ -193,6 +211,7 @@ class Bench:
         self.step += 1
         step = self.step
         want = ray.get(self.trainer.fill.remote(step))
+        settle_s = self.settle()
         before = self.counters()
         if backend == "tensorhub":
             from verl.checkpoint_engine import CheckpointEngineRegistry
@@ -213,7 +232,7 @@ class Bench:
             refs = [self.trainer.send.remote(step)] + [a.receive.remote(step) for a in self.rollouts]
             outs = ray.get(refs)[1:]
             ray.get([a.execute.remote("tensorhub", "finalize") for a in everyone])
-            extra = {"connect_s": round(connect_s, 3),
+            extra = {"connect_s": round(connect_s, 3), "bytes_read": [o["bytes_read"] for o in outs],
                      "chain": " ".join(f"r{i}<{'/'.join(self._name(s) for s in o['sources'][0])}"
                                        for i, o in enumerate(outs))}
         else:
@@ -226,7 +245,7 @@ class Bench:
         ok = all(o["digest"] == want for o in outs)
         row = {"backend": backend, "step": step, "s": round(last, 3),
                "mean_s": round(statistics.mean(o["done_at"] - t0 for o in outs), 3), "bytes_ok": ok,
-               **self.traffic(before), **extra}
+               "settle_s": round(settle_s, 1), **self.traffic(before), **extra}
         say(f"{backend} step {step}: {last:.2f} s (bytes ok: {ok}) {extra.get('chain', '')}")
         return row
 
@@ -286,7 +305,8 @@ def main(argv=None) -> int:
 
     if args.driver or args.local:
         summary = drive(args)
-        print(json.dumps(summary) if args.json else json.dumps(summary, indent=1), flush=True)
+        # the driver's (and --json's) last stdout line is the summary; --local without --json: readable
+        print(json.dumps(summary) if args.json or args.driver else json.dumps(summary, indent=1), flush=True)
         return 0 if summary["bytes_ok"] else 1
 
     from benchmarks import emulated
