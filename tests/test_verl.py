@@ -308,54 +308,6 @@ def test_layout_change_is_rejected_and_the_next_update_works(ray_cluster, pool, 
 
 
 @pytest.mark.ray
-def test_rollout_killed_mid_update_leaves_the_others_finishing(ray_cluster, pool, model_name):
-    """Update 2: trainer -> victim -> r1 -> r2 -> r3; the victim is killed while it reads and
-    serves r1: the others fail over and finish with exact bytes; update 3 works without it.
-    Reads are slow (4 KiB units, one in flight, through NIXL rather than shared memory, whose
-    mapping of a complete holder would outlive it)."""
-    ray = ray_cluster
-    slow = {"reads_in_flight": 1, "nixl_workers": 1, "nixl_threads": 0, "unit_bytes": 4 << 10,
-            "same_host": False}
-    job = Ranks(ray, ce_config(model_name, config=slow))
-    victim_actor = _rank_cls(ray).remote()
-    job.add("trainer", pool[0], is_master=True)
-    _, victim = job.add("rollout", victim_actor)
-    for actor in pool[1:]:
-        job.add("rollout", actor)
-    big = {"scale": 64}  # a 32 MiB embed: 8k units, about a second per read
-    for got, _ in job.update(1, **big):
-        assert_same(got, weights(1, **big))
-
-    job.connect()
-    ray.get(job.send(2, **big), timeout=60)
-    victim_ref = victim_actor.receive.remote(victim, 2)
-    victim_replica = ray.get(victim_actor.attr.remote(victim, "replica"))
-
-    def victim_node():
-        return next(h for h in _server_table(ray, job.cfg).values() if h.replica_id == victim_replica)
-
-    t_end = time.monotonic() + 30
-    while (v := victim_node()).version != 2 or v.state != "reading" or v.progress < 1:
-        assert time.monotonic() < t_end and (v.version, v.state) != (2, "published"), f"the victim did not read: {v}"
-        time.sleep(0.005)
-    others = [a.receive.remote(k, 2) for a, k in job.rollouts[1:]]
-    while (v := victim_node()).readers < 1:
-        assert time.monotonic() < t_end and v.state == "reading", f"no rollout read from the victim: {v}"
-        time.sleep(0.005)
-    os.kill(ray.get(victim_actor.pid.remote()), signal.SIGKILL)
-    results = ray.get(others, timeout=60)
-    for got, _sources in results:
-        assert_same(got, weights(2, **big))
-    assert any(len(s[0]) > 1 for _, s in results), "nobody failed over from the victim"
-    with pytest.raises(Exception):
-        ray.get(victim_ref, timeout=30)
-    job.rollouts = job.rollouts[1:]  # verl drops the dead replica before the next update
-    job.finalize()
-    for got, _ in job.update(3, **big):
-        assert_same(got, weights(3, **big))
-
-
-@pytest.mark.ray
 def test_rollout_added_between_updates_gets_the_next_version_and_a_late_one_reads_from_a_peer(
         ray_cluster, pool, model_name):
     job = Ranks(ray_cluster, ce_config(model_name))
@@ -437,3 +389,55 @@ def test_verls_checkpoint_engine_manager_drives_the_backend(ray_cluster, pool, m
     manager.update_weights(global_steps=2)
     for r in pool[1:]:
         assert_same(ray.get(r.received.remote(2)), expected(2))
+
+
+@pytest.mark.ray
+def test_rollout_killed_mid_update_leaves_the_others_finishing(ray_cluster, pool, model_name):
+    """Update 2: trainer -> victim -> r1 -> r2 -> r3; the victim is killed while it reads and
+    serves r1: the others fail over and finish with exact bytes; update 3 works without it.
+    Reads are slow (4 KiB units, one in flight, through NIXL rather than shared memory, whose
+    mapping of a complete holder would outlive it).
+
+    The victim is pool[3]'s process: this test is the file's last, and puts a fresh process in its
+    place for any test that would follow (starting one costs seconds: verl's import)."""
+    ray = ray_cluster
+    slow = {"reads_in_flight": 1, "nixl_workers": 1, "nixl_threads": 0, "unit_bytes": 4 << 10,
+            "same_host": False}
+    job = Ranks(ray, ce_config(model_name, config=slow))
+    victim_actor = pool[3]
+    job.add("trainer", pool[0], is_master=True)
+    _, victim = job.add("rollout", victim_actor)
+    for actor in (pool[1], pool[2], pool[1]):
+        job.add("rollout", actor)
+    big = {"scale": 32}  # a 16 MiB embed: 4k units
+    for got, _ in job.update(1, **big):
+        assert_same(got, weights(1, **big))
+
+    job.connect()
+    ray.get(job.send(2, **big), timeout=60)
+    victim_ref = victim_actor.receive.remote(victim, 2)
+    victim_replica = ray.get(victim_actor.attr.remote(victim, "replica"))
+
+    def victim_node():
+        return next(h for h in _server_table(ray, job.cfg).values() if h.replica_id == victim_replica)
+
+    t_end = time.monotonic() + 30
+    while (v := victim_node()).version != 2 or v.state != "reading" or v.progress < 1:
+        assert time.monotonic() < t_end and (v.version, v.state) != (2, "published"), f"the victim did not read: {v}"
+        time.sleep(0.005)
+    others = [a.receive.remote(k, 2) for a, k in job.rollouts[1:]]
+    while (v := victim_node()).readers < 1:
+        assert time.monotonic() < t_end and v.state == "reading", f"no rollout read from the victim: {v}"
+        time.sleep(0.005)
+    os.kill(ray.get(victim_actor.pid.remote()), signal.SIGKILL)
+    pool[3] = _rank_cls(ray).remote()
+    results = ray.get(others, timeout=60)
+    for got, _sources in results:
+        assert_same(got, weights(2, **big))
+    assert any(len(s[0]) > 1 for _, s in results), "nobody failed over from the victim"
+    with pytest.raises(Exception):
+        ray.get(victim_ref, timeout=30)
+    job.rollouts = job.rollouts[1:]  # verl drops the dead replica before the next update
+    job.finalize()
+    for got, _ in job.update(3, **big):
+        assert_same(got, weights(3, **big))
