@@ -67,33 +67,61 @@ def test_registry_builds_the_backend_from_verls_config_keys():
     engine = verl_ce.CheckpointEngineRegistry.new(
         cfg.backend, is_master=True, bucket_size=cfg.update_weights_bucket_megabytes << 20,
         **cfg.engine_kwargs[cfg.backend])
-    assert engine.prepare() == {"backend": "tensorhub", "model": "m", "num_shards": 1}
+    assert (engine.model, engine.num_shards, engine.device) == ("m", 1, "cpu")
     for bad in ({"num_shards": 0}, {"device": "tpu"}, {"model": ""}, {"wait_timeout_s": 0},
                 {"config": {"no_such_field": 1}}, {"config": {"unit_bytes": 1}}):
         with pytest.raises(errors.ConfigError):
             verl_ce.CheckpointEngineRegistry.new("tensorhub", bucket_size=1 << 20, **bad)
 
 
-@pytest.mark.parametrize("actors,rollouts", [(1, 1), (1, 8), (4, 3), (2, 0)])
-def test_build_topology_gives_roles_and_ranks_and_no_process_group(actors, rollouts):
-    """trainer ranks 0..A-1, rollout ranks 0..R-1, one list entry per rank (verl asserts it)."""
+def md(model: str = "m", last=None, num_shards: int = 1) -> dict:
+    """A rank's ``prepare()`` answer (prepare itself asks the server)."""
+    return {"backend": "tensorhub", "model": model, "num_shards": num_shards, "last_version": last}
+
+
+@pytest.mark.parametrize("actors,rollouts,lasts,floor", [
+    (1, 1, [None], 0),           # first update
+    (1, 8, [4], 5),              # the trainer published 4
+    (4, 3, [7, 7, None, None], 8),  # ranks 2, 3 publish no shard
+    (2, 0, [2, 3], 4),
+])
+def test_build_topology_gives_roles_ranks_and_the_version_floor(actors, rollouts, lasts, floor):
+    """trainer ranks 0..A-1, rollout ranks 0..R-1, one list entry per rank (verl asserts it), and
+    the floor 1 + the trainer's last version; rollouts' own versions do not count."""
     from tensorhub.integrations.verl import TensorHubCheckpointEngine as E
 
-    md = [E(model="m").prepare() for _ in range(actors + rollouts)]
-    a, r = E.build_topology(actors, rollouts, md)
-    assert a == {"role": ["trainer"] * actors, "rank": list(range(actors)), "world_size": [actors] * actors}
-    assert r == {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)), "world_size": [rollouts] * rollouts}
+    a, r = E.build_topology(actors, rollouts, [md(last=v) for v in lasts] + [md(last=99)] * rollouts)
+    assert a == {"role": ["trainer"] * actors, "rank": list(range(actors)), "world_size": [actors] * actors,
+                 "version_floor": [floor] * actors}
+    assert r == {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)), "world_size": [rollouts] * rollouts,
+                 "version_floor": [floor] * rollouts}
+
+
+@pytest.mark.parametrize("global_steps,floor,version", [(5, 0, 5), (5, 5, 5), (5, 6, 6), (None, 3, 3), (0, 0, 0)])
+def test_the_update_version_is_global_steps_unless_it_would_not_be_new(global_steps, floor, version):
+    """Trainer and rollouts compute it alike: a repeated or missing step still gets a new version."""
+    from tensorhub.integrations.verl import TensorHubCheckpointEngine as E
+
+    for role in ("trainer", "rollout"):
+        engine = E(model="m")
+        engine.init_process_group(role=role, rank=0, world_size=1, version_floor=floor)
+        assert engine._update_version(global_steps) == version
+        assert engine._update_version(global_steps) is None  # used up: the next update brings its own
+    with pytest.raises(errors.BadVersionSpec):
+        engine._update_version(-1)
 
 
 def test_build_topology_rejects_ranks_that_disagree():
     from tensorhub.integrations.verl import TensorHubCheckpointEngine as E
 
     with pytest.raises(errors.ConfigError, match="disagree"):
-        E.build_topology(1, 1, [E(model="a").prepare(), E(model="b").prepare()])
+        E.build_topology(1, 1, [md("a"), md("b")])
+    with pytest.raises(errors.ConfigError, match="disagree"):
+        E.build_topology(1, 1, [md("a"), md("a", num_shards=2)])
     with pytest.raises(errors.ConfigError, match="metadata entries"):
-        E.build_topology(1, 2, [E(model="a").prepare()] * 2)
+        E.build_topology(1, 2, [md("a")] * 2)
     with pytest.raises(errors.ConfigError, match="not from the tensorhub backend"):
-        E.build_topology(1, 1, [E(model="a").prepare(), {"agent": b"nixl"}])
+        E.build_topology(1, 1, [md("a"), {"agent": b"nixl"}])
     engine = E(model="a", num_shards=2)
     with pytest.raises(errors.ConfigError, match="num_shards=2"):
         engine.init_process_group(role="trainer", rank=0, world_size=1)
@@ -189,9 +217,10 @@ def _rank_cls(ray):
         def attr(self, key: str, name: str):
             return getattr(self.engines[key], name)
 
-        async def send(self, key: str, step: int, shard: int = 0, extra: bool = False, scale: int = 1):
-            # the trainer's update_weights: send_weights(per-tensor generator, global_steps)
-            gen = (pair for pair in weights(step, shard, extra, scale))
+        async def send(self, key: str, step, shard: int = 0, extra: bool = False, scale: int = 1, content=None):
+            # the trainer's update_weights: send_weights(per-tensor generator, global_steps);
+            # `content`: which weights (default: the step's)
+            gen = (pair for pair in weights(step if content is None else content, shard, extra, scale))
             return await self.engines[key].send_weights(gen, global_steps=step)
 
         async def receive(self, key: str, step):
@@ -244,13 +273,15 @@ class Ranks:
     def finalize(self) -> None:
         self.ray.get([a.execute.remote(k, "finalize") for a, k in self.trainers + self.rollouts])
 
-    def update(self, step: int, **send_kw) -> list:
-        """One whole update as the manager runs it; what each rollout yielded."""
+    def update(self, step, **send_kw) -> list:
+        """One whole update as the manager runs it; what each rollout yielded (the trainer ranks'
+        metrics in ``self.sent``)."""
         self.connect()
         sends, recvs = self.start(step, **send_kw)
-        out = self.ray.get(sends + recvs, timeout=60)[len(sends):]
+        out = self.ray.get(sends + recvs, timeout=60)
+        self.sent = out[:len(sends)]
         self.finalize()
-        return out
+        return out[len(sends):]
 
 
 def expected(step: int, shards: int = 1) -> list[tuple[str, torch.Tensor]]:
@@ -275,14 +306,19 @@ def _server_table(ray, cfg: dict) -> dict:
 
 @pytest.mark.ray
 def test_rollouts_yield_the_trainers_weights_for_several_steps(ray_cluster, pool, model_name):
-    """trainer -> r0 -> r1 -> r2 for steps 1, 2, 3 (and step 3 again: republished, no-op read)."""
+    """trainer -> r0 -> r1 -> r2 for steps 1, 2; step 2 again with other weights (verl may call
+    update_weights twice at one step), no step, and a step that went back: every update is a new
+    version and every rollout yields exactly what the trainer sent in it."""
     job = Ranks(ray_cluster, ce_config(model_name))
     job.add("trainer", pool[0], is_master=True)
     for actor in pool[1:]:
         job.add("rollout", actor)
-    for step in (1, 2, 3, 3):
-        for got, _sources in job.update(step):
-            assert_same(got, expected(step))
+    versions = []
+    for step, content in ((1, 1), (2, 2), (2, 3), (None, 4), (1, 5)):
+        for got, _sources in job.update(step, content=content):
+            assert_same(got, expected(content))
+        versions.append(job.sent[0]["tensorhub/version"])
+    assert versions == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.ray
@@ -300,8 +336,9 @@ def test_layout_change_is_rejected_and_the_next_update_works(ray_cluster, pool, 
         assert isinstance(err.value.cause, errors.LayoutMismatch), err.value
         assert "first update" in str(err.value.cause)
         job.finalize()
-    with pytest.raises(Exception) as err:  # versions do not go back
-        ray_cluster.get(job.trainers[0][0].send.remote(job.trainers[0][1], 0), timeout=60)
+    job.connect()
+    with pytest.raises(Exception) as err:
+        ray_cluster.get(job.trainers[0][0].send.remote(job.trainers[0][1], -1), timeout=60)
     assert isinstance(err.value.cause, errors.BadVersionSpec)
     (got, _), = job.update(2)
     assert_same(got, expected(2))
@@ -318,10 +355,10 @@ def test_rollout_added_between_updates_gets_the_next_version_and_a_late_one_read
     job.add("rollout", pool[2])  # joins between updates: no group to rebuild
     for got, _ in job.update(2):
         assert_same(got, expected(2))
-    # A rollout that joins after the update reads the current version from a peer: the trainer
-    # unpublished at finalize, the rollouts hold version 2.
+    # A rollout that joins after the update and catches up on its own (no manager update: no
+    # version floor) reads the current version from a peer: the trainer unpublished at finalize.
     late_actor, late = job.add("rollout", pool[3])
-    job.connect()
+    ray_cluster.get(late_actor.execute.remote(late, "init_process_group", role="rollout", rank=0, world_size=1))
     got, sources = ray_cluster.get(late_actor.receive.remote(late, 2), timeout=60)
     assert_same(got, expected(2))
     table = _server_table(ray_cluster, job.cfg)

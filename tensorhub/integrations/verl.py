@@ -14,23 +14,30 @@ verl's ``CheckpointEngineManager`` calls, per update, ``prepare`` on every rank,
 ``build_topology``, ``init_process_group``, then trainer ``send_weights`` together with rollout
 ``receive_weights``, then ``finalize``. What each does here::
 
-    prepare              every rank: {"backend", "model", "num_shards"}; allocates nothing
-    build_topology       roles and ranks only (checks the ranks agree on model and num_shards);
-                         no process group, so rollouts may join or leave between updates
-    init_process_group   records the role and rank
+    prepare              every rank: {"backend", "model", "num_shards", "last_version"}; allocates
+                         nothing
+    build_topology       roles, ranks, and the update's version floor (the trainer's last version
+                         + 1); checks the ranks agree on model and num_shards; no process group,
+                         so rollouts may join or leave between updates
+    init_process_group   records the role, rank and floor
     send_weights         trainer rank r < num_shards: copy what the generator yields into this
                          shard's registered staging buffer (RDMA-copy mode: the first update
-                         allocates and registers it, sized from its layout), publish(global_steps);
+                         allocates and registers it, sized from its layout), publish(version);
                          other trainer ranks consume the generator (it may run collectives)
     receive_weights      rollout: the first update allocates a buffer per shard from the layouts the
-                         trainer registered and registers it; every update: update(global_steps)
-                         on each shard, then yield (name, tensor) views of the buffer in the
+                         trainer registered and registers it; every update: update(version) on
+                         each shard, then yield (name, tensor) views of the buffer in the
                          trainer's order, with its names, dtypes and shapes
     finalize             trainer: unpublish (drains readers), so the version is served by the
                          rollouts that have it and a rollout joining later reads from a peer;
                          rollout: nothing (it keeps holding the version and serving it)
 
     trainer -> r0 -> r1 -> r2 ...   (TensorHub's pipeline: each rollout serves the next one)
+
+The update's version is ``max(global_steps, floor)`` on both sides (``global_steps`` None counts
+as 0): it is ``global_steps`` while steps grow, and a new version whenever verl repeats a step or
+passes none, so a rollout never takes an older publication for this update's weights and never
+races the trainer (it asks for that exact version and waits for it).
 
 A rollout that dies mid-update does not hang the others: their reads fail over to another source
 (TensorHub's scheduler). A sharded trainer (``num_shards`` > 1: trainer rank r yields the
@@ -91,7 +98,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     wire_format = "named_tensors"
 
-    def __init__(self, bucket_size: int = 0, is_master: bool = False, *, model: str = "verl-policy",
+    def __init__(self, bucket_size: int = 0, is_master: Optional[bool] = None, *, model: str = "verl-policy",
                  num_shards: int = 1, device: str = "cpu", datacenter: Optional[str] = None,
                  spot: bool = False, wait_timeout_s: float = 600.0,
                  config: Optional[dict[str, Any]] = None) -> None:
@@ -127,20 +134,31 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         """Per shard this rank holds: the registered tensors, in layout order."""
         self._version: Optional[int] = None
         """Trainer: the last version published."""
+        self._floor: Optional[int] = None
+        """The current update's version floor, from :meth:`build_topology` (None: no topology)."""
         self._round = 0
 
     # ------------------------------------------------------------------ topology
 
     def prepare(self) -> dict[str, Any]:
         """Per update, on every rank. Allocates nothing (buffers are registered once, on the first
-        send / receive); returns what :meth:`build_topology` checks."""
-        return {"backend": BACKEND, "model": self.model, "num_shards": self.num_shards}
+        send / receive); returns what :meth:`build_topology` needs. ``last_version``: the last
+        version this rank published; a rank that has not published yet (and is not known to be a
+        rollout) reports the newest version the server has of the model (a restarted trainer
+        continues above it), None when there is none."""
+        last = self._version
+        if last is None and self.role != ROLLOUT:
+            view = self._view(layouts=False)
+            last = max(view.available) if view is not None and view.available else None
+        return {"backend": BACKEND, "model": self.model, "num_shards": self.num_shards, "last_version": last}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Roles and ranks for :meth:`init_process_group`: trainer ranks ``0..A-1``, rollout ranks
-        ``0..R-1``. Raises ``ConfigError`` when the metadata is not one entry per rank of this
+        ``0..R-1``, and for all the update's version floor: 1 + the newest ``last_version`` of the
+        trainer ranks (``metadata`` lists the trainer's ranks first, as verl's manager does), 0
+        when none. Raises ``ConfigError`` when the metadata is not one entry per rank of this
         backend or the ranks disagree on ``model`` / ``num_shards``."""
         if len(metadata) != actor_wg_world_size + rollout_world_size:
             raise errors.ConfigError(f"build_topology: {len(metadata)} metadata entries for "
@@ -154,13 +172,18 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         if len(seen) > 1:
             raise errors.ConfigError(f"build_topology: ranks disagree on (model, num_shards): {sorted(seen)}")
         a, r = actor_wg_world_size, rollout_world_size
-        return ({"role": [TRAINER] * a, "rank": list(range(a)), "world_size": [a] * a},
-                {"role": [ROLLOUT] * r, "rank": list(range(r)), "world_size": [r] * r})
+        lasts = [md["last_version"] for md in metadata[:a] if md.get("last_version") is not None]
+        floor = max(lasts) + 1 if lasts else 0
+        return ({"role": [TRAINER] * a, "rank": list(range(a)), "world_size": [a] * a, "version_floor": [floor] * a},
+                {"role": [ROLLOUT] * r, "rank": list(range(r)), "world_size": [r] * r, "version_floor": [floor] * r})
 
-    def init_process_group(self, role: str, rank: int, world_size: int, **_: Any) -> None:
-        """Record the role and rank :meth:`build_topology` gave this rank; no process group. A
-        rank's role cannot change (``InvalidState``); a trainer world smaller than
-        ``num_shards`` is a ``ConfigError``."""
+    def init_process_group(self, role: str, rank: int, world_size: int, version_floor: Optional[int] = None,
+                           **_: Any) -> None:
+        """Record the role, rank and version floor :meth:`build_topology` gave this rank; no
+        process group. Without ``version_floor`` (a rollout catching up on its own, outside an
+        update of verl's manager) the next receive moves to ``global_steps`` or ``"latest"``. A
+        rank's role cannot change (``InvalidState``); a trainer world smaller than ``num_shards``
+        is a ``ConfigError``."""
         if role not in (TRAINER, ROLLOUT):
             raise errors.ConfigError(f"init_process_group: unknown role {role!r}")
         if self.role is not None and role != self.role:
@@ -168,7 +191,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         if role == TRAINER and world_size < self.num_shards:
             raise errors.ConfigError(f"model={self.model}: num_shards={self.num_shards} needs that many trainer "
                                      f"ranks, the trainer has {world_size}")
-        self.role, self.rank = role, rank
+        self.role, self.rank, self._floor = role, rank, version_floor
 
     def finalize(self) -> None:
         """Per update, after every rank's send / receive. Trainer: unpublish (blocks until no
@@ -188,17 +211,19 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     async def send_weights(self, weights, global_steps: Optional[int] = None) -> dict[str, float]:
         """Trainer: stage the (name, tensor) pairs ``weights`` yields (a generator or an async
-        iterator) and publish them as version ``global_steps`` (None: the previous version + 1,
-        0 at first). Returns once published, not once read: the rollouts read while the trainer
-        trains on. Returns verl sync metrics (``tensorhub/...``).
+        iterator) and publish them as the update's version, ``max(global_steps, floor)`` (see the
+        module docstring). Returns once published, not once read: the rollouts read while the
+        trainer trains on. Returns verl sync metrics (``tensorhub/...``, the version included).
 
         Raises ``LayoutMismatch`` when the tensors (names, dtypes, shapes, order, count) differ
-        from the first update's; the version before stays available from the rollouts.
-        ``BadVersionSpec`` for a version older than the last one. The same version again
-        republishes it (verl calls ``update_weights`` twice at one step from two managers)."""
+        from the first update's (the version before stays available from the rollouts);
+        ``BadVersionSpec`` for a ``global_steps`` that is not an int >= 0 or None;
+        ``InvalidState`` without :meth:`init_process_group` for this update."""
         if self.role != TRAINER:
             raise errors.InvalidState(f"model={self.model}: send_weights on a {self.role or 'not initialised'} rank")
-        version = self._next_version(global_steps)
+        version = self._update_version(global_steps)
+        if version is None:
+            raise errors.InvalidState(f"model={self.model}: send_weights without init_process_group for this update")
         if self.rank >= self.num_shards:
             async for _ in _iterate(weights):
                 pass
@@ -240,25 +265,26 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         nbytes = sum(t.numel() * t.element_size() for _, t in staged)
         log.info("model=%s shard=%d published version %d (%d tensors, %d bytes, staged in %.3f s)",
                  self.model, self.rank, version, len(staged), nbytes, t1 - t0)
-        return {"tensorhub/stage_s": t1 - t0, "tensorhub/publish_s": time.perf_counter() - t1,
-                "tensorhub/bytes": float(nbytes)}
+        return {"tensorhub/version": float(version), "tensorhub/stage_s": t1 - t0,
+                "tensorhub/publish_s": time.perf_counter() - t1, "tensorhub/bytes": float(nbytes)}
 
-    def _next_version(self, global_steps: Optional[int]) -> int:
-        if global_steps is None:
-            return 0 if self._version is None else self._version + 1
-        if not isinstance(global_steps, int) or isinstance(global_steps, bool) or global_steps < 0:
+    def _update_version(self, global_steps: Optional[int]) -> Optional[int]:
+        """This update's version (and the floor is used up), or None without a floor."""
+        if global_steps is not None and (not isinstance(global_steps, int) or isinstance(global_steps, bool)
+                                         or global_steps < 0):
             raise errors.BadVersionSpec(f"global_steps must be an int >= 0 or None, got {global_steps!r}")
-        if self._version is not None and global_steps < self._version:
-            raise errors.BadVersionSpec(f"model={self.model}: global_steps {global_steps} is older than the "
-                                        f"version already published ({self._version})")
-        return global_steps
+        floor, self._floor = self._floor, None
+        return None if floor is None else max(global_steps or 0, floor)
 
     # ------------------------------------------------------------------ rollout
 
     async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Rollout: move this rank to version ``global_steps`` (None: ``"latest"``), waiting up
-        to ``wait_timeout_s`` for the trainer to publish it, then yield ``(name, tensor)`` for
-        every tensor, shard after shard, in the trainer's order.
+        """Rollout: move this rank to the update's version (``max(global_steps, floor)``, as the
+        trainer publishes it), waiting up to ``wait_timeout_s`` for the trainer to publish it,
+        then yield ``(name, tensor)`` for every tensor, shard after shard, in the trainer's order.
+        Outside an update of verl's manager (:meth:`init_process_group` without a
+        ``version_floor``: a rollout catching up on its own) it moves to ``global_steps`` (None:
+        ``"latest"``), which the rollouts that hold it serve once the trainer has finalized.
 
         The tensors are views of the registered buffer, which now serves the version to other
         rollouts: read (copy) them, never write them. A no-op transfer when the rank already
@@ -266,10 +292,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         ``ConfigError`` when the trainer's ``num_shards`` differs from this rank's."""
         if self.role != ROLLOUT:
             raise errors.InvalidState(f"model={self.model}: receive_weights on a {self.role or 'not initialised'} rank")
-        if global_steps is not None and (not isinstance(global_steps, int) or isinstance(global_steps, bool)
-                                         or global_steps < 0):
-            raise errors.BadVersionSpec(f"global_steps must be an int >= 0 or None, got {global_steps!r}")
-        spec: m.VersionSpec = "latest" if global_steps is None else global_steps
+        version = self._update_version(global_steps)
+        spec: m.VersionSpec = version if version is not None else "latest" if global_steps is None else global_steps
         deadline = time.monotonic() + self.wait_timeout_s
         if not self._hubs:
             await self._open_rollout(deadline)
@@ -299,10 +323,13 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         log.info("model=%s replica=%s registered %d shard(s), %d tensors", self.model, self.replica,
                  len(hubs), sum(len(b) for b in buffers))
 
+    def _view(self, layouts: bool) -> Optional[m.ModelView]:
+        status = self._server().call(m.Query(model=self.model, layouts=layouts))
+        return next((v for v in status.models if v.model == self.model), None)
+
     def _wait_layouts(self, deadline: float) -> list[m.LayoutInfo]:
         while True:
-            status = self._server().call(m.Query(model=self.model, layouts=True))
-            view = next((v for v in status.models if v.model == self.model), None)
+            view = self._view(layouts=True)
             if view is not None:
                 if view.num_shards != self.num_shards:
                     raise errors.ConfigError(f"model={self.model}: the trainer publishes {view.num_shards} shard(s), "
