@@ -1095,3 +1095,18 @@ def test_overdue_lists_the_clients_not_heard_from_oldest_first_without_a_scan():
     assert w.core.overdue(2.0, 1.2) == ["b"]
     assert w.core.overdue(2.0, 0.5, limit=1) == ["b"]
     assert w.core.overdue(1.3, 1.0) == []
+
+
+def test_query_answers_the_shard_layouts_only_when_asked():
+    """A reader that has no tensors yet (verl's rollout) allocates its buffer from the layouts the
+    model's first clients registered; a plain status query stays small."""
+    w = World()
+    other = m.LayoutInfo("fp-b", UNITS, 800, (m.TensorMeta("b", "bfloat16", (20, 20), 800),))
+    w.reg("t1", replica="trainer", shard=1, num_shards=2, layout=other)
+    (mv,) = w.send(m.Query("pol", layouts=True)).models
+    assert (mv.num_shards, mv.layouts) == (2, (m.ShardLayout(1, other),))  # shard 0 not registered yet
+    w.reg("t0", replica="trainer", shard=0, num_shards=2)
+    (mv,) = w.send(m.Query("pol", layouts=True)).models
+    assert mv.layouts == (m.ShardLayout(0, LAYOUT), m.ShardLayout(1, other))
+    assert w.send(m.Query("pol")).models[0].layouts == ()
+    assert m.decode_reply(m.encode(w.send(m.Query("pol", layouts=True)))).models[0].layouts == mv.layouts

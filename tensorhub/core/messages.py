@@ -209,7 +209,11 @@ class Leave(_Msg, frozen=True):
 
 
 class Query(_Msg, frozen=True):
+    """Ask for the server's table (:class:`Status`). ``layouts``: include each model's shard
+    layouts (:attr:`ModelView.layouts`), e.g. for a reader that allocates its buffer from them."""
+
     model: str = ""
+    layouts: bool = False
 
 
 Request = Union[
@@ -340,12 +344,21 @@ class HolderView(_Msg, frozen=True):
     total_bytes: int = 0
 
 
+class ShardLayout(msgspec.Struct, frozen=True):
+    """The layout the model's clients registered for shard ``shard`` (the first one fixes it)."""
+
+    shard: int
+    layout: LayoutInfo
+
+
 class ModelView(_Msg, frozen=True):
     model: str
     num_shards: int
     available: tuple[int, ...]
     committed: tuple[int, ...]
     holders: tuple[HolderView, ...]
+    layouts: tuple[ShardLayout, ...] = ()
+    """Known shard layouts in shard order; only when the :class:`Query` asked for them."""
 
 
 class Status(_Msg, frozen=True):

@@ -270,7 +270,9 @@ class ReferenceCore:
         mod = self.models.get(model)
         return [] if mod is None else [v for v in mod.committed if v >= mod.forgotten_below]
 
-    def status(self, model: str = "") -> m.Status:
+    def status(self, model: str = "", layouts: bool = False) -> m.Status:
+        """The table as :class:`~tensorhub.core.messages.Status`: every model, or ``model`` only;
+        ``layouts``: with each model's known shard layouts."""
         views = []
         for name in sorted(self.models):
             if model and name != model:
@@ -289,13 +291,14 @@ class ReferenceCore:
             views.append(m.ModelView(
                 model=name, num_shards=mod.num_shards, available=tuple(self.available(name)),
                 committed=tuple(self.retained(name)), holders=holders,
+                layouts=tuple(m.ShardLayout(i, mod.layouts[i]) for i in sorted(mod.layouts)) if layouts else (),
             ))
         return m.Status(models=tuple(views))
 
     # ------------------------------------------------------------------ requests
 
     def _on_Query(self, req: m.Query, now: float) -> m.Reply:
-        return self.status(req.model)
+        return self.status(req.model, layouts=req.layouts)
 
     def _on_Register(self, req: m.Register, now: float) -> m.Reply:
         existing = self.nodes.get(req.client_id)
