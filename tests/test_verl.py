@@ -298,8 +298,11 @@ def assert_same(got: list, want: list) -> None:
 def _server_table(ray, cfg: dict) -> dict:
     from tensorhub.core import messages as m
 
+    from tensorhub.actors.server import find_server
+    from tensorhub.config import Config
+
     kw = cfg["engine_kwargs"]["tensorhub"]
-    server = ray.get_actor(kw["config"]["server_name"], namespace="tensorhub")
+    server = find_server(Config(**kw["config"]), kw["model"])  # the model's own server
     status = m.decode_reply(ray.get(server.status.remote(kw["model"])))
     return {h.client_id: h for mv in status.models for h in mv.holders if not h.host}
 
