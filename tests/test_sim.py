@@ -147,3 +147,21 @@ def cli_args(argv):
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     return p.parse_args(argv)
+
+
+@pytest.mark.sim
+def test_shards_sharing_a_process_pulse_together_and_die_together():
+    """Issue 14's liveness in the simulator: the shards of each replica run in one process, which
+    sends one pulse for all of them (the shipped server's pulse path) and takes them all down
+    when it crashes (each reported gone, as Ray would). Every invariant holds."""
+    from tensorhub.sim.scenario import run_scenario
+
+    crashes = 0
+    for seed in range(1, 61):
+        r = run_scenario(seed, "sharded", shared_processes=True)
+        assert not r.violations, (seed, r.violations)
+        crashes += r.process_crashes
+    assert crashes >= 10, crashes  # the faults did hit shared processes
+    r = run_scenario(5, "sharded", shared_processes=True, keep_trace=True)
+    assert any(line.count("Beat(") > 1 for line in r.lines if "Pulse(beats=" in line), "one pulse, several beats"
+    assert any("crash process" in line for line in r.lines)

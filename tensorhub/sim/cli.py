@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose-trace", action="store_true", help="print every trace line (stderr)")
     parser.add_argument("--whatif", choices=("paper", "paper-small"), default=None,
                         help="run the paper's three headline comparisons at paper scale (or small)")
+    parser.add_argument("--shared-processes", action="store_true",
+                        help="the shards of each replica share one process (one pulse, one fate)")
     parser.add_argument("--no-interrupts", action="store_true",
                         help="never inject the interrupt fault (a user stops a replicate mid-read)")
 
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     completed = violations = 0
     digest = hashlib.blake2b(digest_size=16)
     for seed in seeds:
-        res = run_scenario(seed, args.workload, keep_trace=args.verbose_trace, interrupts=not args.no_interrupts)
+        res = run_scenario(seed, args.workload, keep_trace=args.verbose_trace, interrupts=not args.no_interrupts,
+                           shared_processes=args.shared_processes)
         digest.update(res.digest.encode())
         if res.lines is not None:
             for line in res.lines:

@@ -44,6 +44,37 @@ class Op:
         self.kind, self.cid, self.start, self.cb = kind, cid, start, cb
 
 
+class SimProcess:
+    """Several handles in one process (``World(shared_processes=True)``): one pulse per interval
+    carries all their beats, as :mod:`tensorhub.pulse` sends it, and they share one fate: a crash
+    takes every handle of the process with it (``World.crash``)."""
+
+    def __init__(self, world, name: str) -> None:
+        self.world, self.name = world, name
+        self.members: list["SimClient"] = []
+        self.alive = True
+        self.busy = False
+        world.sim.after(world.rng_client.random() * world.config.heartbeat_interval_s, self._pulse)
+
+    def _pulse(self) -> None:
+        if not self.alive:
+            return
+        w = self.world
+        members = [c for c in self.members if c.alive and c.registered]
+        if members and not self.busy:
+            self.busy = True
+            beats = tuple(m.Beat(c.cid, c.region_progress if c.machine.reading else -1) for c in members)
+            w.server.call(members[0], m.Pulse(beats=beats), False, None,
+                          on_reply=lambda reply: self._answer(members, reply))
+        w.sim.after(w.config.heartbeat_interval_s, self._pulse)
+
+    def _answer(self, members: list["SimClient"], reply) -> None:
+        self.busy = False
+        for c in members:
+            if c.alive:
+                c._pulse_answer(reply)
+
+
 class SimClient:
     def __init__(self, world, cid: str, *, replica_id: str, shard: int, num_shards: int,
                  host: str, dc: str, spot: bool, role: str) -> None:
@@ -76,6 +107,8 @@ class SimClient:
         self.waiters: dict[str, bool] = {}
         self.driver = None
         self.index = 0
+        self.process: Optional[SimProcess] = None
+        """The process this handle shares with others (None: a process of its own)."""
         world.sim.after(world.rng_client.random() * cfg.heartbeat_interval_s, self._heartbeat)
 
     # ------------------------------------------------------------------ identity and views
@@ -334,8 +367,8 @@ class SimClient:
     # ------------------------------------------------------------------ heartbeats and notes
 
     def _heartbeat(self) -> None:
-        if not self.alive:
-            return
+        if not self.alive or self.process is not None:
+            return  # a shared process pulses for all its handles
         w = self.world
         if self.registered and not self.hb_busy:
             self.hb_busy = True
@@ -347,8 +380,11 @@ class SimClient:
 
     def _heartbeat_reply(self, reply) -> None:
         self.hb_busy = False
-        if not self.alive:
-            return
+        if self.alive:
+            self._pulse_answer(reply)
+
+    def _pulse_answer(self, reply) -> None:
+        """This handle's share of a pulse's reply (``Hub._after_beat``)."""
         if isinstance(reply, m.ErrorReply):  # the server is down: the next pulse tries again
             return
         self._notes(list(reply.notes.get(self.cid, ())))  # Hub: notes first, then announce

@@ -90,6 +90,8 @@ class ScenarioResult:
     events: int
     sim_seconds: float
     lines: Optional[list] = None
+    process_crashes: int = 0
+    """Crashes that took a shared process's handles together (``shared_processes``)."""
 
     @property
     def ok(self) -> bool:
@@ -101,9 +103,12 @@ class World:
 
     def __init__(self, seed: int, workload: Optional[str] = None, core_factory: Optional[CoreFactory] = None,
                  keep_trace: bool = False, params: Optional[Params] = None, config: Optional[Config] = None,
-                 faults: bool = True, interrupts: bool = True) -> None:
+                 faults: bool = True, interrupts: bool = True, shared_processes: bool = False) -> None:
         self.sim = Sim(seed, keep_trace=keep_trace)
         self.interrupts = interrupts
+        self.shared_processes = shared_processes
+        """The shards of a replica run in one process: one pulse for all, one fate."""
+        self.stats_process_crashes = 0
         rng = self.sim.rng("scenario")
         self.params = params or make_params(rng, workload)
         self.config = config or make_config(rng)
@@ -199,6 +204,18 @@ class World:
         return True
 
     def crash(self, c: SimClient, restart: bool, report: bool = True) -> None:
+        proc = c.process
+        if proc is not None and proc.alive and c.alive:
+            # The process dies: every handle in it, each reported gone (Ray knows the process).
+            proc.alive = False
+            self.stats_process_crashes += 1
+            self.sim.trace(f"crash process {proc.name}: {[x.cid for x in proc.members if x.alive]}")
+            for x in list(proc.members):
+                self._crash_one(x, restart, report)
+            return
+        self._crash_one(c, restart, report)
+
+    def _crash_one(self, c: SimClient, restart: bool, report: bool) -> None:
         if not c.alive:
             return
         self.sim.trace(f"crash {c.cid}")
@@ -286,14 +303,17 @@ def build_workload(w: World, rng: random.Random) -> None:
 
 
 def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Optional[CoreFactory] = None,
-                 keep_trace: bool = False, faults: bool = True, interrupts: bool = True) -> ScenarioResult:
+                 keep_trace: bool = False, faults: bool = True, interrupts: bool = True,
+                 shared_processes: bool = False) -> ScenarioResult:
     """Run one seeded scenario and check every invariant. Deterministic in its arguments.
-    ``interrupts``: the ``interrupt`` fault may be planned (a user stops a replicate mid-read)."""
-    w = World(seed, workload, core_factory, keep_trace=keep_trace, faults=faults, interrupts=interrupts)
+    ``interrupts``: the ``interrupt`` fault may be planned (a user stops a replicate mid-read).
+    ``shared_processes``: the shards of each replica share one process (one pulse, one fate)."""
+    w = World(seed, workload, core_factory, keep_trace=keep_trace, faults=faults, interrupts=interrupts,
+              shared_processes=shared_processes)
     w.run()
     w.sim.trace(f"end violations={len(w.checker.violations)} ops={w.checker.completed} failed={sorted(w.checker.failed.items())}")
     return ScenarioResult(
         seed=seed, workload=w.params.workload, digest=w.sim.digest(), violations=list(w.checker.violations),
         faults=dict(w.faults), completed=w.checker.completed, failed=dict(w.checker.failed),
-        events=w.sim.events, sim_seconds=w.sim.now, lines=w.sim.lines,
+        events=w.sim.events, sim_seconds=w.sim.now, lines=w.sim.lines, process_crashes=w.stats_process_crashes,
     )

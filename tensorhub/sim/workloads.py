@@ -40,6 +40,8 @@ class ReplicaDriver:
         self.spot = spot
         self.rng = rng
         self.gen = 0
+        self.process = None
+        """The process the members share (``World.shared_processes``), None otherwise."""
         self.members: list[SimClient] = [self._spawn(i) for i in range(self.num_shards)]
         self.barrier: Optional[Barrier] = None
         self.idle = False
@@ -54,6 +56,13 @@ class ReplicaDriver:
             num_shards=self.num_shards, host=self.hosts[i], dc=self.dc, spot=self.spot, role=self.role,
         )
         c.driver, c.index = self, i
+        if self.world.shared_processes and self.num_shards > 1:
+            from tensorhub.sim.client import SimProcess
+
+            if self.process is None or not self.process.alive:  # the first member of a (re)started process
+                self.process = SimProcess(self.world, f"{self.replica_id}-p{self.gen}")
+            self.process.members.append(c)
+            c.process = self.process
         return c
 
     @property
