@@ -23,6 +23,9 @@ Rules kept here (DESIGN.md section 1):
   dead source are reassigned and resume from their own progress; readers of a version no one
   holds any more fail with ``VersionLost``.
 
+The rules across datacenters (offload seeding, smart skipping) are a mixin of their own,
+:mod:`tensorhub.core.crossdc`.
+
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
 owner and model, and its clients in the order they were last heard from (lease expiry).
@@ -38,8 +41,9 @@ from typing import Iterable, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core import scheduler, versions
+from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.index import Group, Index
-from tensorhub.core.state import COMPLETE, LEGAL, VISIBLE_SOURCE, Node, S
+from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import (
     InvalidState,
     LastCopyHeld,
@@ -61,9 +65,6 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, int, int]
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
-_SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
-SERVABLE_OR_READING = frozenset({S.PUBLISHED, S.OFFLOADING, S.READING, S.WAITING})
-"""A datacenter with a node of a version in one of these states has (or is getting) it."""
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
 _NO_GROUP = Group()
 """Stands for a group with no node (never written)."""
@@ -83,7 +84,7 @@ class _Model:
         replica "" once the datacenter has (or reads) that version."""
 
 
-class ReferenceCore:
+class ReferenceCore(CrossDatacenter):
     """The reference table and every rule around it. Not thread-safe: one driver calls it."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
@@ -674,7 +675,7 @@ class ReferenceCore:
         """A source now, or one about to publish a host copy (OFFLOADING): a reader resolving
         to such a version waits a moment for the copy instead of failing."""
         g = self._group((model, version, shard))
-        return any(g.counts[s] for s in _SERVABLE)
+        return any(g.counts[s] for s in SERVABLE)
 
     def _maybe_commit(self, node: Node) -> None:
         """Commit ``node``'s version once every shard of its replica holds it complete and visible.
@@ -718,88 +719,6 @@ class ReferenceCore:
                 mod.committed.remove(old)
                 self._forget(model, old)
 
-    def _seed_remote(self, model: str, dcs: Optional[set[str]] = None) -> None:
-        """Offload seeding: every datacenter (of ``dcs``, default all) with readers of ``model``
-        but neither a holder nor a read of its newest committed version gets one seeder replica,
-        asked to prefetch it in the background (:class:`~tensorhub.core.messages.SeedAhead`): the
-        one cross-datacenter copy starts at once, not when the first reader there calls
-        ``update``. The seeder: a whole replica registered there, idle before busy, non-spot
-        before spot, then registration order; prefetch staging copies and host copies are never
-        asked. Asked again when the asked replica (or the datacenter's reader of the version)
-        is gone, when a newer version is committed, or when a reader registers in a datacenter
-        not yet asked. One scan of the model's nodes, only on those events."""
-        mod = self.models.get(model)
-        if not self.config.offload_seeding or mod is None or not mod.committed:
-            return
-        v = mod.committed[-1]
-        reached: set[str] = set()
-        held = False
-        for s in range(mod.num_shards):
-            for i in self.groups.get((model, v, s), ()):
-                n = self.nodes[i]
-                if n.state in SERVABLE_OR_READING:
-                    reached.add(n.datacenter)
-                held = held or n.state in _SERVABLE
-        if not held:
-            return  # nothing to seed from (yet, or any more)
-        by_dc: dict[str, list[list[Node]]] = {}
-        for (mo, _rid), ids in self._replicas.items():
-            if mo != model or len(ids) != mod.num_shards:
-                continue
-            nodes = [self.nodes[i] for i in ids]
-            dc = nodes[0].datacenter
-            if nodes[0].stage_for or (dcs is not None and dc not in dcs) or any(n.datacenter != dc for n in nodes):
-                continue
-            by_dc.setdefault(dc, []).append(nodes)
-        for dc in sorted(by_dc):
-            asked = mod.seed_asked.get(dc)
-            if dc in reached:
-                if asked is None or asked[0] < v:
-                    self._set_seed_asked(mod, dc, (v, "", self._now))
-                continue
-            if asked is not None and asked[0] >= v and any(nodes[0].replica_id == asked[1] for nodes in by_dc[dc]):
-                continue  # asked already, and alive
-            nodes = min(by_dc[dc], key=lambda ns: (
-                any(n.state in (S.READING, S.WAITING, S.DRAINING, S.OFFLOADING) for n in ns),
-                any(n.spot for n in ns), min(n.order for n in ns)))
-            self._set_seed_asked(mod, dc, (v, nodes[0].replica_id, self._now))
-            log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
-            for n in sorted(nodes, key=lambda n: n.shard):
-                self._deliver(n.id, m.SeedAhead(version=v))
-
-    def _set_seed_asked(self, mod: _Model, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
-        """Replace (or drop) ``dc``'s seed entry. Readers of the old entry's version there may
-        have been waiting for that seeder (``_seed_pending``): look at them again."""
-        old = mod.seed_asked.pop(dc, None)
-        if entry is not None:
-            mod.seed_asked[dc] = entry
-        if old is not None and old[1]:
-            self._touched.update((mod.name, old[0], sh) for sh in range(mod.num_shards)
-                                 if (mod.name, old[0], sh) in self.groups)
-
-    def _seed_pending(self, model: str, version: int) -> dict[str, str]:
-        """Datacenter -> asked seeder replica, where that seeder of ``version`` was asked less
-        than ``seed_wait_s`` ago: the datacenter's other readers wait for its copy (then read
-        it there) instead of crossing on their own; the seeder itself may cross (a client that
-        does not prefetch seeds in its own update). After that, the first reader crosses
-        (``tick`` re-pumps)."""
-        mod = self.models.get(model)
-        if mod is None or not mod.seed_asked:
-            return {}
-        return {dc: rid for dc, (v, rid, t) in mod.seed_asked.items()
-                if v == version and rid and (self._now - t < self.config.seed_wait_s
-                                             or self._seeder_busy(model, rid))}
-
-    def _seeder_busy(self, model: str, replica_id: str) -> bool:
-        """The replica's staging copy (replica ``<replica>~prefetch``) is reading a version:
-        an asked seeder still crossing an older version keeps its datacenter's claim on the
-        link (it takes the newer one next) instead of letting every reader there cross."""
-        for i in self._replicas.get((model, f"{replica_id}~prefetch"), ()):
-            n = self.nodes[i]
-            if n.stage_for and n.state in (S.READING, S.WAITING):
-                return True
-        return False
-
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""
         log.info("model=%s version=%d is past retention", model, version)
@@ -840,35 +759,6 @@ class ReferenceCore:
         if not mod.committed and not others:
             raise UnknownModel(f"{node.model}: no other replica of this model is registered")
         return versions.resolve(spec, node.model, avail, mod.forgotten_below)
-
-    def _smart_skip(self, node: Node, avail: list[int]) -> Optional[int]:
-        """While a newer version is on its way into the reader's datacenter (a seed asked of a
-        replica there, or any read of it there), answer the newest version already complete
-        there instead of queueing behind it -- or the version the reader itself publishes, if
-        that is newer (it may be past retention: the engine keeps what it has until the seed
-        lands rather than fetching across on its own)."""
-        newest = avail[-1]
-        dc = node.datacenter
-        shards = range(self.models[node.model].num_shards)
-
-        def complete_here(v: int) -> bool:
-            return all(self._group((node.model, v, s)).visible_dc[dc] > 0 for s in shards)
-
-        if complete_here(newest):
-            return None
-        local = next((v for v in reversed(avail[:-1]) if complete_here(v)), -1)
-        own = node.version if node.state is S.PUBLISHED and node.version < newest else -1
-        keep = max(local, own)
-        if keep < 0:
-            return None
-
-        def active_here(v: int, s: int) -> int:
-            me = 1 if (node.version == v and s == node.shard and node.state in (S.READING, S.WAITING)) else 0
-            return self._group((node.model, v, s)).active_dc[dc] - me
-
-        seeding = dc in self._seed_pending(node.model, newest) or any(
-            active_here(v, s) > 0 for v in avail if v > keep for s in shards)
-        return keep if seeding else None
 
     def _resolve_in_txn(self, node: Node, req: m.Replicate) -> int:
         if node.num_shards == 1:

@@ -37,6 +37,8 @@ class S(enum.Enum):
 
 COMPLETE = frozenset({S.PUBLISHED, S.OFFLOADING, S.DRAINING})
 """States whose node holds every unit of its version."""
+SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
+"""States whose node serves its version now or is about to publish a host copy of it."""
 VISIBLE_SOURCE = frozenset({S.PUBLISHED})
 """Complete states a *new* reader may be assigned to."""
 
