@@ -31,6 +31,8 @@ from typing import Optional
 import msgspec
 import torch
 
+from tensorhub.transport.storages import distinct_storages, storage_offsets
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaStorage", "export", "local_device", "open_storages", "usable"]
@@ -79,14 +81,10 @@ def export(tensors: Sequence[torch.Tensor]) -> Optional[tuple[tuple[CudaStorage,
     """Export the CUDA storages under ``tensors`` (layout order): the storages, and per tensor
     (storage index, byte offset in the storage), ``(-1, 0)`` for an empty tensor. None if CUDA
     IPC cannot export them (e.g. memory from another allocator): the region then keeps NIXL."""
-    storages: dict[int, torch.UntypedStorage] = {}
-    for t in tensors:
-        if t.numel():
-            st = t.untyped_storage()
-            storages.setdefault(st.data_ptr(), st)
+    found = distinct_storages(tensors)
     out: dict[int, CudaStorage] = {}
     try:
-        for ptr, st in storages.items():
+        for ptr, st in found.items():
             _dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = st._share_cuda_()
             out[ptr] = CudaStorage(
                 device_uuid=_uuid(st.device.index), handle=bytes(handle), nbytes=int(size), offset=int(offset),
@@ -96,15 +94,7 @@ def export(tensors: Sequence[torch.Tensor]) -> Optional[tuple[tuple[CudaStorage,
         logger.info("CUDA IPC off for this region: %s", e)
         return None
     order = list(out)
-    index = {ptr: i for i, ptr in enumerate(order)}
-    descs = []
-    for t in tensors:
-        if not t.numel():
-            descs.append((-1, 0))
-        else:
-            base = t.untyped_storage().data_ptr()
-            descs.append((index[base], t.data_ptr() - base))
-    return tuple(out[p] for p in order), tuple(descs)
+    return tuple(out[p] for p in order), storage_offsets(tensors, order)
 
 
 def open_storages(storages: Sequence[CudaStorage]) -> list[torch.Tensor]:

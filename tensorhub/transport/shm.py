@@ -40,6 +40,7 @@ from tensorhub.config import Config
 from tensorhub.errors import ChecksumMismatch, InvalidState, SourceUnreachable
 from tensorhub.layout import Layout, checksum_unit
 from tensorhub.transport import cuda_ipc
+from tensorhub.transport.storages import distinct_storages, storage_offsets
 from tensorhub.transport.cuda_ipc import CudaStorage
 from tensorhub.transport.readstate import ReadState
 
@@ -92,19 +93,15 @@ def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config
         return _share_cuda(tensors, control, config)
     if devices != {"cpu"}:
         return None
-    storages: dict[int, torch.UntypedStorage] = {}
-    for t in list(tensors) + [control]:
-        if t.numel():
-            st = t.untyped_storage()
-            storages.setdefault(st.data_ptr(), st)
-    need = sum(st.nbytes() for st in storages.values() if not st.is_shared())
+    found = distinct_storages(list(tensors) + [control])
+    need = sum(st.nbytes() for st in found.values() if not st.is_shared())
     if need and need * 1.1 > _shm_free_bytes():
         logger.info("same-host tier off for this region: /dev/shm has %d bytes free, %d needed",
                     _shm_free_bytes(), need)
         return None
     try:
         fds: dict[int, tuple[int, int]] = {}
-        for st in storages.values():
+        for st in found.values():
             st.share_memory_()  # a no-op for memory already shared
             fd, size = st._share_fd_cpu_()
             fds[st.data_ptr()] = (int(fd), int(size))
@@ -112,17 +109,9 @@ def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config
         logger.info("same-host tier off for this region: %s", e)
         return None
     order = list(fds)
-    index = {ptr: i for i, ptr in enumerate(order)}
-    descs = []
-    for t in tensors:
-        if not t.numel():
-            descs.append((-1, 0))
-            continue
-        base = t.untyped_storage().data_ptr()
-        descs.append((index[base], t.data_ptr() - base))
     ctl_fd, ctl_size = fds[control.untyped_storage().data_ptr()]
     return ShmInfo(host=host_key(), pid=os.getpid(), storages=tuple(fds[p] for p in order),
-                   tensors=tuple(descs), control=(ctl_fd, ctl_size))
+                   tensors=storage_offsets(tensors, order), control=(ctl_fd, ctl_size))
 
 
 def _share_cuda(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config) -> Optional[ShmInfo]:
