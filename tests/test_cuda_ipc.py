@@ -3,6 +3,7 @@ real handles between two processes in the ``gpu`` tests (skipped without a GPU).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -48,7 +49,7 @@ def test_a_gpu_region_seen_from_a_process_without_its_gpu_goes_by_nixl(two_gpus)
     visible = shm.ShmInfo(host=shm.host_key(), pid=1, storages=(), tensors=((0, 0),), control=(3, 4096),
                           cuda=(_storage("GPU-aaaa"),))
     assert shm.usable(visible)
-    own = shm.ShmInfo(host=shm.host_key(), pid=__import__("os").getpid(), storages=(), tensors=((0, 0),),
+    own = shm.ShmInfo(host=shm.host_key(), pid=os.getpid(), storages=(), tensors=((0, 0),),
                       control=(3, 4096), cuda=(_storage("GPU-aaaa"),))
     assert not shm.usable(own)  # CUDA cannot open a process's own handles
 

@@ -135,6 +135,16 @@ def _status_cli(ray, cfg: dict, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _close(ray, fleets: dict, config: Config) -> None:
+    """Close every fleet's handles, then kill every server of the namespace."""
+    from tensorhub.actors.server import list_servers
+
+    for t, r in fleets.values():
+        ray.get([r.close.remote(), t.close.remote()])
+    for name in list_servers(config):
+        ray.kill(ray.get_actor(name, namespace="tensorhub"), no_restart=True)
+
+
 @pytest.mark.ray
 def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_cluster, model_name):
     """trainer-a -> reader-a on a's server, trainer-b -> reader-b on b's: two server actors,
@@ -169,10 +179,7 @@ def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_
     only_b = _status_cli(ray, cfg, "--model", b)
     assert [(mv["model"], sorted(h["client_id"] for h in mv["holders"])) for mv in only_b["models"]] == [(b, ids[b])]
 
-    for t, r in fleets.values():
-        ray.get([r.close.remote(), t.close.remote()])
-    for name in list_servers(config):
-        ray.kill(ray.get_actor(name, namespace="tensorhub"), no_restart=True)
+    _close(ray, fleets, config)
 
 
 @pytest.mark.ray
@@ -181,7 +188,7 @@ def test_killing_one_models_server_affects_only_that_model(ray_cluster, model_na
     b publishes 2 and b's reader updates to it with exact bytes; then a publishes 2 through
     the outage and a's reader moves to it too. b's server is the same actor throughout, its table has the same clients, and not one
     of b's handles reconnected."""
-    from tensorhub.actors.server import find_server, list_servers
+    from tensorhub.actors.server import find_server
 
     ray = ray_cluster
     cfg = _cfg()
@@ -216,10 +223,7 @@ def test_killing_one_models_server_affects_only_that_model(ray_cluster, model_na
     tables = _server_tables(ray, cfg)
     assert tables == {config.server_actor_name(a): {a: ids_a}, config.server_actor_name(b): {b: ids_b}}
 
-    for t, r in fleets.values():
-        ray.get([r.close.remote(), t.close.remote()])
-    for name in list_servers(config):
-        ray.kill(ray.get_actor(name, namespace="tensorhub"), no_restart=True)
+    _close(ray, fleets, config)
 
 
 @pytest.mark.ray
@@ -243,9 +247,7 @@ def test_one_server_mode_serves_both_models_from_one_actor(ray_cluster, model_na
     snap = status.snapshot_all(status.find_servers(config, b), b)
     assert [(mv["model"], mv["server"]) for mv in snap["models"]] == [(b, cfg["server_name"])]
 
-    for t, r in fleets.values():
-        ray.get([r.close.remote(), t.close.remote()])
-    ray.kill(ray.get_actor(cfg["server_name"], namespace="tensorhub"), no_restart=True)
+    _close(ray, fleets, config)
 
 
 def test_status_table_names_each_models_server():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -257,13 +258,19 @@ def test_double_buffer_update_swaps_instead_of_copying_and_serves_from_the_new_s
     rollout.close(drop_last_copy=True); trainer.close(drop_last_copy=True)
 
 
-def test_double_buffer_copies_when_the_prefetch_is_not_what_update_asks(port):
+def _version_2_prefetched(port):
+    """A trainer at version 2; a rollout with a double buffer that holds 1 and prefetched 2."""
     trainer, tt = _hub(port, replica="trainer")
     rollout, primary, spare = _double(port)
     _publish(trainer, tt, 1)
     rollout.update("latest")
     _publish(trainer, tt, 2)
-    rollout.prefetch("latest").result(timeout=30)
+    assert rollout.prefetch("latest").result(timeout=30).version == 2
+    return trainer, tt, rollout, primary, spare
+
+
+def test_double_buffer_copies_when_the_prefetch_is_not_what_update_asks(port):
+    trainer, tt, rollout, primary, spare = _version_2_prefetched(port)
     _publish(trainer, tt, 3)  # "latest" moved on: the staging copy's version 2 is not it
     st = rollout.update("latest")
     assert (st.version, st.swapped) == (3, False) and st.bytes > 0
@@ -273,24 +280,19 @@ def test_double_buffer_copies_when_the_prefetch_is_not_what_update_asks(port):
 
 
 def test_a_swapped_handle_reannounces_its_new_endpoint_after_a_server_restart(port):
-    trainer, tt = _hub(port, replica="trainer")
-    rollout, primary, spare = _double(port)
-    _publish(trainer, tt, 1)
-    rollout.update("latest")
-    _publish(trainer, tt, 2)
-    rollout.prefetch("latest").result(timeout=30)
+    trainer, tt, rollout, primary, spare = _version_2_prefetched(port)
     assert rollout.update("latest").swapped
     trainer.close(drop_last_copy=True)
     port.restart()
     reader, rt = _hub(port, replica="reader")
-    deadline = __import__("time").monotonic() + 20
-    while True:  # the rollout re-announces with its next heartbeat
+    deadline = time.monotonic() + 20
+    while True:  # the rollout re-announces with its next pulse
         try:
             got = reader.replicate(2)
             break
         except (errors.ServerRecovering, errors.VersionNotFound, errors.UnknownModel):
-            assert __import__("time").monotonic() < deadline
-            __import__("time").sleep(0.1)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
     assert got.sources == (rollout.client_id,) and workload.digest(rt) == workload.digest(spare)
     reader.close(drop_last_copy=True); rollout.close(drop_last_copy=True)
 

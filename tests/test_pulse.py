@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -61,7 +62,6 @@ def test_a_pulse_carries_read_progress_and_brings_background_events():
     r, _ = inproc.open_hub(port, config=cfg, replica="r")
     inproc.publish(t, tt, 1)
     half, go = inproc.hold_half_way(r)
-    import threading
     done = threading.Event()
     threading.Thread(target=lambda: (r.replicate(1), done.set()), daemon=True).start()
     assert half.wait(10)
@@ -94,7 +94,6 @@ def test_a_handle_that_stops_pulsing_is_declared_dead_within_the_lease():
     t0 = time.monotonic()
     while time.monotonic() - t0 < 5:
         port.tick()
-        ids = {h.client_id for mv in port.core.status("m").models for h in mv.holders}
         if b.client_id not in port.core.nodes:
             break
         time.sleep(0.05)
