@@ -42,6 +42,7 @@ from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.port import ServerPort
 from tensorhub import transport as tx
 from tensorhub.transport import shm
+from tensorhub.transport.storages import distinct_storages
 
 log = logging.getLogger(__name__)
 
@@ -214,17 +215,12 @@ class Hub:
             if self._machine.phase is not HubState.OPEN:
                 self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
             layout = Layout.for_config(tensors, self.config)
-            if double_buffer is not None:
-                spare = list(double_buffer.items()) if isinstance(double_buffer, Mapping) else list(double_buffer)
-                if _layout_info(Layout.for_config(spare, self.config)) != _layout_info(layout):
-                    raise errors.LayoutMismatch("double_buffer: its layout differs from the tensors' (names, "
-                                                "dtypes, shapes and order must match)")
-                if {t.data_ptr() for _, t in spare if t.numel()} & {
-                        t.data_ptr() for t in (tensors.values() if isinstance(tensors, Mapping) else
-                                               [x for _, x in tensors]) if t.numel()}:
-                    raise errors.LayoutMismatch("double_buffer: shares memory with the tensors")
-                self._double = spare
             items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+            spare = None
+            if double_buffer is not None:
+                spare = self._like(double_buffer, layout, "double_buffer")
+                if distinct_storages([t for _, t in spare]).keys() & distinct_storages([t for _, t in items]).keys():
+                    raise errors.LayoutMismatch("double_buffer: shares memory with the tensors")
             ts = [t for _, t in items]
             region = tx.Region.register(ts, layout, self.config)
             msg = m.Register(
@@ -241,6 +237,7 @@ class Hub:
                 self._layout, self._tensors, self._region = None, [], None
                 region.close()
                 raise
+            self._double = spare
             self._start_heartbeat()
             self._start_pool()
             log.info("model=%s replica=%s shard=%d registered %d tensors, %d bytes, %d units",
@@ -427,13 +424,7 @@ class Hub:
                     raise errors.InvalidState("prefetches land in the registered double buffer: no buffer= here")
                 if self._stage is not None or self._prefetcher is not None:
                     raise errors.InvalidState("the staging buffer is set by the first prefetch() only")
-                items = list(buffer.items()) if isinstance(buffer, Mapping) else list(buffer)
-                got = _layout_info(Layout.for_config(items, self.config))
-                want = _layout_info(self._layout)
-                if got != want:
-                    raise errors.LayoutMismatch("prefetch buffer: its layout differs from the registered "
-                                                "tensors' (names, dtypes, shapes and order must match)")
-                buffer = items
+                buffer = self._like(buffer, self._layout, "prefetch buffer")
             if self._prefetcher is None:
                 self._prefetcher = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"tensorhub-prefetch-{self.client_id}")
@@ -499,6 +490,14 @@ class Hub:
             log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
             return
         fut.add_done_callback(functools.partial(_log_seed, self.model, self.shard, version))
+
+    def _like(self, named: NamedTensors, layout: Layout, what: str) -> list[tuple[str, torch.Tensor]]:
+        """``named`` as a list, if its layout is ``layout``'s (else ``LayoutMismatch``)."""
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        if _layout_info(Layout.for_config(items, self.config)) != _layout_info(layout):
+            raise errors.LayoutMismatch(f"{what}: its layout differs from the registered tensors' (names, "
+                                        "dtypes, shapes and order must match)")
+        return items
 
     def _close_stage(self, drop_last_copy: bool) -> None:
         with self._stage_lock:
@@ -1179,17 +1178,17 @@ class Hub:
             self._apply_notes(self._port.notes(self.client_id), in_call)
 
     def _apply_notes(self, notes: list, in_call: bool) -> None:
-        with self._notes_lock:
-            for note in notes:
-                if isinstance(note, m.MakeHostCopy):
-                    self._host_copy_asked(note.version, in_call)
-                    continue
-                if isinstance(note, m.SeedAhead):
-                    self._seed_asked(note.version)
-                    continue
-                for cmd in self._feed(hm.Noted(note)):
-                    if isinstance(cmd, hm.DropHost):
-                        self._drop_host_copy(cmd.version)
+        """Carry out background events; the caller holds ``_notes_lock``."""
+        for note in notes:
+            if isinstance(note, m.MakeHostCopy):
+                self._host_copy_asked(note.version, in_call)
+                continue
+            if isinstance(note, m.SeedAhead):
+                self._seed_asked(note.version)
+                continue
+            for cmd in self._feed(hm.Noted(note)):
+                if isinstance(cmd, hm.DropHost):
+                    self._drop_host_copy(cmd.version)
 
     def _current_hosts(self, req: m.Announce) -> m.Announce:
         """``req`` without host copies freed since it was built."""
