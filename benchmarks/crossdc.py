@@ -216,14 +216,7 @@ def main(argv=None) -> int:
     summary = emulated.run_driver(__file__, argv, args.json, hosts=sum(sizes), datacenters=sizes, gbit=args.gbit,
                                   inter_dc_gbit=args.inter_dc_gbit, inter_dc_latency_ms=args.inter_dc_ms,
                                   name=args.name, subnet="10.75.0.0/16")
-    if summary is None:
-        return 1
-    if args.plot:
-        plot(summary, args.plot)
-        say(f"plot written to {args.plot}")
-    if args.json:
-        print(json.dumps(summary))
-    return 0
+    return emulated.report(summary, args.json, plot, args.plot)
 
 
 if __name__ == "__main__":

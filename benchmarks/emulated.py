@@ -29,3 +29,17 @@ def run_driver(script: str, argv: Optional[Sequence[str]], json_mode: bool, **cl
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(summary, indent=1), file=sys.stderr, flush=True)
     return summary
+
+
+def report(summary: Optional[dict], json_mode: bool, plot=None, plot_path: str = "") -> int:
+    """A benchmark's ending: 1 if its driver failed; else draw ``plot(summary, plot_path)`` if a
+    path was given, print the JSON line if ``json_mode``, and return 0."""
+    if summary is None:
+        return 1
+    if plot is not None and plot_path:
+        plot(summary, plot_path)
+        print(f"plot written to {plot_path}", file=sys.stderr, flush=True)
+    if json_mode:
+        print(json.dumps(summary))
+    return 0
+

@@ -293,14 +293,7 @@ def main(argv=None) -> int:
     hosts = max(args.ns) + 1
     say(f"building an emulated cluster: {hosts} hosts at {args.gbit} Gbit/s")
     summary = emulated.run_driver(__file__, argv, args.json, hosts=hosts, gbit=args.gbit, name=args.name)
-    if summary is None:
-        return 1
-    if args.plot:
-        plot(summary, args.plot)
-        say(f"plot written to {args.plot}")
-    if args.json:
-        print(json.dumps(summary))
-    return 0
+    return emulated.report(summary, args.json, plot, args.plot)
 
 
 if __name__ == "__main__":

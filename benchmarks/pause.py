@@ -211,11 +211,7 @@ def main(argv=None) -> int:
 
     say(f"building an emulated cluster: 2 hosts at {args.gbit} Gbit/s")
     summary = emulated.run_driver(__file__, argv, args.json, hosts=2, gbit=args.gbit, name=args.name)
-    if summary is None:
-        return 1
-    if args.json:
-        print(json.dumps(summary))
-    return 0
+    return emulated.report(summary, args.json)
 
 
 if __name__ == "__main__":

@@ -314,11 +314,7 @@ def main(argv=None) -> int:
     say(f"building an emulated cluster: {args.rollouts + 1} hosts at {args.gbit} Gbit/s")
     summary = emulated.run_driver(__file__, argv, args.json, hosts=args.rollouts + 1, gbit=args.gbit,
                                   name=args.name, subnet="10.72.0.0/16")
-    if summary is None:
-        return 1
-    if args.json:
-        print(json.dumps(summary))
-    return 0 if summary["bytes_ok"] else 1
+    return emulated.report(summary, args.json) or (0 if summary["bytes_ok"] else 1)
 
 
 if __name__ == "__main__":
