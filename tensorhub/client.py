@@ -1135,6 +1135,9 @@ class Hub:
     def _beat_interval(self) -> float:
         return self.config.heartbeat_interval_s
 
+    def _pulse_hold(self) -> float:
+        return self.config.pulse_hold_s
+
     def _beat(self) -> Optional[m.Beat]:
         """This interval's heartbeat: read progress while reading (the pulse sends it)."""
         if self._hb_stop.is_set():

@@ -40,6 +40,19 @@ class Config:
     readers_per_source_max: int = 1
     """At most this many concurrent readers per source (1 = pipeline replication)."""
     heartbeat_interval_s: float = 1.0
+    """How often a process's pulse (:mod:`tensorhub.pulse`) reports while one of its handles
+    reads (its progress), and the pulse spacing when the server does not hold pulses."""
+    pulse_hold_s: float = 30.0
+    """An idle process's pulse is held by its server up to this long (a long poll): the server
+    answers at once with a background event for one of its handles (a seed, a host copy to make
+    or drop), early when one of its handles sends another request or a new handle of the
+    process registers, or when a reader reports one of them failed (the process must then pulse
+    again within ``2.5 * heartbeat_interval_s``); while held its handles count as heard from.
+    So an idle fleet costs the server one call per process per ``pulse_hold_s``, and events
+    still arrive at once. A dead process is found through Ray (its worker's or node's death is
+    pushed to the server), not by the silence of its pulse; a process that hangs without dying
+    is found within ``pulse_hold_s + lease_timeout_s``. 0: no holding, one pulse per
+    ``heartbeat_interval_s``."""
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
     host_copies_pooled: int = 1
@@ -152,6 +165,7 @@ class Config:
              "server_name must be non-empty and without '/' (it prefixes '<server_name>/<model>')")
         need(self.server_tick_s > 0, "server_tick_s must be > 0")
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
+        need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
 
     def server_actor_name(self, model: str) -> str:
         """The name of the reference server actor that serves ``model`` (in ``namespace``).

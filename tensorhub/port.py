@@ -94,6 +94,128 @@ class Mailboxes:
         self.background.pop(client_id, None)
 
 
+class Hold:
+    """One process's pulse held by the server (see :class:`PulseHolds`)."""
+
+    __slots__ = ("client_ids", "process", "deadline", "over", "waker")
+
+    def __init__(self, client_ids: tuple[str, ...], process: Optional[m.ProcessId], deadline: float) -> None:
+        self.client_ids = client_ids
+        self.process = process
+        self.deadline = deadline
+        self.over = False
+        """Released or answered: its handles no longer count as heard from."""
+        self.waker = None
+        """The server's way to answer it now (an asyncio.Event, a simulator callback)."""
+
+
+class PulseHolds:
+    """The pulses a server holds (``Config.pulse_hold_s``): an idle process's pulse waits at the
+    server until an event for one of its handles, a release, or its deadline. The rules, shared
+    by the Ray actor and the simulated server (each supplies the waiting):
+
+    - a pulse is held only when it brought nothing to answer (no event waiting, no unknown
+      handle) and no handle of it reads (a reader's pulse carries progress each interval);
+    - while held, its handles count as heard from (:meth:`attended`, stamped on every tick):
+      the process is waiting on us, and its death reaches the server through the cluster
+      manager, not through silence;
+    - :meth:`releases`: a ``Register`` (or ``Announce``) from its process (a new handle's
+      first beat must not wait a whole hold), a ``Leave`` of one of its handles, or a reader's
+      ``SourceFailed`` naming one of them (the probe: the process must pulse again within
+      ``2.5 * heartbeat_interval_s`` or its replica goes). A released hold stops counting at
+      once. Other requests do not release it: a handle that starts reading sends its progress
+      in separate, unheld pulses, and a storm of ``Replicate`` does not cost a second reply
+      each;
+    - a background event for one of its handles answers it (:meth:`held`) with the events."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, Hold] = {}
+        self.by_process: dict[m.ProcessId, Hold] = {}
+
+    def start(self, pulse: m.Pulse, core: ReferenceCore, deadline: float) -> Hold:
+        cids = tuple(b.client_id for b in pulse.beats)
+        first = core.nodes.get(cids[0]) if cids else None
+        proc = first.process if first is not None and (first.process.pid or first.process.worker_id) else None
+        hold = Hold(cids, proc, deadline)
+        for cid in cids:
+            old = self.of.get(cid)
+            if old is not None:
+                self.end(old)  # a newer pulse of the same handle supersedes the old hold
+            self.of[cid] = hold
+        if proc is not None:
+            self.by_process[proc] = hold
+        return hold
+
+    def end(self, hold: Hold) -> None:
+        """The hold is over (idempotent)."""
+        if hold.over:
+            return
+        hold.over = True
+        for cid in hold.client_ids:
+            if self.of.get(cid) is hold:
+                del self.of[cid]
+        if hold.process is not None and self.by_process.get(hold.process) is hold:
+            del self.by_process[hold.process]
+
+    def releases(self, request: m.Request) -> list[Hold]:
+        """The holds ``request`` (not a Pulse) ends now; they are over when this returns."""
+        if isinstance(request, m.Pulse):
+            return []
+        out = []
+        cid = getattr(request, "client_id", None)
+        reg = request if isinstance(request, m.Register) else getattr(request, "register", None)
+        if isinstance(reg, m.Register):
+            cid = reg.client_id
+            h = self.by_process.get(reg.process)
+            if h is not None:
+                out.append(h)
+        if isinstance(request, m.SourceFailed):
+            h = self.of.get(request.source_id)
+            if h is not None:
+                out.append(h)
+        if cid is not None and isinstance(request, (m.Register, m.Announce, m.Leave)):
+            h = self.of.get(cid)
+            if h is not None:
+                out.append(h)
+        for h in out:
+            self.end(h)
+        return out
+
+    def held(self, client_ids, mail: "Mailboxes") -> list[Hold]:
+        """The holds an event for ``client_ids`` answers (a background event is waiting)."""
+        out = []
+        for cid in client_ids:
+            h = self.of.get(cid)
+            if h is not None and not h.over and mail.background.get(cid):
+                self.end(h)
+                out.append(h)
+        return out
+
+    def attended(self) -> list[str]:
+        """The handles whose pulse is held now."""
+        return list(self.of)
+
+    def answer(self, hold: Hold, core: ReferenceCore, mail: "Mailboxes") -> m.PulseReply:
+        """The reply to a hold that is over: each handle's background events, and the handles
+        the server no longer knows (declared dead while held: they announce again)."""
+        self.end(hold)
+        unknown, notes = [], {}
+        for cid in hold.client_ids:
+            n = core.nodes.get(cid)
+            if n is None or n.host:
+                unknown.append(cid)
+            events = mail.pop_background(cid)
+            if events:
+                notes[cid] = events
+        return m.PulseReply(unknown=tuple(unknown), notes=notes)
+
+
+def holdable(pulse: m.Pulse, reply: object) -> bool:
+    """Whether the server may hold ``pulse`` after answering it with ``reply``."""
+    return (isinstance(reply, m.PulseReply) and not reply.unknown and not reply.notes and bool(pulse.beats)
+            and all(b.reading_units < 0 for b in pulse.beats))
+
+
 def is_blocking(request: m.Request) -> bool:
     return isinstance(request, (m.Unpublish, m.Replicate, m.SourceFailed, m.OffloadDone))
 
@@ -157,6 +279,9 @@ class LocalPort:
         self.mail = Mailboxes()
         self._lock = threading.RLock()
         self._waiters: dict[str, _Waiter] = {}
+        self.holds = PulseHolds()
+        """Pulses held here (``pulse_hold_s``), with the actor's rules."""
+        self._held = threading.Condition(self._lock)
 
     def _apply(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -166,17 +291,30 @@ class LocalPort:
             w = self._waiters.get(cid)
             if w is not None:
                 w.cond.notify_all()
+        if self.holds.of and self.holds.held(client_ids, self.mail):
+            self._held.notify_all()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.holds.of:
+            self.core.touch(self.holds.attended(), now)
+        self._apply(self.core.tick(now))
 
     def tick(self) -> None:
         with self._lock:
-            self._apply(self.core.tick(time.monotonic()))
+            self._tick()
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
         with self._lock:
             client_id = getattr(request, "client_id", None)
-            self._apply(self.core.tick(time.monotonic()))
+            if self.holds.releases(request):
+                self._held.notify_all()
+            self._tick()
             reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
             self._wake(woken)
+            if (isinstance(request, m.Pulse) and wait_s > 0 and self.config.pulse_hold_s > 0
+                    and holdable(request, reply)):
+                return self._hold(request, min(wait_s, self.config.pulse_hold_s))
             if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
                 return reply
             deadline = time.monotonic() + wait_s
@@ -193,11 +331,27 @@ class LocalPort:
                     if left <= 0:
                         return reply
                     w.cond.wait(min(left, self.config.server_tick_s))
-                    self._apply(self.core.tick(time.monotonic()))
+                    self._tick()
             finally:
                 w.calls -= 1
                 if not w.calls:
                     del self._waiters[client_id]
+
+    def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
+        """Keep an idle process's pulse (the caller holds the lock) until an event, a release
+        or ``hold_s``; ticks every ``server_tick_s`` meanwhile (:class:`PulseHolds`)."""
+        hold = self.holds.start(pulse, self.core, time.monotonic() + hold_s)
+        core = self.core
+        while not hold.over and self.core is core:
+            left = hold.deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._held.wait(min(left, self.config.server_tick_s))
+            if not hold.over:
+                self._tick()
+        if self.core is not core:  # restarted while held: as a dead actor, every handle unknown
+            return m.PulseReply(unknown=hold.client_ids)
+        return self.holds.answer(hold, self.core, self.mail)
 
     def notes(self, client_id: str) -> list:
         with self._lock:
@@ -219,6 +373,8 @@ class LocalPort:
         with self._lock:
             self.core = ReferenceCore(self.config)
             self.mail = Mailboxes()
+            self.holds = PulseHolds()
+            self._held.notify_all()
             self._wake(list(self._waiters))
 
 

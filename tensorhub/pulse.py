@@ -10,6 +10,16 @@ for it (host copies to make or drop, seeds, evictions), which a separate ``notes
 used to fetch. A prefetch staging handle is a member like any other, so a rollout with a staging
 copy costs one call per interval, not four.
 
+The server holds the pulse (``Config.pulse_hold_s``, a long poll): it answers at once when it
+has an event for one of the members, early when a new handle of the process registers or a
+reader reports one of the members failed, and otherwise at the end of the hold; the next pulse
+then leaves at once. So an idle process costs the server one call per hold, not one per
+interval, and events still arrive without delay. Pulses never leave closer together than
+``heartbeat_interval_s`` (a server that does not hold them gets one per interval). While members
+read, a second, unheld pulse carries their progress once per ``heartbeat_interval_s``
+(:meth:`Pulse._progress_loop`); the held one stays where it is. With ``pulse_hold_s = 0`` the
+one pulse per interval carries the progress itself.
+
 The pulse's thread runs while it has members. A member's own work on the reply (announcing,
 starting a host copy) runs on that thread, one member after the other; a member that raises is
 logged and the others still get their share.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Hashable, Optional, Protocol
 
 from tensorhub import errors
@@ -44,6 +55,9 @@ class Member(Protocol):
     def _beat_interval(self) -> float:
         """The heartbeat interval this handle was configured with."""
 
+    def _pulse_hold(self) -> float:
+        """How long the server may hold this handle's pulse while it is idle (0: never)."""
+
 
 class Pulse:
     """The liveness loop of one process towards one server (see the module docstring)."""
@@ -54,6 +68,7 @@ class Pulse:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._progress_thread: Optional[threading.Thread] = None
         self.calls = 0
         """Pulses sent (observability, tests)."""
 
@@ -63,9 +78,13 @@ class Pulse:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=f"tensorhub-pulse-{id(self):x}", daemon=True)
                 self._thread.start()
+            if member._pulse_hold() > 0 and (self._progress_thread is None or not self._progress_thread.is_alive()):
+                self._progress_thread = threading.Thread(target=self._progress_loop, daemon=True,
+                                                         name=f"tensorhub-progress-{id(self):x}")
+                self._progress_thread.start()
 
     def remove(self, member: Member) -> bool:
-        """Drop ``member``; True when the pulse has no member left (its thread then ends)."""
+        """Drop ``member``; True when the pulse has no member left (its threads then end)."""
         with self._lock:
             self._members.pop(member.client_id, None)
             empty = not self._members
@@ -78,36 +97,71 @@ class Pulse:
             return list(self._members.values())
 
     def _loop(self) -> None:
+        """The liveness stream: one pulse of every member, held by the server while idle."""
+        last = time.monotonic()
         while True:
             members = self.members()
             if not members:
                 return
             interval = min(x._beat_interval() for x in members)
-            self._wake.wait(interval)
-            self._wake.clear()
+            left = last + interval - time.monotonic()
+            if left > 0:
+                self._wake.wait(left)
+                self._wake.clear()
             members = self.members()
             if not members:
                 return
+            last = time.monotonic()
             try:
                 self.once(members)
             except Exception:  # noqa: BLE001 - liveness must survive a flaky server
                 log.debug("pulse failed", exc_info=True)
 
+    def _progress_loop(self) -> None:
+        """With held pulses: every interval, one unheld pulse of the members that read, with
+        their progress (the held one stays where it is and keeps bringing events)."""
+        while True:
+            members = self.members()
+            if not members:
+                return
+            time.sleep(min(x._beat_interval() for x in members))
+            readers = []
+            for x in self.members():
+                if x._pulse_hold() <= 0:
+                    continue  # its progress rides on the liveness stream
+                b = x._beat()
+                if b is not None and b.reading_units >= 0:
+                    readers.append((x, b))
+            if readers:
+                try:
+                    self._send(readers, 0.0)
+                except Exception:  # noqa: BLE001
+                    log.debug("progress pulse failed", exc_info=True)
+
     def once(self, members: Optional[list[Member]] = None) -> None:
-        """One pulse now, for ``members`` (default: all)."""
+        """One liveness pulse now, for ``members`` (default: all). Members whose pulses may be
+        held send plain heartbeats (their progress goes by :meth:`_progress_loop`) and ask the
+        server to hold it; the others send their progress and are answered at once."""
         members = self.members() if members is None else members
-        beats, by_id = [], {}
+        beats = []
         for x in members:
             b = x._beat()
-            if b is not None:
-                beats.append(b)
-                by_id[b.client_id] = x
+            if b is None:
+                continue
+            if x._pulse_hold() > 0:
+                b = m.Beat(b.client_id)
+            beats.append((x, b))
         if not beats:
             return
-        port = next(iter(by_id.values()))._port
+        held = [x._pulse_hold() for x, b in beats if b.reading_units < 0]
+        self._send(beats, min(held) if len(held) == len(beats) else 0.0)
+
+    def _send(self, beats: list, hold: float) -> None:
+        by_id = {b.client_id: x for x, b in beats}
+        port = beats[0][0]._port
         self.calls += 1
         try:
-            reply = port.call(m.Pulse(beats=tuple(beats)))
+            reply = port.call(m.Pulse(beats=tuple(b for _, b in beats)), hold)
         except errors.ServerUnavailable:
             port.reconnect()
             reply = m.PulseReply(unknown=tuple(by_id))

@@ -36,7 +36,7 @@ class _Counting(LocalPort):
 
 
 def test_handles_of_one_process_share_one_pulse_per_interval():
-    port = _Counting(CFG)
+    port = _Counting(CFG.replace(pulse_hold_s=0.0))
     hubs = [inproc.open_hub(port, replica=f"r{i}")[0] for i in range(4)]
     p = pulse._pulses[port.pulse_key()]
     assert set(x.client_id for x in p.members()) == {h.client_id for h in hubs}
@@ -68,7 +68,8 @@ def test_a_pulse_carries_read_progress_and_brings_background_events():
     port.sent.clear()
     time.sleep(0.5)
     beats = [b for req in port.sent if isinstance(req, m.Pulse) for b in req.beats if b.client_id == r.client_id]
-    assert beats and all(b.reading_units > 0 for b in beats), beats
+    progress = [b.reading_units for b in beats if b.reading_units >= 0]
+    assert len(progress) >= 2 and all(u > 0 for u in progress), beats  # ~0.5 s / 0.2 s, unheld
     go.set()
     assert done.wait(10)
     # r holds the only copy of 1 once t moves on: r offloads; when 1 falls out of retention the
@@ -83,6 +84,31 @@ def test_a_pulse_carries_read_progress_and_brings_background_events():
         time.sleep(0.02)
     assert not r._host and port.note_polls == polls
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
+
+
+def test_an_idle_process_pulse_is_held_and_a_new_handle_of_it_joins_at_once():
+    """With ``pulse_hold_s`` the server (here the in-process one, with the actor's rules) holds
+    an idle process's pulse: four handles cost one call over several intervals, and stay alive
+    past their lease while held; a fifth handle registering releases it, so the next pulse,
+    at once, carries all five."""
+    cfg = CFG.replace(pulse_hold_s=30.0, lease_timeout_s=1.0)
+    port = _Counting(cfg)
+    hubs = [inproc.open_hub(port, config=cfg, replica=f"r{i}")[0] for i in range(4)]
+    time.sleep(0.5)  # the registrations' releases are over: one pulse of all four, held
+    port.sent.clear()
+    time.sleep(1.5)
+    assert [type(r).__name__ for r in port.sent] == [], port.sent
+    assert port.holds.attended() and set(port.holds.attended()) == {h.client_id for h in hubs}
+    port.tick()
+    assert all(h.client_id in port.core.nodes for h in hubs), "held past their 1 s lease: alive"
+    fifth = inproc.open_hub(port, config=cfg, replica="r4")[0]
+    deadline = time.monotonic() + 2.0
+    while len(port.holds.attended()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(port.holds.attended()) == {h.client_id for h in hubs + [fifth]}
+    for h in hubs + [fifth]:
+        h.close(drop_last_copy=True)
+    assert not port.holds.attended()
 
 
 def test_a_handle_that_stops_pulsing_is_declared_dead_within_the_lease():
@@ -103,18 +129,22 @@ def test_a_handle_that_stops_pulsing_is_declared_dead_within_the_lease():
 
 
 @pytest.mark.ray
-def test_one_process_with_three_handles_costs_one_call_per_interval_and_dies_whole(ray_cluster, model_name):
+@pytest.mark.parametrize("hold_s", [0.0, 30.0])
+def test_one_process_with_three_handles_costs_one_call_per_interval_and_dies_whole(ray_cluster, model_name, hold_s):
     """Through Ray: an actor hosting three handles sends one Pulse per interval (no heartbeat,
-    progress or notes calls); killing the process removes all three from the server's table
-    well within the lease (Ray's word that the process is gone, not the lease)."""
+    progress or notes calls) when the server does not hold pulses, and one per hold when it
+    does (``pulse_hold_s``: the idle process's pulse waits at the server, its handles count as
+    heard from past their lease); killing the process removes all three from the server's
+    table within a second or two (Ray pushes the worker's death; with a held pulse no silence
+    could have told), never at the end of the lease."""
     from tensorhub.actors.server import find_server
     from tensorhub.config import Config
     from tensorhub.testing.replica import spawn_many
 
     ray = ray_cluster
     spec = workload.small_spec(1 << 20, big=1, tiny=4)
-    cfg = dict(heartbeat_interval_s=0.25, lease_timeout_s=20.0, liveness_check_s=0.5,
-               server_name=f"tensorhub-pulse-{uuid.uuid4().hex[:6]}")
+    cfg = dict(heartbeat_interval_s=0.25, lease_timeout_s=2.0 if hold_s else 20.0, liveness_check_s=0.5,
+               pulse_hold_s=hold_s, server_name=f"tensorhub-pulse-{uuid.uuid4().hex[:6]}")
     (a,) = spawn_many(model_name, spec, ["a"], config=cfg)
 
     def two_more(self):
@@ -134,16 +164,115 @@ def test_one_process_with_three_handles_costs_one_call_per_interval_and_dies_who
         return [h for mv in st.models for h in mv.holders]
 
     assert len(holders()) == 3
+    time.sleep(0.6)  # the registrations' releases are over: the pulse carries all three
     c0 = ray.get(server.counts.remote())
-    time.sleep(2.0)
+    time.sleep(3.0)
     c1 = ray.get(server.counts.remote())
     pulses = c1.get("Pulse", 0) - c0.get("Pulse", 0)
-    assert 4 <= pulses <= 10, (c0, c1)  # 2 s / 0.25 s: one process, one pulse per interval
+    if hold_s:
+        assert pulses == 0 and c1["held"] == 3, (c0, c1)  # one pulse, held, carrying all three
+        assert len(holders()) == 3, "held past their 2 s lease, still alive"
+    else:
+        assert 8 <= pulses <= 15, (c0, c1)  # 3 s / 0.25 s: one process, one pulse per interval
     for kind in ("Heartbeat", "Progress", "notes"):
         assert c1.get(kind, 0) == c0.get(kind, 0), (kind, c0, c1)
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     while holders() and time.monotonic() - t0 < 15:
         time.sleep(0.1)
+    took = time.monotonic() - t0
     assert not holders(), "a dead process takes all its handles with it"
-    assert time.monotonic() - t0 < cfg["lease_timeout_s"] / 2, "found by Ray's liveness, not the lease"
+    assert took < 3.0, f"found by Ray's liveness in {took:.1f} s, not by silence or the lease"
+    if hold_s:
+        assert ray.get(server.counts.remote())["pushed_deaths"] - c1["pushed_deaths"] == 3
+
+
+def _reg(cid: str, dc: str = "a", process: m.ProcessId = m.ProcessId(), model: str = "pol") -> m.Register:
+    layout = m.LayoutInfo("fp", 4, 4 << 16, (m.TensorMeta("w", "float32", (1 << 16,), 4 << 16),))
+    return m.Register(cid, model, cid, 0, 1, layout, cid.encode(), datacenter=dc, process=process)
+
+
+def test_held_pulses_are_released_by_their_process_and_answered_by_events():
+    """The hold rules (:class:`tensorhub.port.PulseHolds`), as every server applies them: a
+    held process's handles count as heard from; a handle leaving, a registration from its
+    process and a reader's report against one of its handles end the hold at once (the probe
+    then needs a fresh pulse), a handle's read does not; a background event answers it with
+    that event; a handle the server forgot while held is answered unknown."""
+    from tensorhub.core.reference import ReferenceCore
+    from tensorhub.port import Mailboxes, PulseHolds, holdable
+
+    core, mail, holds = ReferenceCore(CFG), Mailboxes(), PulseHolds()
+    p1, p2 = m.ProcessId(worker_id="w1", pid=11), m.ProcessId(worker_id="w2", pid=12)
+    for req in (_reg("t", process=p2), _reg("a", process=p1), _reg("b", process=p1)):
+        assert not isinstance(core.handle(req, 0.0)[0], m.ErrorReply)
+    pulse_ab = m.Pulse(beats=(m.Beat("a"), m.Beat("b")))
+    assert holdable(pulse_ab, m.PulseReply())
+    assert not holdable(pulse_ab, m.PulseReply(notes={"a": [m.SeedAhead(1)]}))
+    assert not holdable(m.Pulse(beats=(m.Beat("a", 3),)), m.PulseReply()), "a reader's pulse carries progress"
+
+    h = holds.start(pulse_ab, core, deadline=30.0)
+    assert sorted(holds.attended()) == ["a", "b"] and h.process == p1
+    core.touch(holds.attended(), 25.0)
+    assert core.nodes["a"].last_seen == 25.0 and core.nodes["t"].last_seen == 0.0
+    assert holds.releases(m.Heartbeat("t")) == [], "another process's request releases nothing"
+    assert holds.releases(m.Replicate("a", "latest", 1)) == [], "a read's progress goes by other pulses"
+    assert holds.releases(m.Leave("b")) == [h] and h.over and not holds.attended()
+
+    h = holds.start(pulse_ab, core, deadline=30.0)
+    assert holds.releases(_reg("c", process=p1)) == [h], "a new handle of the process: pulse again now"
+    h = holds.start(pulse_ab, core, deadline=30.0)
+    assert holds.releases(m.SourceFailed("t", "b", 0)) == [h], "the probe: prove the process alive"
+    assert holds.releases(m.SourceFailed("t", "b", 0)) == [], "a released hold is over"
+
+    h = holds.start(pulse_ab, core, deadline=30.0)
+    assert holds.held(["a"], mail) == [], "no background event for it: still held"
+    mail.route([m.Deliver("b", m.SeedAhead(version=4))])
+    assert holds.held(["b"], mail) == [h]
+    assert holds.answer(h, core, mail) == m.PulseReply(notes={"b": [m.SeedAhead(version=4)]})
+
+    h = holds.start(pulse_ab, core, deadline=30.0)
+    core.declare_dead(["a"], 26.0, "test")
+    assert holds.answer(h, core, mail).unknown == ("a",), "forgotten while held: announce again"
+    assert not holds.of and not holds.by_process
+
+
+@pytest.mark.ray
+def test_the_server_answers_a_held_pulse_at_once_with_its_seed_and_on_a_new_handle_of_the_process(ray_cluster, model_name):
+    """Raw protocol against the server actor (``pulse_hold_s`` 30 s): an idle reader's pulse in
+    another datacenter stays held; the trainer's publish seeds that datacenter and the held
+    pulse comes back at once carrying the SeedAhead; held again, a registration from the same
+    process brings it back at once (empty) so the new handle joins the next pulse."""
+    from tensorhub.actors.server import server_handle
+    from tensorhub.config import Config
+
+    ray = ray_cluster
+    cfg = Config(pulse_hold_s=30.0, server_name=f"tensorhub-hold-{uuid.uuid4().hex[:6]}")
+    server = server_handle(cfg, model_name)
+
+    def call(req, wait_s=0.0):
+        return server.call.remote(m.encode(req), wait_s)
+
+    def reg(cid, dc, proc):
+        return _reg(cid, dc, proc, model=model_name)
+
+    pr = m.ProcessId(worker_id="feed", pid=424242)
+    for req in (reg("t", "a", m.ProcessId(pid=1)), reg("r", "b", pr)):
+        assert not isinstance(m.decode_reply(ray.get(call(req))), m.ErrorReply)
+    try:
+        ref = call(m.Pulse(beats=(m.Beat("r"),)), 30.0)
+        ready, _ = ray.wait([ref], timeout=1.0)
+        assert not ready, "an idle pulse is held"
+        t0 = time.monotonic()
+        assert isinstance(m.decode_reply(ray.get(call(m.Publish("t", 1)))), m.Ok)
+        reply = m.decode_reply(ray.get(ref, timeout=5.0))
+        assert time.monotonic() - t0 < 1.0
+        assert reply.notes == {"r": [m.SeedAhead(version=1)]}, reply
+
+        ref = call(m.Pulse(beats=(m.Beat("r"),)), 30.0)
+        assert not ray.wait([ref], timeout=0.5)[0]
+        assert ray.get(server.counts.remote())["held"] == 1
+        ray.get(call(reg("r2", "b", pr)))
+        assert m.decode_reply(ray.get(ref, timeout=2.0)) == m.PulseReply()
+    finally:
+        ray.kill(server)
+

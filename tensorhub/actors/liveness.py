@@ -15,12 +15,18 @@ process of a dead job (detached actors outlive their job); a targeted check of n
 (:meth:`RayLiveness.gone` with ``targeted``: a reader's reported source, and every client whose
 pulse is overdue) also asks for each named actor process, once however many handles it hosts. Errors talking to
 the GCS mean "not known to be gone" (the lease still catches the client).
+
+Pushed deaths (:class:`DeathWatch`): the server also subscribes to the GCS's worker-failure and
+node channels, so a client whose worker process exits (killed, crashed, its actor killed) or
+whose node dies is removed within milliseconds of Ray learning it, whatever the heartbeat
+interval or pulse hold: liveness does not rest on a client's silence.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+import asyncio
+from typing import Callable, Iterable, Mapping
 
 from tensorhub.core.messages import ProcessId
 
@@ -94,3 +100,55 @@ class RayLiveness:
         if p.pid and info.get("Pid") and int(info["Pid"]) != p.pid:
             return f"its actor {p.actor_id[:12]} restarted (pid {p.pid} -> {info['Pid']})"
         return ""
+
+
+class DeathWatch:
+    """Ray's pushed deaths (GCS pubsub: the worker-failure and node-info channels), handed to
+    ``on_deaths(worker_ids, node_ids)`` (hex ids, as :class:`ProcessId` holds them) on the
+    server's event loop. Deaths from before the subscription are not replayed: the sweep
+    (:class:`RayLiveness`) and the lease cover them. Runs until cancelled; a GCS error is logged
+    and the subscription retried."""
+
+    def __init__(self, on_deaths: Callable[[set, set], None]) -> None:
+        self.on_deaths = on_deaths
+
+    async def run(self) -> None:
+        try:
+            import ray
+            from ray._private.gcs_pubsub import GcsAioNodeInfoSubscriber, GcsAioWorkerDeltaSubscriber
+            from ray.core.generated import gcs_pb2
+
+            address = ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 - not in a Ray worker, or a Ray without the channels
+            log.warning("no pushed deaths from Ray: the sweep and leases alone find dead clients", exc_info=True)
+            return
+        await asyncio.gather(self._follow(lambda: GcsAioWorkerDeltaSubscriber(address=address), self._workers),
+                             self._follow(lambda: GcsAioNodeInfoSubscriber(address=address),
+                                          lambda batch: self._nodes(batch, gcs_pb2.GcsNodeInfo.DEAD)))
+
+    def _workers(self, batch) -> None:
+        self.on_deaths({delta.worker_id.hex() for _, delta in batch}, set())
+
+    def _nodes(self, batch, dead) -> None:
+        nodes = {info.node_id.hex() for _, info in batch if info.state == dead}
+        if nodes:
+            self.on_deaths(set(), nodes)
+
+    @staticmethod
+    async def _follow(make, handle) -> None:
+        delay = 0.5
+        while True:
+            try:
+                sub = make()
+                await sub.subscribe()
+                delay = 0.5
+                while True:
+                    batch = await sub.poll(batch_size=1000)
+                    if batch:
+                        handle(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the GCS restarted or is slow: subscribe again
+                log.warning("Ray death subscription failed; retrying in %.1f s", delay, exc_info=True)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)

@@ -24,12 +24,12 @@ from typing import Optional
 
 import ray
 
-from tensorhub.actors.liveness import RayLiveness, current_process
+from tensorhub.actors.liveness import DeathWatch, RayLiveness, current_process
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.errors import ServerUnavailable
-from tensorhub.port import Mailboxes, apply_request
+from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,12 @@ class ReferenceServer:
         self._swept_at = float("-inf")
         self._counts: dict[str, int] = {}
         """Calls served, by request type (and ``notes``): :meth:`counts`."""
+        self._holds = PulseHolds()
+        """Idle processes' pulses waiting here (``pulse_hold_s``)."""
+        self._stamped_at = float("-inf")
+        self._deaths: Optional[asyncio.Task] = None
+        self.pushed_deaths = 0
+        """Clients removed because Ray pushed their worker's or node's death."""
 
     async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
         self._start()
@@ -60,6 +66,8 @@ class ReferenceServer:
         kind = type(req).__name__
         self._counts[kind] = self._counts.get(kind, 0) + 1
         client_id = getattr(req, "client_id", None)
+        for hold in self._holds.releases(req):
+            hold.waker.set()
         if isinstance(req, m.SourceFailed):
             # Is the source a corpse? Then it goes now, and the reader's budget is not charged.
             await self._sweep(targeted=(req.source_id,))
@@ -76,7 +84,20 @@ class ReferenceServer:
             ev = await self._wait_terminal(client_id, time.monotonic() + wait_s)
             if ev is not None:
                 reply = ev
+        elif isinstance(req, m.Pulse) and wait_s > 0 and self.config.pulse_hold_s > 0 and holdable(req, reply):
+            reply = await self._hold(req, min(wait_s, self.config.pulse_hold_s))
         return m.encode(reply)
+
+    async def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
+        """Keep an idle process's pulse until an event for it, a release or ``hold_s``
+        (:class:`~tensorhub.port.PulseHolds`)."""
+        hold = self._holds.start(pulse, self.core, time.monotonic() + hold_s)
+        hold.waker = asyncio.Event()
+        try:
+            await asyncio.wait_for(hold.waker.wait(), timeout=hold_s)
+        except asyncio.TimeoutError:
+            pass
+        return self._holds.answer(hold, self.core, self.mail)
 
     async def _wait_terminal(self, client_id: str, deadline: float):
         """The next terminal event of ``client_id`` before ``deadline``, or None."""
@@ -105,6 +126,9 @@ class ReferenceServer:
             w = self._waiters.get(cid)
             if w is not None:
                 w.event.set()
+        if self._holds.of:
+            for hold in self._holds.held(client_ids, self.mail):
+                hold.waker.set()
 
     async def notes(self, client_id: str) -> list[bytes]:
         self._start()
@@ -115,8 +139,10 @@ class ReferenceServer:
         return m.encode(self.core.status(model))
 
     async def counts(self) -> dict[str, int]:
-        """Calls served so far, by request type (``Pulse``, ``Replicate``, ...) and ``notes``."""
-        return dict(self._counts)
+        """Calls served so far, by request type (``Pulse``, ``Replicate``, ...) and ``notes``;
+        also ``held`` (pulses held now) and ``pushed_deaths`` (clients removed on a death Ray
+        pushed)."""
+        return {**self._counts, "held": len(self._holds.of), "pushed_deaths": self.pushed_deaths}
 
     async def ping(self) -> str:
         self._start()
@@ -125,7 +151,24 @@ class ReferenceServer:
     def _start(self) -> None:
         if not self._started:
             self._started = True
-            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+            loop = asyncio.get_running_loop()
+            self._ticker = loop.create_task(self._tick_loop())
+            if self.config.liveness_check_s > 0:
+                self._deaths = loop.create_task(DeathWatch(self._on_deaths).run())
+
+    def _on_deaths(self, workers: set[str], nodes: set[str]) -> None:
+        """Ray pushed these workers' (processes') or nodes' deaths: their clients go now."""
+        gone = {}
+        for cid, p in self.core.processes().items():
+            if p.worker_id and p.worker_id in workers:
+                gone[cid] = f"its worker {p.worker_id[:12]} died"
+            elif p.node_id and p.node_id in nodes:
+                gone[cid] = f"its node {p.node_id[:12]} died"
+        for cid, why in sorted(gone.items()):
+            if cid in self.core.nodes:
+                log.info("client %s is gone: %s", cid, why)
+                self.pushed_deaths += 1
+                self._route(self.core.declare_dead([cid], time.monotonic(), f"process gone: {why}"))
 
     def _route(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -147,6 +190,11 @@ class ReferenceServer:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.server_tick_s)
+            if self._holds.of and time.monotonic() - self._stamped_at >= self.config.heartbeat_interval_s:
+                # Held pulses' handles count as heard from: stamped once per interval (the
+                # freshness a source needs is 2.5 intervals), not on every tick.
+                self._stamped_at = time.monotonic()
+                self.core.touch(self._holds.attended(), self._stamped_at)
             self._route(self.core.tick(time.monotonic()))
             self._metrics.table(self.core)
             if self.config.liveness_check_s > 0 and time.monotonic() - self._swept_at >= self.config.liveness_check_s:
@@ -248,6 +296,11 @@ class RayPort:
         return m.decode_reply(ray.get(self.handle.status.remote(model)))
 
 
+_MAX_CONCURRENCY = 1_000_000
+"""Calls the server may have open at once: every idle process keeps one pulse held there
+(Ray's default for an async actor, 1,000, would queue the fleet's other calls behind them)."""
+
+
 def server_handle(config: Config, model: str):
     """The server actor of ``model`` (:meth:`Config.server_actor_name`), created on first use
     (detached, named, get-if-exists; ``ray.init()`` first if Ray is not initialised). Blocks
@@ -257,6 +310,7 @@ def server_handle(config: Config, model: str):
     name = config.server_actor_name(model)
     handle = ReferenceServer.options(
         name=name, namespace=config.namespace, lifetime="detached", get_if_exists=True,
+        max_concurrency=_MAX_CONCURRENCY,
     ).remote(dataclasses.asdict(config), model if config.server_per_model else "")
     ray.get(handle.ping.remote())
     return handle

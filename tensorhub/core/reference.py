@@ -250,6 +250,14 @@ class ReferenceCore(CrossDatacenter):
                 out.append(cid)
         return out
 
+    def touch(self, client_ids, now: float) -> None:
+        """Count ``client_ids`` as heard from at ``now`` (the server holds their process's
+        pulse: the process is waiting on us). Unknown ids are skipped."""
+        for cid in client_ids:
+            n = self.nodes.get(cid)
+            if n is not None and not n.host:
+                self._seen(n, now)
+
     def processes(self) -> dict[str, m.ProcessId]:
         """The process of every registered client (host copies excluded)."""
         return {n.id: n.process for n in self.nodes.values() if not n.host}

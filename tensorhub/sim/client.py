@@ -53,26 +53,56 @@ class SimProcess:
         self.world, self.name = world, name
         self.members: list["SimClient"] = []
         self.alive = True
-        self.busy = False
         world.sim.after(world.rng_client.random() * world.config.heartbeat_interval_s, self._pulse)
+        if world.config.pulse_hold_s > 0:
+            world.sim.after(world.config.heartbeat_interval_s, self._progress)
 
     def _pulse(self) -> None:
         if not self.alive:
             return
         w = self.world
         members = [c for c in self.members if c.alive and c.registered]
-        if members and not self.busy:
-            self.busy = True
-            beats = tuple(m.Beat(c.cid, c.region_progress if c.machine.reading else -1) for c in members)
-            w.server.call(members[0], m.Pulse(beats=beats), False, None,
-                          on_reply=lambda reply: self._answer(members, reply))
-        w.sim.after(w.config.heartbeat_interval_s, self._pulse)
+        if not members:
+            w.sim.after(w.config.heartbeat_interval_s, self._pulse)
+            return
+        beats = tuple(c._liveness_beat() for c in members)
+        sent = w.sim.now
+        w.server.call(members[0], m.Pulse(beats=beats), _held(w, beats), None,
+                      on_reply=lambda reply: self._answer(members, reply, sent))
 
-    def _answer(self, members: list["SimClient"], reply) -> None:
-        self.busy = False
+    def _answer(self, members: list["SimClient"], reply, sent: float) -> None:
+        if not self.alive:
+            return
         for c in members:
             if c.alive:
                 c._pulse_answer(reply)
+        _next_pulse(self.world, sent, reply, self._pulse)
+
+    def _progress(self) -> None:
+        """The unheld progress pulse of the reading members (``Pulse._progress_loop``)."""
+        if not self.alive:
+            return
+        w = self.world
+        readers = [c for c in self.members if c.alive and c.registered and c.machine.reading]
+        if readers:
+            beats = tuple(m.Beat(c.cid, c.region_progress) for c in readers)
+            w.server.call(readers[0], m.Pulse(beats=beats), False, None,
+                          on_reply=lambda reply: [c._pulse_answer(reply) for c in readers if c.alive])
+        w.sim.after(w.config.heartbeat_interval_s, self._progress)
+
+
+def _held(world, beats) -> bool:
+    """The Hub's liveness pulse asks the server to hold it when pulses may be held (its beats
+    are plain heartbeats then) or none of its handles reads."""
+    return world.config.pulse_hold_s > 0 or all(b.reading_units < 0 for b in beats)
+
+
+def _next_pulse(world, sent: float, reply, pulse) -> None:
+    """As :mod:`tensorhub.pulse`: the next pulse leaves ``heartbeat_interval_s`` after the last
+    was sent, at once if it was held that long (a failed call: a whole interval later)."""
+    gap = world.config.heartbeat_interval_s
+    left = gap if isinstance(reply, m.ErrorReply) else max(0.0, sent + gap - world.sim.now)
+    world.sim.after(left, pulse)
 
 
 class SimClient:
@@ -103,13 +133,14 @@ class SimClient:
         self.transport = SimTransport(self)
         self.token = 0
         """Answers to the awaited command carry this; a stale one is dropped."""
-        self.hb_busy = False
         self.waiters: dict[str, bool] = {}
         self.driver = None
         self.index = 0
         self.process: Optional[SimProcess] = None
         """The process this handle shares with others (None: a process of its own)."""
         world.sim.after(world.rng_client.random() * cfg.heartbeat_interval_s, self._heartbeat)
+        if cfg.pulse_hold_s > 0:
+            world.sim.after(cfg.heartbeat_interval_s, self._progress)
 
     # ------------------------------------------------------------------ identity and views
 
@@ -370,18 +401,36 @@ class SimClient:
         if not self.alive or self.process is not None:
             return  # a shared process pulses for all its handles
         w = self.world
-        if self.registered and not self.hb_busy:
-            self.hb_busy = True
-            # The Hub's liveness loop (tensorhub.pulse): one Pulse per process per interval, with
-            # this handle's heartbeat or read progress; the reply brings its background events.
-            beat = m.Beat(self.cid, self.region_progress if self.machine.reading else -1)
-            w.server.call(self, m.Pulse(beats=(beat,)), False, None, on_reply=self._heartbeat_reply)
-        w.sim.after(w.config.heartbeat_interval_s, self._heartbeat)
+        if not self.registered:
+            w.sim.after(w.config.heartbeat_interval_s, self._heartbeat)
+            return
+        # The Hub's liveness loop (tensorhub.pulse): one Pulse per process, held by the server;
+        # the reply brings this handle's background events. Read progress goes by _progress
+        # (with pulse_hold_s = 0, on this pulse).
+        beat = self._liveness_beat()
+        sent = w.sim.now
+        w.server.call(self, m.Pulse(beats=(beat,)), _held(w, (beat,)), None,
+                      on_reply=lambda reply: self._heartbeat_reply(reply, sent))
 
-    def _heartbeat_reply(self, reply) -> None:
-        self.hb_busy = False
+    def _liveness_beat(self) -> m.Beat:
+        if self.world.config.pulse_hold_s > 0 or not self.machine.reading:
+            return m.Beat(self.cid)
+        return m.Beat(self.cid, self.region_progress)
+
+    def _progress(self) -> None:
+        """The unheld progress pulse while reading (``Pulse._progress_loop``)."""
+        if not self.alive or self.process is not None:
+            return
+        w = self.world
+        if self.registered and self.machine.reading:
+            w.server.call(self, m.Pulse(beats=(m.Beat(self.cid, self.region_progress),)), False, None,
+                          on_reply=lambda reply: self.alive and self._pulse_answer(reply))
+        w.sim.after(w.config.heartbeat_interval_s, self._progress)
+
+    def _heartbeat_reply(self, reply, sent: float) -> None:
         if self.alive:
             self._pulse_answer(reply)
+            _next_pulse(self.world, sent, reply, self._heartbeat)
 
     def _pulse_answer(self, reply) -> None:
         """This handle's share of a pulse's reply (``Hub._after_beat``)."""

@@ -4,7 +4,10 @@ Requests go through :func:`tensorhub.port.apply_request` and :class:`~tensorhub.
 like in the Ray actor: a blocking request (``wait``) whose reply is ``Waiting`` is held as a long
 poll and answered with the client's next terminal event, or ``Waiting`` after
 ``request_timeout_s``; background events (DropHostCopy, Evicted) wait in the mailbox for the
-client's ``notes`` poll. The server ticks every ``server_tick_s``.
+client's next pulse. An idle process's pulse is held (``pulse_hold_s``) under the actor's rules
+(:class:`~tensorhub.port.PulseHolds`): released by its handles' requests, answered by an event
+or at its deadline, its handles stamped as heard from on every tick while held. The server
+ticks every ``server_tick_s``.
 
 A crash loses all state and every message in flight to or from it (the epoch changes); every
 call that had not been answered fails with ``Unavailable`` after the cluster's detection delay
@@ -19,7 +22,7 @@ from typing import Callable, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.port import Mailboxes, apply_request
+from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
 
 CoreFactory = Callable[[Config], ReferenceCore]
 
@@ -45,6 +48,9 @@ class SimServer:
         """Calls sent and not answered yet (a crash fails them)."""
         self.polls: dict[str, Call] = {}
         """Long polls: a blocking call waiting for its client's next terminal event."""
+        self.holds = PulseHolds()
+        """Idle processes' pulses held here (``pulse_hold_s``), with the actor's rules."""
+        self.holds_answered = 0
         self.requests = 0
         world.sim.after(world.config.server_tick_s, self._tick)
 
@@ -57,6 +63,7 @@ class SimServer:
         self.epoch += 1
         self.mail = Mailboxes()
         self.polls = {}
+        self.holds = PulseHolds()
         calls, self.calls = self.calls, set()
         for call in sorted(calls, key=lambda c: (c.client.cid, c.token or 0)):
             self._unavailable(call)
@@ -113,13 +120,34 @@ class SimServer:
             for eff in effects:
                 sim.trace(f"evt {eff.client_id} {eff.event!r}")
 
+        released = self.holds.releases(req)  # as the actor: before the request is applied
         reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
+        for hold in released:
+            self._answer_hold(hold)
+        hold_s = self.world.config.pulse_hold_s
         if isinstance(reply, m.Waiting) and c.wait:
             self.polls[cid] = c
             sim.after(self.world.config.request_timeout_s, self._poll_expired, c, reply)
+        elif isinstance(req, m.Pulse) and c.wait and hold_s > 0 and holdable(req, reply):
+            hold = self.holds.start(req, self.core, sim.now + hold_s)
+            hold.waker = c
+            sim.trace(f"srv hold pulse of {list(hold.client_ids)}")
+            sim.after(hold_s, self._answer_hold, hold)
         else:
             self._answer(c, reply)
         self._serve_polls()
+
+    def _answer_hold(self, hold) -> None:
+        """A held pulse is answered (released, an event, or its deadline; once)."""
+        if not isinstance(hold.waker, Call):
+            return
+        c, hold.waker = hold.waker, False
+        if c.epoch != self.epoch or not self.up:
+            return
+        reply = self.holds.answer(hold, self.core, self.mail)
+        self.holds_answered += 1
+        self.world.sim.trace(f"srv answer held pulse of {list(hold.client_ids)} -> {reply!r}")
+        self._answer(c, reply)
 
     def _poll_expired(self, c: Call, reply) -> None:
         if self.polls.get(c.client.cid) is c:
@@ -131,6 +159,9 @@ class SimServer:
             ev = self.mail.pop_terminal(cid)
             if ev is not None:
                 self._answer(self.polls.pop(cid), ev)
+        if self.holds.of:
+            for hold in self.holds.held(sorted(self.holds.of), self.mail):
+                self._answer_hold(hold)
 
     def _answer(self, c: Call, reply) -> None:
         self.world.net.send(NAME, c.client.cid, self._reply, c, reply, self.epoch)
@@ -167,6 +198,8 @@ class SimServer:
 
     def _tick(self) -> None:
         if self.up:
+            if self.holds.of:
+                self.core.touch(self.holds.attended(), self.world.sim.now)
             self._route(self.core.tick(self.world.sim.now))
         self.world.sim.after(self.world.config.server_tick_s, self._tick)
 
