@@ -134,7 +134,7 @@ class Pulse:
                     readers.append((x, b))
             if readers:
                 try:
-                    self._send(readers, 0.0)
+                    self._send(readers, 0.0, announce=False)
                 except Exception:  # noqa: BLE001
                     log.debug("progress pulse failed", exc_info=True)
 
@@ -156,19 +156,25 @@ class Pulse:
         held = [x._pulse_hold() for x, b in beats if b.reading_units < 0]
         self._send(beats, min(held) if len(held) == len(beats) else 0.0)
 
-    def _send(self, beats: list, hold: float) -> None:
+    def _send(self, beats: list, hold: float, announce: bool = True) -> None:
+        """One pulse of ``beats`` ((member, beat) pairs). ``announce``: members the server does
+        not know announce again; the progress stream leaves that to the liveness stream (one
+        announcement per restart, not two racing each other), which learns it at once: a held
+        pulse fails with its server, and a handle forgotten while held gets an event."""
         by_id = {b.client_id: x for x, b in beats}
         port = beats[0][0]._port
         self.calls += 1
         try:
             reply = port.call(m.Pulse(beats=tuple(b for _, b in beats)), hold)
         except errors.ServerUnavailable:
+            if not announce:
+                return
             port.reconnect()
             reply = m.PulseReply(unknown=tuple(by_id))
         if isinstance(reply, m.ErrorReply):  # a server that predates pulses, or a bug: say so
             log.warning("pulse refused: %s %s", reply.code, reply.message)
             return
-        unknown = set(reply.unknown)
+        unknown = set(reply.unknown) if announce else set()
         for cid, x in by_id.items():
             try:
                 x._after_beat(cid not in unknown, list(reply.notes.get(cid, ())))

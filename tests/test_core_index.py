@@ -101,6 +101,22 @@ def test_a_partial_holder_behind_the_reader_is_no_source():
     assert pick(reader, [node("t", readers=1), node("r1", S.READING, progress=2, order=1)]) == "r1"
 
 
+def test_across_datacenters_a_reader_waits_for_the_origin_rather_than_cross_from_another_remote_one():
+    """The reader in datacenter "c" has no local candidate; the origin "a" (the trainer's) is busy
+    and "b" has a free copy: it waits for the origin (b's copy is two slow links away), and takes
+    b's copy only when the origin has no usable holder at all."""
+    reader = node("r", **{**READER, "dc": "c"})
+
+    def pick_origin(cands):
+        src = choose_source(reader, ListPool(cands, 1), downstream=set(), readers_per_source_max=1,
+                            seeding_blocked=False, origin_dc="a")
+        return src.id if src else None
+
+    assert pick_origin([node("t", readers=1), node("b1", dc="b", order=1)]) is None
+    assert pick_origin([node("t"), node("b1", dc="b", order=1)]) == "t"
+    assert pick_origin([node("b1", dc="b", order=1)]) == "b1"
+
+
 def test_a_suspected_source_only_when_nothing_else_is_left():
     reader = node("r", **READER)
     reader.suspects = {"t"}

@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGRESSION_SEEDS = [
     (12, None),  # a reader WAITING on a version with no holder was never failed after the restart window
     (18, "colocated"),  # a transaction resolved before every sibling shard re-announced after a restart
+    (28, "crossdc"),  # after a restart both pulse streams (held, progress) announced a reader: the second
+    #                   announcement's retention drop freed a host copy another datacenter's reader used
 ]
 
 

@@ -110,6 +110,10 @@ def choose_source(
             src = first_free(origin_dc, "")
             if src is not None:
                 return src
+            if any(usable(c) for c in pool.in_datacenter(origin_dc)):
+                # The origin's sources are busy: wait for one. Another remote datacenter's copy
+                # (busy or not) is two slow links away and ties both up for the whole read.
+                return None
         dc = None
 
     near = first_free(dc, reader.machine) if reader.machine else None  # rule 5

@@ -87,7 +87,7 @@ class SimProcess:
         if readers:
             beats = tuple(m.Beat(c.cid, c.region_progress) for c in readers)
             w.server.call(readers[0], m.Pulse(beats=beats), False, None,
-                          on_reply=lambda reply: [c._pulse_answer(reply) for c in readers if c.alive])
+                          on_reply=lambda reply: [c._pulse_answer(reply, announce=False) for c in readers if c.alive])
         w.sim.after(w.config.heartbeat_interval_s, self._progress)
 
 
@@ -424,7 +424,7 @@ class SimClient:
         w = self.world
         if self.registered and self.machine.reading:
             w.server.call(self, m.Pulse(beats=(m.Beat(self.cid, self.region_progress),)), False, None,
-                          on_reply=lambda reply: self.alive and self._pulse_answer(reply))
+                          on_reply=lambda reply: self.alive and self._pulse_answer(reply, announce=False))
         w.sim.after(w.config.heartbeat_interval_s, self._progress)
 
     def _heartbeat_reply(self, reply, sent: float) -> None:
@@ -432,12 +432,13 @@ class SimClient:
             self._pulse_answer(reply)
             _next_pulse(self.world, sent, reply, self._heartbeat)
 
-    def _pulse_answer(self, reply) -> None:
-        """This handle's share of a pulse's reply (``Hub._after_beat``)."""
+    def _pulse_answer(self, reply, announce: bool = True) -> None:
+        """This handle's share of a pulse's reply (``Hub._after_beat``; ``announce`` False: the
+        progress stream's reply, ``Pulse._send``)."""
         if isinstance(reply, m.ErrorReply):  # the server is down: the next pulse tries again
             return
         self._notes(list(reply.notes.get(self.cid, ())))  # Hub: notes first, then announce
-        if self.cid in reply.unknown:
+        if announce and self.cid in reply.unknown:
             # A reader announces its edge at once; an idle handle only when no operation is in
             # flight (that operation re-announces itself).
             if self.machine.reading or (self.op is None and self.registered):
