@@ -276,3 +276,32 @@ def test_the_server_answers_a_held_pulse_at_once_with_its_seed_and_on_a_new_hand
     finally:
         ray.kill(server)
 
+
+
+def test_a_source_reported_failed_while_its_pulse_is_held_must_pulse_again_or_go():
+    """The probe with held pulses (in-process server, the actor's rules): the source's idle
+    process has its pulse held (its handles count as heard from past their lease); a reader
+    reports the source failed; that releases the hold at once, and a process that does not pulse
+    again is removed within ``2.5 * heartbeat_interval_s``, not at the end of a hold or lease."""
+    cfg = CFG.replace(pulse_hold_s=30.0, lease_timeout_s=30.0)
+    port = LocalPort(cfg)
+    proc = m.ProcessId(worker_id="source", pid=7)
+    for req in (_reg("s", process=proc), _reg("r", process=m.ProcessId(worker_id="reader", pid=8))):
+        assert not isinstance(port.call(req), m.ErrorReply)
+    assert port.call(m.Publish("s", 1)) == m.Ok()
+    a = port.call(m.Replicate("r", "latest", 1))
+    assert isinstance(a, m.Assignment) and a.source_id == "s"
+    replies = []
+    held = threading.Thread(target=lambda: replies.append(port.call(m.Pulse(beats=(m.Beat("s"),)), 30.0)))
+    held.start()
+    time.sleep(0.5)
+    assert port.holds.attended() == ["s"] and not replies
+    t0 = time.monotonic()
+    port.call(m.SourceFailed("r", "s", 0))
+    held.join(timeout=2.0)
+    assert replies == [m.PulseReply()] and time.monotonic() - t0 < 1.0, "released at once"
+    while "s" in port.core.nodes and time.monotonic() - t0 < 5.0:  # s never pulses again
+        port.tick()
+        time.sleep(0.05)
+    assert "s" not in port.core.nodes
+    assert time.monotonic() - t0 < 2.5 * cfg.heartbeat_interval_s + 0.5
