@@ -1129,7 +1129,8 @@ class Hub:
 
     def _start_heartbeat(self) -> None:
         """Join this process's liveness loop for the server (:mod:`tensorhub.pulse`): one call
-        per interval carries every handle's heartbeat and brings back its background events."""
+        carries every handle's heartbeat (held by the server while idle) and brings back its
+        background events; a second pulse carries read progress while a handle reads."""
         pulse.join(self)
 
     def _beat_interval(self) -> float:

@@ -112,11 +112,12 @@ class Hold:
 class PulseHolds:
     """The pulses a server holds (``Config.pulse_hold_s``): an idle process's pulse waits at the
     server until an event for one of its handles, a release, or its deadline. The rules, shared
-    by the Ray actor and the simulated server (each supplies the waiting):
+    by the Ray actor, :class:`LocalPort` and the simulated server (each supplies the waiting):
 
     - a pulse is held only when it brought nothing to answer (no event waiting, no unknown
-      handle) and no handle of it reads (a reader's pulse carries progress each interval);
-    - while held, its handles count as heard from (:meth:`attended`, stamped on every tick):
+      handle) and carries no read progress (progress pulses are answered at once);
+    - while held, its handles count as heard from (:meth:`attended`, stamped by the server's
+      ticks):
       the process is waiting on us, and its death reaches the server through the cluster
       manager, not through silence;
     - :meth:`releases`: a ``Register`` (or ``Announce``) from its process (a new handle's

@@ -45,9 +45,10 @@ class Op:
 
 
 class SimProcess:
-    """Several handles in one process (``World(shared_processes=True)``): one pulse per interval
-    carries all their beats, as :mod:`tensorhub.pulse` sends it, and they share one fate: a crash
-    takes every handle of the process with it (``World.crash``)."""
+    """Several handles in one process (``World(shared_processes=True)``): one pulse carries all
+    their beats, as :mod:`tensorhub.pulse` sends it (held by the server, plus a progress pulse
+    per interval while some of them read), and they share one fate: a crash takes every handle
+    of the process with it (``World.crash``)."""
 
     def __init__(self, world, name: str) -> None:
         self.world, self.name = world, name
