@@ -1108,3 +1108,27 @@ def test_query_answers_the_shard_layouts_only_when_asked():
     assert mv.layouts == (m.ShardLayout(0, LAYOUT), m.ShardLayout(1, other))
     assert w.send(m.Query("pol")).models[0].layouts == ()
     assert m.decode_reply(m.encode(w.send(m.Query("pol", layouts=True)))).models[0].layouts == mv.layouts
+
+
+def test_a_retried_replicate_gets_the_outcome_of_the_read_it_started_not_invalid_state():
+    """The link to the server was cut: the client's Replicate arrived, its reply did not, and
+    the client sent the same request (same seq) after reconnecting. The retry gets the read's
+    outcome again (the assignment, or Waiting) instead of InvalidState, which would have left
+    the node reading for nobody; a Replicate of another seq while reading is still refused."""
+    core = ReferenceCore(Config())
+    layout = m.LayoutInfo("fp", 4, 4 << 16, (m.TensorMeta("w", "float32", (1 << 16,), 4 << 16),))
+    for cid in ("t", "r", "q"):
+        assert not isinstance(core.handle(m.Register(cid, "pol", cid, 0, 1, layout, cid.encode()), 0.0)[0], m.ErrorReply)
+    core.handle(m.Publish("t", 1), 0.0)
+    first, _ = core.handle(m.Replicate("r", "latest", 5), 0.0)
+    assert isinstance(first, m.Assignment) and first.source_id == "t"
+    again, effects = core.handle(m.Replicate("r", "latest", 5), 1.0)
+    assert again == first and not effects
+    other, _ = core.handle(m.Replicate("r", "latest", 6), 1.0)
+    assert isinstance(other, m.ErrorReply) and other.code == "InvalidState"
+    q1, _ = core.handle(m.Replicate("q", "latest", 2), 1.0)  # behind r (the pipeline)
+    assert isinstance(q1, m.Assignment) and q1.source_id == "r"
+    assert core.handle(m.Replicate("q", "latest", 2), 2.0)[0] == q1
+    core.handle(m.Register("w", "pol", "w", 0, 1, layout, b"w"), 2.0)
+    w1, _ = core.handle(m.Replicate("w", "latest", 1), 2.0)  # t and r busy, q partial at 0 units
+    assert core.handle(m.Replicate("w", "latest", 1), 3.0)[0] == w1

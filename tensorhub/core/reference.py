@@ -143,6 +143,10 @@ class ReferenceCore(CrossDatacenter):
                 if node.state is S.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
                     return m.ErrorReply(code=node.failure.code, message=node.failure.message), []
+                if name == "Replicate" and req.seq > 0 and req.seq == node.round_seq:
+                    retried = self._replicate_retried(node)
+                    if retried is not None:
+                        return retried, []
                 if name in ("Publish", "Replicate"):
                     node.failure = None
                 if node.state not in LEGAL[name]:
@@ -434,6 +438,23 @@ class ReferenceCore(CrossDatacenter):
             return m.Waiting(version=node.version)
         self._begin_unpublish(node)
         return m.Waiting(version=node.version)
+
+    def _replicate_retried(self, node: Node) -> Optional[m.Reply]:
+        """A ``Replicate`` with the seq of the read this node is already doing is the same
+        request again: its reply was lost (a cut link, a slow server) and the client sent it
+        anew after a reconnect, while the first one had arrived. It gets that read's outcome
+        again instead of ``InvalidState``, which would leave the node reading for nobody (and
+        its datacenter skipping to a seed that never lands). None: not such a retry."""
+        if node.state is S.READING:
+            return self._assignment(node)
+        if node.state is S.WAITING:
+            return m.Waiting(version=node.version)
+        if node.pending_read is not None:
+            if node.state is S.OFFLOADING:
+                return m.OffloadOrder(version=node.version)
+            if node.state is S.DRAINING:
+                return m.Waiting(version=node.pending_read[0])
+        return None
 
     def _on_Replicate(self, req: m.Replicate, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
@@ -1007,10 +1028,17 @@ class ReferenceCore(CrossDatacenter):
         blocked_dcs = self._seed_pending(key[0], key[1])
         passed_over = False
         pool = _GroupPool(self, key)
+        origin = self.models[key[0]].origin_dc.get(key[1]) if key[0] in self.models else None
         after: tuple = ()
+        tried: set[str] = set()
+        looked = 0
         while True:
             g = self.index.group(key)
-            if g is None or not (g.free_all or g.staged):
+            if g is None:
+                return
+            cross_only = not (g.free_all or g.staged)
+            if cross_only and not (origin is not None and g.visible_dc[origin]
+                                   and any(dc != origin and n for dc, n in g.active_dc.items())):
                 return  # every source is busy: no reader can be assigned (rules 2 and 4)
             i = bisect.bisect_right(g.waiting, after)
             if i == len(g.waiting):
@@ -1019,12 +1047,21 @@ class ReferenceCore(CrossDatacenter):
             reader = self.nodes[after[1]]
             if reader.awaiting_source is not None:
                 continue
+            if cross_only:
+                # Only the origin's per-datacenter slots may be left: one look per remote
+                # datacenter, and a bounded one (a queue of thousands is not scanned per event).
+                looked += 1
+                if looked > _CROSS_LOOK_MAX:
+                    return
+                if reader.datacenter == origin or reader.datacenter in tried:
+                    continue
+                tried.add(reader.datacenter)
             src = scheduler.choose_source(
                 reader, pool, downstream=self._downstream(reader),
                 readers_per_source_max=self.config.readers_per_source_max,
                 seeding_blocked=reader.datacenter in blocked_dcs and not reader.stage_for
                 and blocked_dcs.get(reader.datacenter) != reader.replica_id,
-                origin_dc=self.models[key[0]].origin_dc.get(key[1]) if key[0] in self.models else None,
+                origin_dc=origin,
             )
             if src is None:
                 blocked_dcs.setdefault(reader.datacenter, "")
@@ -1155,6 +1192,11 @@ def _first_difference(a: m.LayoutInfo, b: m.LayoutInfo) -> str:
     return f"layout fingerprint {b.fingerprint[:12]} differs from the model's {a.fingerprint[:12]}"
 
 
+_CROSS_LOOK_MAX = 64
+"""Waiting readers a pump looks at once every source is busy, for an origin slot of their
+datacenter (``scheduler.choose_source``); the rest wait for the next event of the group."""
+
+
 class _GroupPool:
     """The scheduler's view (:class:`scheduler.Pool`) of one group through the core's index. A
     host copy stands in for its owner's GPU copy only once the owner stops serving the version:
@@ -1186,3 +1228,7 @@ class _GroupPool:
 
     def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
         return self._nodes(self.core._group(self.key).free(dc, machine))
+
+    def readers_in(self, cand: Node, dc: str) -> int:
+        nodes = self.core.nodes
+        return sum(1 for r in cand.readers if r in nodes and nodes[r].datacenter == dc)

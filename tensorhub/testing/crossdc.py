@@ -272,7 +272,7 @@ def link_down(args) -> dict:
     up_at = time.time()
     records = ray.get(loops, timeout=args.down_s + args.recover_s + 4 * args.request_timeout_s + 60)
     final = [ray.get(a.timed_update.remote("latest")) for a in first]
-    keep = ("ok", "error", "version", "action", "skipped_in_flight", "wall_s", "t")
+    keep = ("ok", "error", "message", "version", "action", "skipped_in_flight", "wall_s", "t")
     out = {"scenario": "link_down", "down_s": args.down_s, "request_timeout_s": args.request_timeout_s,
            "down_at": down_at, "up_at": up_at,
            "records": [[{k: r.get(k) for k in keep} for r in rs] for rs in records],
