@@ -101,20 +101,36 @@ def test_a_partial_holder_behind_the_reader_is_no_source():
     assert pick(reader, [node("t", readers=1), node("r1", S.READING, progress=2, order=1)]) == "r1"
 
 
-def test_across_datacenters_a_reader_waits_for_the_origin_rather_than_cross_from_another_remote_one():
-    """The reader in datacenter "c" has no local candidate; the origin "a" (the trainer's) is busy
-    and "b" has a free copy: it waits for the origin (b's copy is two slow links away), and takes
-    b's copy only when the origin has no usable holder at all."""
+def test_across_datacenters_a_reader_takes_its_datacenters_slot_at_the_origin_or_waits_for_it():
+    """The reader in datacenter "c" has no local candidate. The origin "a" (the trainer's) serves
+    its own pipeline and, besides, one reader per remote datacenter: busy with a reader of its
+    own datacenter, it still serves "c"; busy with a reader from "c" already, the reader waits
+    for it rather than take "b"'s free copy (two slow links away); "b"'s copy only when the
+    origin has no usable holder at all."""
     reader = node("r", **{**READER, "dc": "c"})
 
+    class Pool(ListPool):
+        def readers_in(self, cand, dc):  # reader ids here are "<datacenter>:<n>"
+            return sum(1 for r in cand.readers if r.split(":")[0] == dc)
+
     def pick_origin(cands):
-        src = choose_source(reader, ListPool(cands, 1), downstream=set(), readers_per_source_max=1,
+        src = choose_source(reader, Pool(cands, 1), downstream=set(), readers_per_source_max=1,
                             seeding_blocked=False, origin_dc="a")
         return src.id if src else None
 
-    assert pick_origin([node("t", readers=1), node("b1", dc="b", order=1)]) is None
-    assert pick_origin([node("t"), node("b1", dc="b", order=1)]) == "t"
+    def trainer(*readers):
+        t = node("t")
+        t.readers = set(readers)
+        return t
+
+    assert pick_origin([trainer("a:1"), node("b1", dc="b", order=1)]) == "t"
+    assert pick_origin([trainer("a:1", "b:1"), node("b1", dc="b", order=1)]) == "t"
+    assert pick_origin([trainer("c:1"), node("b1", dc="b", order=1)]) is None
+    assert pick_origin([trainer(), node("b1", dc="b", order=1)]) == "t"
     assert pick_origin([node("b1", dc="b", order=1)]) == "b1"
+    partial = node("p", S.READING, progress=4)
+    partial.readers = {"a:1"}
+    assert pick_origin([partial]) is None, "a partial origin holder serves no extra datacenter"
 
 
 def test_a_suspected_source_only_when_nothing_else_is_left():

@@ -44,6 +44,10 @@ class Pool(Protocol):
         """Free candidates, best first; only in ``dc`` unless None, only on ``machine`` unless ""."""
         ...
 
+    def readers_in(self, cand: Node, dc: str) -> int:
+        """How many of ``cand``'s readers are in datacenter ``dc``."""
+        ...
+
 
 def eligible(reader: Node, cand: Node, downstream: set[str]) -> bool:
     if cand.id == reader.id or cand.id in downstream or cand.unreachable:
@@ -110,6 +114,13 @@ def choose_source(
             src = first_free(origin_dc, "")
             if src is not None:
                 return src
+            # Every datacenter has its own slot(s) on a complete origin source, besides the
+            # origin's own pipeline: the slow links are separate bottlenecks, and this
+            # datacenter's one copy should start now, not after another datacenter's.
+            for c in sorted((c for c in pool.in_datacenter(origin_dc) if usable(c) and c.state in VISIBLE_SOURCE),
+                            key=rank):
+                if pool.readers_in(c, reader.datacenter) < readers_per_source_max:
+                    return c
             if any(usable(c) for c in pool.in_datacenter(origin_dc)):
                 # The origin's sources are busy: wait for one. Another remote datacenter's copy
                 # (busy or not) is two slow links away and ties both up for the whole read.
@@ -139,3 +150,7 @@ class ListPool:
     def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
         return sorted((c for c in self.nodes if len(c.readers) < self.max
                        and (dc is None or c.datacenter == dc) and (not machine or c.machine == machine)), key=rank)
+
+    def readers_in(self, cand: Node, dc: str) -> int:
+        """Readers given as bare ids count as in the candidate's own datacenter."""
+        return len(cand.readers) if cand.datacenter == dc else 0
