@@ -305,3 +305,19 @@ def test_a_source_reported_failed_while_its_pulse_is_held_must_pulse_again_or_go
         time.sleep(0.05)
     assert "s" not in port.core.nodes
     assert time.monotonic() - t0 < 2.5 * cfg.heartbeat_interval_s + 0.5
+
+
+def test_death_watch_hands_on_dead_workers_dead_nodes_and_ended_jobs():
+    """What Ray pushes (GCS pubsub messages, here stand-ins) reaches the server's callbacks as
+    hex ids: every worker death, only nodes that are DEAD, only jobs that ended."""
+    from types import SimpleNamespace as NS
+
+    from tensorhub.actors.liveness import DeathWatch
+
+    got = []
+    w = DeathWatch(lambda workers, nodes: got.append(("dead", workers, nodes)), lambda jobs: got.append(("jobs", jobs)))
+    w._workers([(b"k", NS(worker_id=b"\x01\x02")), (b"k", NS(worker_id=b"\xff"))])
+    w._nodes([(b"k", NS(node_id=b"\x0a", state=1)), (b"k", NS(node_id=b"\x0b", state=0))], 1)
+    w._jobs([(b"k", NS(job_id=b"\x03\x00", is_dead=True)), (b"k", NS(job_id=b"\x04\x00", is_dead=False))])
+    w._nodes([(b"k", NS(node_id=b"\x0c", state=0))], 1)
+    assert got == [("dead", {"0102", "ff"}, set()), ("dead", set(), {"0a"}), ("jobs", {"0300"})]

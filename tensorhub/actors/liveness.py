@@ -7,7 +7,8 @@ of a lease (``lease_timeout_s``), and a reader does not burn its failover budget
 
 Rules (a process is *gone* when):
 - it runs an actor and Ray reports that actor ``DEAD`` or ``RESTARTING``, or alive with another
-  pid (it restarted: the handle and its registered memory died with the old process);
+  pid (it restarted: the handle and its registered memory died with the old process), or the
+  actor is not detached and its job is dead (Ray kills it with the job);
 - it runs no actor (a driver, a task) and its job is dead.
 
 A sweep (:meth:`RayLiveness.gone`) costs one GCS call for the job table plus one per actor
@@ -16,10 +17,12 @@ process of a dead job (detached actors outlive their job); a targeted check of n
 pulse is overdue) also asks for each named actor process, once however many handles it hosts. Errors talking to
 the GCS mean "not known to be gone" (the lease still catches the client).
 
-Pushed deaths (:class:`DeathWatch`): the server also subscribes to the GCS's worker-failure and
-node channels, so a client whose worker process exits (killed, crashed, its actor killed) or
+Pushed deaths (:class:`DeathWatch`): the server also subscribes to the GCS's worker-failure,
+node and job channels, so a client whose worker process exits (killed, crashed, its actor killed) or
 whose node dies is removed within milliseconds of Ray learning it, whatever the heartbeat
-interval or pulse hold: liveness does not rest on a client's silence.
+interval or pulse hold: liveness does not rest on a client's silence. A job that ends has its
+clients checked at once (the sweep's rules: a non-actor process of a dead job is gone, an
+actor is looked up, since a detached one outlives its job).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class RayLiveness:
             if p.actor_id and (job_dead or cid in targeted):
                 key = (p.actor_id, p.pid)
                 if key not in seen:
-                    seen[key] = self._actor_gone(p)
+                    seen[key] = self._actor_gone(p, job_dead)
                 why = seen[key]
                 if why:
                     out[cid] = why
@@ -84,7 +87,7 @@ class RayLiveness:
         return out
 
     @staticmethod
-    def _actor_gone(p: ProcessId) -> str:
+    def _actor_gone(p: ProcessId, job_dead: bool = False) -> str:
         from ray._private.state import state
 
         try:
@@ -94,6 +97,8 @@ class RayLiveness:
             return ""
         if not info:
             return ""
+        if job_dead and info.get("IsDetached") is False:
+            return f"its actor {p.actor_id[:12]} died with its job {p.job_id}"  # not yet marked DEAD
         st = info.get("State")
         if st in ("DEAD", "RESTARTING"):
             return f"its actor {p.actor_id[:12]} is {st.lower()}"
@@ -109,8 +114,10 @@ class DeathWatch:
     (:class:`RayLiveness`) and the lease cover them. Runs until cancelled; a GCS error is logged
     and the subscription retried."""
 
-    def __init__(self, on_deaths: Callable[[set, set], None]) -> None:
+    def __init__(self, on_deaths: Callable[[set, set], None], on_jobs_ended: Callable[[set], None] = lambda jobs: None) -> None:
         self.on_deaths = on_deaths
+        self.on_jobs_ended = on_jobs_ended
+        """Jobs Ray reports finished (hex ids): their clients are checked at once."""
 
     async def run(self) -> None:
         try:
@@ -122,9 +129,17 @@ class DeathWatch:
         except Exception:  # noqa: BLE001 - not in a Ray worker, or a Ray without the channels
             log.warning("no pushed deaths from Ray: the sweep and leases alone find dead clients", exc_info=True)
             return
+        from ray._private.gcs_pubsub import GcsAioJobSubscriber
+
         await asyncio.gather(self._follow(lambda: GcsAioWorkerDeltaSubscriber(address=address), self._workers),
                              self._follow(lambda: GcsAioNodeInfoSubscriber(address=address),
-                                          lambda batch: self._nodes(batch, gcs_pb2.GcsNodeInfo.DEAD)))
+                                          lambda batch: self._nodes(batch, gcs_pb2.GcsNodeInfo.DEAD)),
+                             self._follow(lambda: GcsAioJobSubscriber(address=address), self._jobs))
+
+    def _jobs(self, batch) -> None:
+        ended = {job.job_id.hex() for _, job in batch if job.is_dead}
+        if ended:
+            self.on_jobs_ended(ended)
 
     def _workers(self, batch) -> None:
         self.on_deaths({delta.worker_id.hex() for _, delta in batch}, set())

@@ -57,6 +57,7 @@ class ReferenceServer:
         """Idle processes' pulses waiting here (``pulse_hold_s``)."""
         self._stamped_at = float("-inf")
         self._deaths: Optional[asyncio.Task] = None
+        self._job_checks: set[asyncio.Task] = set()
         self.pushed_deaths = 0
         """Clients removed because Ray pushed their worker's or node's death."""
 
@@ -154,7 +155,16 @@ class ReferenceServer:
             loop = asyncio.get_running_loop()
             self._ticker = loop.create_task(self._tick_loop())
             if self.config.liveness_check_s > 0:
-                self._deaths = loop.create_task(DeathWatch(self._on_deaths).run())
+                self._deaths = loop.create_task(DeathWatch(self._on_deaths, self._on_jobs_ended).run())
+
+    def _on_jobs_ended(self, jobs: set[str]) -> None:
+        """Ray reports these jobs finished: check their clients now (their actors died with the
+        job unless detached), not at the next sweep."""
+        cids = tuple(cid for cid, p in self.core.processes().items() if p.job_id in jobs)
+        if cids:
+            task = asyncio.get_running_loop().create_task(self._sweep(targeted=cids))
+            self._job_checks.add(task)
+            task.add_done_callback(self._job_checks.discard)
 
     def _on_deaths(self, workers: set[str], nodes: set[str]) -> None:
         """Ray pushed these workers' (processes') or nodes' deaths: their clients go now."""
