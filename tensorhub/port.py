@@ -211,10 +211,15 @@ class PulseHolds:
         return m.PulseReply(unknown=tuple(unknown), notes=notes)
 
 
-def holdable(pulse: m.Pulse, reply: object) -> bool:
-    """Whether the server may hold ``pulse`` after answering it with ``reply``."""
-    return (isinstance(reply, m.PulseReply) and not reply.unknown and not reply.notes and bool(pulse.beats)
-            and all(b.reading_units < 0 for b in pulse.beats))
+def holdable(request: m.Request, reply: object, wait_s: float, hold_max_s: float) -> float:
+    """How long a server may hold ``request`` after answering it with ``reply`` (0: answer
+    now): a pulse asked to wait (``wait_s``), up to the server's ``pulse_hold_s``, that brought
+    nothing to answer and carries no read progress."""
+    if (not isinstance(request, m.Pulse) or wait_s <= 0 or hold_max_s <= 0 or not request.beats
+            or not isinstance(reply, m.PulseReply) or reply.unknown or reply.notes
+            or any(b.reading_units >= 0 for b in request.beats)):
+        return 0.0
+    return min(wait_s, hold_max_s)
 
 
 def is_blocking(request: m.Request) -> bool:
@@ -313,9 +318,9 @@ class LocalPort:
             self._tick()
             reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
             self._wake(woken)
-            if (isinstance(request, m.Pulse) and wait_s > 0 and self.config.pulse_hold_s > 0
-                    and holdable(request, reply)):
-                return self._hold(request, min(wait_s, self.config.pulse_hold_s))
+            hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
+            if hold_s:
+                return self._hold(request, hold_s)
             if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
                 return reply
             deadline = time.monotonic() + wait_s

@@ -206,9 +206,10 @@ def test_held_pulses_are_released_by_their_process_and_answered_by_events():
     for req in (_reg("t", process=p2), _reg("a", process=p1), _reg("b", process=p1)):
         assert not isinstance(core.handle(req, 0.0)[0], m.ErrorReply)
     pulse_ab = m.Pulse(beats=(m.Beat("a"), m.Beat("b")))
-    assert holdable(pulse_ab, m.PulseReply())
-    assert not holdable(pulse_ab, m.PulseReply(notes={"a": [m.SeedAhead(1)]}))
-    assert not holdable(m.Pulse(beats=(m.Beat("a", 3),)), m.PulseReply()), "a reader's pulse carries progress"
+    assert holdable(pulse_ab, m.PulseReply(), 60.0, 30.0) == 30.0
+    assert not holdable(pulse_ab, m.PulseReply(notes={"a": [m.SeedAhead(1)]}), 60.0, 30.0)
+    assert not holdable(m.Pulse(beats=(m.Beat("a", 3),)), m.PulseReply(), 60.0, 30.0), "a reader's pulse carries progress"
+    assert not holdable(pulse_ab, m.PulseReply(), 0.0, 30.0) and not holdable(pulse_ab, m.PulseReply(), 60.0, 0.0)
 
     h = holds.start(pulse_ab, core, deadline=30.0)
     assert sorted(holds.attended()) == ["a", "b"] and h.process == p1

@@ -27,8 +27,8 @@ actor is looked up, since a detached one outlives its job).
 
 from __future__ import annotations
 
-import logging
 import asyncio
+import logging
 from typing import Callable, Iterable, Mapping
 
 from tensorhub.core.messages import ProcessId
@@ -108,8 +108,8 @@ class RayLiveness:
 
 
 class DeathWatch:
-    """Ray's pushed deaths (GCS pubsub: the worker-failure and node-info channels), handed to
-    ``on_deaths(worker_ids, node_ids)`` (hex ids, as :class:`ProcessId` holds them) on the
+    """Ray's pushed deaths (GCS pubsub: the worker-failure, node-info and job channels), handed
+    to ``on_deaths(worker_ids, node_ids)`` and ``on_jobs_ended(job_ids)`` (hex ids, as :class:`ProcessId` holds them) on the
     server's event loop. Deaths from before the subscription are not replayed: the sweep
     (:class:`RayLiveness`) and the lease cover them. Runs until cancelled; a GCS error is logged
     and the subscription retried."""
@@ -122,15 +122,14 @@ class DeathWatch:
     async def run(self) -> None:
         try:
             import ray
-            from ray._private.gcs_pubsub import GcsAioNodeInfoSubscriber, GcsAioWorkerDeltaSubscriber
+            from ray._private.gcs_pubsub import (GcsAioJobSubscriber, GcsAioNodeInfoSubscriber,
+                                                 GcsAioWorkerDeltaSubscriber)
             from ray.core.generated import gcs_pb2
 
             address = ray.get_runtime_context().gcs_address
         except Exception:  # noqa: BLE001 - not in a Ray worker, or a Ray without the channels
             log.warning("no pushed deaths from Ray: the sweep and leases alone find dead clients", exc_info=True)
             return
-        from ray._private.gcs_pubsub import GcsAioJobSubscriber
-
         await asyncio.gather(self._follow(lambda: GcsAioWorkerDeltaSubscriber(address=address), self._workers),
                              self._follow(lambda: GcsAioNodeInfoSubscriber(address=address),
                                           lambda batch: self._nodes(batch, gcs_pb2.GcsNodeInfo.DEAD)),

@@ -58,6 +58,8 @@ class ReferenceServer:
         self._stamped_at = float("-inf")
         self._deaths: Optional[asyncio.Task] = None
         self._job_checks: set[asyncio.Task] = set()
+        self._by_key: tuple = ()
+        self._by: dict[str, dict[str, list[str]]] = {}
         self.pushed_deaths = 0
         """Clients removed because Ray pushed their worker's or node's death."""
 
@@ -85,8 +87,8 @@ class ReferenceServer:
             ev = await self._wait_terminal(client_id, time.monotonic() + wait_s)
             if ev is not None:
                 reply = ev
-        elif isinstance(req, m.Pulse) and wait_s > 0 and self.config.pulse_hold_s > 0 and holdable(req, reply):
-            reply = await self._hold(req, min(wait_s, self.config.pulse_hold_s))
+        elif hold_s := holdable(req, reply, wait_s, self.config.pulse_hold_s):
+            reply = await self._hold(req, hold_s)
         return m.encode(reply)
 
     async def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
@@ -157,10 +159,27 @@ class ReferenceServer:
             if self.config.liveness_check_s > 0:
                 self._deaths = loop.create_task(DeathWatch(self._on_deaths, self._on_jobs_ended).run())
 
+    def _clients_by(self, field: str) -> dict[str, list[str]]:
+        """Client ids by one field of their :class:`ProcessId` (``worker_id``, ``node_id``,
+        ``job_id``), rebuilt only after new registrations: Ray pushes every worker exit of the
+        cluster, most of them not ours, and a lookup must not scan the table each time."""
+        key = (id(self.core), self.core.registrations)
+        if self._by_key != key:
+            self._by_key, self._by = key, {}
+        index = self._by.get(field)
+        if index is None:
+            index = self._by[field] = {}
+            for cid, p in self.core.processes().items():
+                value = getattr(p, field)
+                if value:
+                    index.setdefault(value, []).append(cid)
+        return index
+
     def _on_jobs_ended(self, jobs: set[str]) -> None:
         """Ray reports these jobs finished: check their clients now (their actors died with the
         job unless detached), not at the next sweep."""
-        cids = tuple(cid for cid, p in self.core.processes().items() if p.job_id in jobs)
+        by_job = self._clients_by("job_id")
+        cids = tuple(cid for j in jobs for cid in by_job.get(j, ()) if cid in self.core.nodes)
         if cids:
             task = asyncio.get_running_loop().create_task(self._sweep(targeted=cids))
             self._job_checks.add(task)
@@ -169,11 +188,11 @@ class ReferenceServer:
     def _on_deaths(self, workers: set[str], nodes: set[str]) -> None:
         """Ray pushed these workers' (processes') or nodes' deaths: their clients go now."""
         gone = {}
-        for cid, p in self.core.processes().items():
-            if p.worker_id and p.worker_id in workers:
-                gone[cid] = f"its worker {p.worker_id[:12]} died"
-            elif p.node_id and p.node_id in nodes:
-                gone[cid] = f"its node {p.node_id[:12]} died"
+        for field, ids, what in (("node_id", nodes, "node"), ("worker_id", workers, "worker")):
+            index = self._clients_by(field) if ids else {}
+            for value in ids:
+                for cid in index.get(value, ()):
+                    gone[cid] = f"its {what} {value[:12]} died"
         for cid, why in sorted(gone.items()):
             if cid in self.core.nodes:
                 log.info("client %s is gone: %s", cid, why)

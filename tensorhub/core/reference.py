@@ -262,6 +262,13 @@ class ReferenceCore(CrossDatacenter):
             if n is not None and not n.host:
                 self._seen(n, now)
 
+    @property
+    def registrations(self) -> int:
+        """Grows with every client (and host copy) added: a cache of :meth:`processes` built
+        at one value still holds every client registered since (removed ones it may still
+        name: look them up)."""
+        return self._order
+
     def processes(self) -> dict[str, m.ProcessId]:
         """The process of every registered client (host copies excluded)."""
         return {n.id: n.process for n in self.nodes.values() if not n.host}

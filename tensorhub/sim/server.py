@@ -124,11 +124,11 @@ class SimServer:
         reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
         for hold in released:
             self._answer_hold(hold)
-        hold_s = self.world.config.pulse_hold_s
+        hold_s = holdable(req, reply, self.world.config.pulse_hold_s if c.wait else 0.0, self.world.config.pulse_hold_s)
         if isinstance(reply, m.Waiting) and c.wait:
             self.polls[cid] = c
             sim.after(self.world.config.request_timeout_s, self._poll_expired, c, reply)
-        elif isinstance(req, m.Pulse) and c.wait and hold_s > 0 and holdable(req, reply):
+        elif hold_s:
             hold = self.holds.start(req, self.core, sim.now + hold_s)
             hold.waker = c
             sim.trace(f"srv hold pulse of {list(hold.client_ids)}")
