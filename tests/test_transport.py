@@ -258,6 +258,43 @@ def test_source_moving_on_mid_read_is_detected_by_the_seqlock_without_checksums(
     assert recv.progress == 3  # unit 3 landed after the source moved on: not counted
 
 
+def test_two_pulls_of_one_process_interleave_while_one_waits(setup, agents):
+    """A handle's read and its staging copy's seed run in one process, on one agent: a pull
+    waiting for a slow or partial source must not hold the agent (the other pull, from a
+    complete source, finishes meanwhile; it used to wait for the whole of the first)."""
+    named, layout, holder, recv, source = setup
+    starved = Region.register([t.clone() for _, t in named], layout, CFG, agent=agents[2])
+    starved.set_version(7)
+    starved.set_progress(0)  # a partial holder that does not move
+    dst2 = Region.register([torch.zeros_like(t) for _, t in named], layout, CFG, agent=agents[1])
+    slow = open_source(encode_endpoint(starved.endpoint()), agent=agents[1])
+    failed = []
+
+    def seed():
+        try:
+            pull(dst2, slow, layout, expect_version=7, config=CFG.replace(source_stall_timeout_s=3.0))
+        except SourceStalled as e:
+            failed.append(e)
+
+    th = threading.Thread(target=seed)
+    th.start()
+    try:
+        time.sleep(0.3)  # the seed is waiting for its source's next unit
+        t0 = time.monotonic()
+        pull(recv, source, layout, expect_version=7, config=CFG)
+        took = time.monotonic() - t0
+        assert th.is_alive(), "the slow pull ended before the fast one could show it was not blocked"
+        assert took < 1.5, f"the second pull waited {took:.2f}s for the first"
+        assert recv.progress == layout.unit_count
+        _assert_same(named, recv.tensors)
+    finally:
+        th.join()
+        slow.close()
+        dst2.close()
+        starved.close()
+    assert failed and dst2.progress == 0
+
+
 def test_stall_is_detected_within_the_timeout(setup):
     _, layout, holder, recv, source = setup
     holder.set_progress(0)

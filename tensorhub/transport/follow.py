@@ -19,7 +19,7 @@ simply sends nothing, and the bytes are verified against the checksums either wa
 from __future__ import annotations
 
 import logging
-from typing import Union
+from typing import Optional, Union
 
 import msgspec
 
@@ -79,8 +79,15 @@ class Notes:
                 else:
                     self._advanced.setdefault(peer, []).append(msg)
 
-    def take_follows(self) -> list[Follow]:
-        out, self._follows = self._follows, []
+    def take_follows(self, version: Optional[int] = None) -> list[Follow]:
+        """The follow requests filed so far (only those for ``version`` unless None; the others
+        stay for another pull of this process: a staging copy and its handle may each be
+        receiving a version at once)."""
+        if version is None:
+            out, self._follows = self._follows, []
+            return out
+        out = [f for f in self._follows if f.version == version]
+        self._follows = [f for f in self._follows if f.version != version]
         return out
 
     def take_advanced(self, peer: str) -> list[Advanced]:

@@ -19,8 +19,11 @@ after the release, with no handle left to tell when. A read that does not become
 therefore kept, never released: by its region (:meth:`Region.settle`), or by
 :data:`_kept_alive` with the memory it writes into.
 
-One NIXL agent per process (:func:`get_agent`); a NIXL agent is not thread-safe, so transfers on
-one :class:`Agent` are serialised by its ``xfer_lock`` (:func:`pull`, :meth:`Source.read_control`).
+One NIXL agent per process (:func:`get_agent`); a NIXL agent is not thread-safe, so every call
+into one :class:`Agent` is made under its ``xfer_lock`` (:func:`pull`, :meth:`Source.read_control`).
+A pull lets go of the lock while it sleeps (:func:`sleep_unlocked`): two pulls of one process (a
+handle's read and its staging copy's seed across a slow link) interleave instead of the first
+waiting for the whole of the second.
 Updating a control block (``set_progress`` etc.) is a plain memory write and may happen from any
 thread.
 """
@@ -61,6 +64,17 @@ __all__ = [
 ]
 
 _HEADER = 2  # control block: [version, progress, checksums...]
+
+
+def sleep_unlocked(lock: threading.RLock, seconds: float) -> None:
+    """Sleep with ``lock`` (an agent's ``xfer_lock``, held by this thread) let go meanwhile, so
+    another thread's pull on the same agent makes progress while this one waits. A thread that
+    holds it more than once keeps it (only one level is let go): correct, merely serial."""
+    lock.release()
+    try:
+        time.sleep(seconds)
+    finally:
+        lock.acquire()
 
 
 class XferState(str, enum.Enum):
@@ -577,7 +591,7 @@ class Source:
                 # A round trip is 0.1-1 ms over a link: poll finely for the first few ms (an
                 # exponential backoff noticed a 1.3 ms answer at 2.5 ms, on every starved poll
                 # of a pipeline), then back off.
-                time.sleep(_CONTROL_POLL_S if now - t0 < _CONTROL_FINE_S else _POLL_MAX_S)
+                sleep_unlocked(self.agent.xfer_lock, _CONTROL_POLL_S if now - t0 < _CONTROL_FINE_S else _POLL_MAX_S)
                 state = nx.check_xfer_state(self._ctl_handle)
         except TransferError:
             raise

@@ -47,6 +47,7 @@ from tensorhub.transport.nixl import (
     _to_i64,
     _to_u64,
     _unit_desc_index,
+    sleep_unlocked,
 )
 from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S
 from tensorhub.transport.readstate import ReadState
@@ -255,7 +256,12 @@ class _Puller:
                 if not self.inflight and self.verifying and st.next_post >= min(st.end, st.remote_progress):
                     # Nothing to read until the next checksum is done: wait for it (bounded too).
                     self._raise_if_stalled()
-                    concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
+                    lock = self.region.agent.xfer_lock
+                    lock.release()
+                    try:
+                        concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
+                    finally:
+                        lock.acquire()
                     continue
             if self._reap():
                 if not self.config.checksums:
@@ -279,11 +285,12 @@ class _Puller:
                     continue
             self._raise_if_stalled()  # every path that waits passes here or above
             now = time.monotonic()
+            lock = self.region.agent.xfer_lock
             if self.inflight:
-                time.sleep(self.pacer.sleep_s(now, starved_delay))
+                sleep_unlocked(lock, self.pacer.sleep_s(now, starved_delay))
             else:
                 slept = time.monotonic()
-                time.sleep(self.pacer.starved_s(now, st.source_advanced_at, starved_delay))
+                sleep_unlocked(lock, self.pacer.starved_s(now, st.source_advanced_at, starved_delay))
                 self.region.starved_s += time.monotonic() - slept
             if not self.inflight:
                 starved_delay = min(starved_delay * 2, POLL_MAX_S)
@@ -345,9 +352,7 @@ class _Puller:
     def _serve_followers(self) -> None:
         """Readers that follow this region: add them (they asked for this version), tell them."""
         self.notes.poll()
-        for f in self.notes.take_follows():
-            if f.version != self.version:
-                continue  # for a read this process no longer does (or not yet)
+        for f in self.notes.take_follows(self.version):
             try:
                 self.region.agent.ensure_remote(f.reader, f.metadata)
             except TransferError:
