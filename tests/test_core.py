@@ -467,6 +467,30 @@ def test_smart_skipping_resolves_latest_to_local_version_while_seed_in_flight():
     assert w3.send(m.OffloadDone("b0", 1, b"h")).version == 2
 
 
+def test_smart_skipping_looks_past_a_newest_version_whose_only_holder_drains():
+    """dc a: the trainer ; dc b: b0, b1 hold 1 ; dc c: c0 holds 2. Version 3 is committed and
+    b1 seeds it across; the trainer then unpublishes (draining, for its next step): version 3
+    has no visible holder for a moment, and "latest" would fall back to 2 -- held only in dc c,
+    two slow links away. Skipping still sees 3 on its way: b0 keeps 1 (skipping 3), a reader
+    with nothing waits behind the seed of 3 in dc b; neither reads 2 across."""
+    w = World(versions_retained=3, smart_skipping=True, offload_seeding=False)
+    w.reg("t", dc="a"); w.reg("b0", dc="b"); w.reg("b1", dc="b"); w.reg("b2", dc="b"); w.reg("c0", dc="c")
+    w.send(m.Publish("t", 1))
+    for b in ("b0", "b1", "c0"):
+        w.send(m.Replicate(b, 1)); w.send(m.ReplicateDone(b, 1))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    w.send(m.Replicate("c0", 2, update=True)); w.send(m.ReplicateDone("c0", 2))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 3))
+    assert w.send(m.Replicate("b1", "latest", update=True)).version == 3  # the seed of dc b
+    assert w.core.nodes["b1"].source == "t"
+    w.send(m.Unpublish("t"))
+    assert w.state("t") == ("draining", 3) and w.core.available("pol")[-1] == 2
+    assert w.send(m.Replicate("b0", "latest", update=True)) == m.NoChange(version=1, in_flight=3)
+    w.send(m.Leave("b0", drop_last_copy=True))
+    assert w.send(m.Replicate("b2", "latest")).version == 3  # nothing to keep: behind the seed
+    assert w.core.nodes["b2"].source == "b1" and not w.core.nodes["b2"].version == 2
+
+
 def _seeds(w, cid):
     return [e.version for e in w.pop(cid) if isinstance(e, m.SeedAhead)]
 

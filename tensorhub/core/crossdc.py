@@ -28,6 +28,8 @@ log = logging.getLogger("tensorhub.core.reference")
 
 SERVABLE_OR_READING = frozenset({S.PUBLISHED, S.OFFLOADING, S.READING, S.WAITING})
 """A datacenter with a node of a version in one of these states has (or is getting) it."""
+IN_PLAY = SERVABLE_OR_READING | {S.DRAINING}
+"""A version with a node of every shard in one of these states is, or is about to be, available."""
 
 
 class CrossDatacenter:
@@ -115,13 +117,33 @@ class CrossDatacenter:
                 return True
         return False
 
-    def _smart_skip(self, node: Node, avail: list[int]) -> Optional[int]:
+    def _newest_in_play(self, model: str, avail: list[int]) -> int:
+        """The newest retained committed version that is available or on its way to being so:
+        every shard has a complete holder (its only one may be draining: a trainer waiting for
+        its readers to finish before it writes the next version) or a reader. While the trainer
+        drains, ``avail[-1]`` falls back to an older version held elsewhere; skipping decisions
+        must not follow it there."""
+        mod = self.models[model]
+        for v in reversed(mod.committed):
+            if v < mod.forgotten_below or v <= avail[-1]:
+                break
+            if all(any(self._group((model, v, s)).counts[st] for st in IN_PLAY) for s in range(mod.num_shards)):
+                return v
+        return avail[-1]
+
+    def _smart_skip(self, node: Node, avail: list[int]) -> Optional[tuple[int, int]]:
         """While a newer version is on its way into the reader's datacenter (a seed asked of a
         replica there, or any read of it there), answer the newest version already complete
         there instead of queueing behind it -- or the version the reader itself publishes, if
         that is newer (it may be past retention: the engine keeps what it has until the seed
-        lands rather than fetching across on its own)."""
-        newest = avail[-1]
+        lands rather than fetching across on its own).
+
+        Returns ``(version, in_flight)``: ``in_flight >= 0``, the version skipped (still on its
+        way); ``-1``, not a skip: the reader holds nothing to keep and reads ``version``, the one
+        seeding into its datacenter (behind the local seed, never an older one across). None:
+        no skipping rule applies (resolve as usual). "Newest" is the newest version in play
+        (:meth:`_newest_in_play`), not merely the newest with a visible holder now."""
+        newest = self._newest_in_play(node.model, avail)
         dc = node.datacenter
         shards = range(self.models[node.model].num_shards)
 
@@ -130,16 +152,18 @@ class CrossDatacenter:
 
         if complete_here(newest):
             return None
-        local = next((v for v in reversed(avail[:-1]) if complete_here(v)), -1)
+        local = next((v for v in reversed(avail) if v < newest and complete_here(v)), -1)
         own = node.version if node.state is S.PUBLISHED and node.version < newest else -1
         keep = max(local, own)
-        if keep < 0:
-            return None
 
         def active_here(v: int, s: int) -> int:
             me = 1 if (node.version == v and s == node.shard and node.state in (S.READING, S.WAITING)) else 0
             return self._group((node.model, v, s)).active_dc[dc] - me
 
         seeding = dc in self._seed_pending(node.model, newest) or any(
-            active_here(v, s) > 0 for v in avail if v > keep for s in shards)
-        return keep if seeding else None
+            active_here(v, s) > 0 for v in self.retained(node.model) if v > keep for s in shards)
+        if not seeding:
+            return None
+        if keep < 0:
+            return newest, -1
+        return keep, newest

@@ -469,6 +469,9 @@ class ReferenceCore(CrossDatacenter):
             raise InvalidState(f"{self._describe(node)}: unpublish() first, or use update()")
         node.in_flight = -1
         version = self._resolve_in_txn(node, req)
+        log.debug("model=%s reader=%s (%s, %s %s) asks %r: version %d%s", node.model, node.id, node.datacenter,
+                  node.state.name, node.version, req.spec, version,
+                  f" (skipping {node.in_flight} in flight)" if node.in_flight >= 0 else "")
         node.round_seq = req.seq
         if node.state is S.PUBLISHED and node.version == version:
             return m.NoChange(version=version, in_flight=node.in_flight)
@@ -789,8 +792,8 @@ class ReferenceCore(CrossDatacenter):
         if kind == "latest" and k == 0 and self.config.smart_skipping and avail:
             skipped = self._smart_skip(node, avail)
             if skipped is not None:
-                node.in_flight = avail[-1]
-                return skipped
+                node.in_flight = skipped[1]
+                return skipped[0]
         others = self._model_nodes[node.model] - len(self._replicas.get((node.model, node.replica_id), ()))
         if not mod.committed and not others:
             raise UnknownModel(f"{node.model}: no other replica of this model is registered")
@@ -1090,6 +1093,9 @@ class ReferenceCore(CrossDatacenter):
                 self._touched.add(key)
 
     def _attach(self, reader: Node, src: Node) -> None:
+        log.debug("model=%s version=%d reader=%s (%s) reads from %s (%s, %s, %d units)", reader.model,
+                  reader.version, reader.id, reader.datacenter, src.id, src.datacenter, src.state.name,
+                  src.progress)
         reader.state = S.READING
         reader.source = src.id
         reader.assign_no += 1
