@@ -39,6 +39,7 @@ from tensorhub.config import Config
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.layout import Layout, checksum_all, checksum_unit
+from tensorhub.logs import configure_from_env
 from tensorhub.port import ServerPort
 from tensorhub import transport as tx
 from tensorhub.transport import shm
@@ -109,6 +110,7 @@ class Hub:
     def __init__(self, model: str, port: ServerPort, *, shard: int = 0, num_shards: int = 1,
                  replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
                  config: Optional[Config] = None) -> None:
+        configure_from_env()
         if not isinstance(model, str) or not model:
             raise errors.ConfigError("model must be a non-empty string")
         if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:

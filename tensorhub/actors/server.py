@@ -28,6 +28,7 @@ from tensorhub.actors.liveness import DeathWatch, RayLiveness, current_process
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.logs import configure_from_env
 from tensorhub.errors import ServerUnavailable
 from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
 
@@ -39,6 +40,7 @@ class ReferenceServer:
     """Thin shell: ``call(request_bytes, wait_s) -> reply_bytes`` (see :mod:`tensorhub.port`)."""
 
     def __init__(self, config: dict, model: str = "") -> None:
+        configure_from_env()
         self.config = Config(**config)
         self.model = model
         """The model this server is partitioned to ("" : every model, ``server_per_model`` off)."""
