@@ -49,7 +49,7 @@ from tensorhub.transport.nixl import (
     _unit_desc_index,
     sleep_unlocked,
 )
-from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S
+from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
 from tensorhub.transport.readstate import ReadState
 
 logger = logging.getLogger(__name__)
@@ -231,12 +231,19 @@ class _Puller:
     def run(self) -> int:
         """The pull (see :func:`pull`); every posted read is terminal when it returns or raises,
         else it raises :class:`ReadsNotTerminal`."""
+        t0 = time.monotonic()
         try:
             n = self._loop()
         except BaseException as e:
             self._drain(e)
             raise
         self._drain(None)
+        if logger.isEnabledFor(logging.DEBUG) and isinstance(self.pacer, Pacer):
+            p, dt = self.pacer, time.monotonic() - t0
+            logger.debug("pull of version %d from %s: %d bytes in %.3fs (%.1f MB/s), window %d, rate %.1f MB/s, "
+                         "link rate %.1f MB/s, round trip %.1f ms", self.version, self.source.name, n, dt,
+                         n / dt / 1e6 if dt > 0 else 0.0, p.window(), (p.rate_Bps or 0) / 1e6,
+                         (p.serve_Bps or 0) / 1e6, (p.rtt_s or 0) * 1e3)
         return n
 
     def _loop(self) -> int:
