@@ -119,6 +119,12 @@ class Config:
     ``<server_name>/<model, percent-encoded>`` (:func:`tensorhub.actors.server.server_actor_name`),
     so one model's fleet never queues behind another's and a server restart touches only its
     model. False: one server named ``server_name`` serves every model."""
+    server_near_creator: bool = True
+    """Create a server actor on the node of the process that creates it (the model's first
+    ``open()``). Open the trainer first and the
+    server sits in its datacenter. False: wherever Ray's scheduler puts a zero-CPU actor (in
+    practice any node: across datacenters, a remote reader's every call may cross two slow
+    links)."""
     server_tick_s: float = 0.5
     liveness_check_s: float = 1.0
     """How often the server asks Ray which clients' processes are gone (a job that ended takes its
