@@ -112,6 +112,12 @@ def run_path(args, path: str) -> dict:
                     for i, r in sorted(((i, r) for i, rs in enumerate(records) for r in rs),
                                        key=lambda x: -x[1]["wall_s"])[:6]],
     }
+    if args.records:
+        with open(args.records, "a") as f:
+            for i, rs in enumerate(records):
+                for r in rs:
+                    f.write(json.dumps({"path": path, "reader": i, "t_rel": round(r["t"] - published[0][1], 3),
+                                        **{k: v for k, v in r.items() if k != "t"}}) + "\n")
     say(f"{path:12s} stall {out['stall_s']:7.2f}s (max {out['stall_per_update_max_s']:.2f}s per update), "
         f"{out['inter_dc_bytes_per_version'] / 2**20:6.1f} MiB crossed per version, staleness "
         f"{out['mean_staleness']}, {out['updates']} updates ({out['skipped']} skipped, {out['prefetched']} "
@@ -127,7 +133,8 @@ def drive(args) -> dict:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     ray.init(log_to_driver=False, runtime_env={"env_vars": {
-        "PYTHONPATH": os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))}})
+        "PYTHONPATH": os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])),
+        **{k: v for k, v in os.environ.items() if k == "TENSORHUB_LOG"}}})
     shard = workload.spec_bytes(workload.small_spec(args.mib << 20, big=4, tiny=8))
     results = []
     with progress.live(json_mode=args.quiet) as bar:
@@ -191,6 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inter-dc-gbit", type=float, default=0.1)
     ap.add_argument("--inter-dc-ms", type=float, default=20.0, help="one-way latency between datacenters")
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--records", default="", help="append every update's record here (JSON lines)")
     ap.add_argument("--plot", default="", help="write a PNG of the three measures per path here")
     ap.add_argument("--json", action="store_true", help="print the JSON summary as the last stdout line")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)

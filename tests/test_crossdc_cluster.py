@@ -50,6 +50,7 @@ def test_one_copy_crosses_into_each_datacenter_and_the_seeders_update_is_local(d
     for d, crossed in out["crossed"].items():
         assert shard <= crossed < 1.1 * shard, (d, crossed, shard)
     assert out["digests_ok"]
+    assert out["server_on_trainer_node"]  # created by the trainer, on its node (server_near_creator)
     reads = out["reads"]
     assert sum(r["prefetched"] for r in reads) == 2, reads  # one seeder per remote datacenter
     assert not any(r["cross"] for r in reads), reads  # nobody's update read across

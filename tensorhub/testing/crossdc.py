@@ -87,6 +87,16 @@ class DcReplica(Replica):
 
         return os.getpid()
 
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def server_node(self) -> str:
+        """The node of this handle's reference server actor."""
+        from tensorhub.actors.server import find_server
+
+        server = find_server(self.hub.config, self.hub.model)
+        return ray.get(server.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()))
+
     def staged(self) -> Optional[int]:
         stage = self.hub._stage
         return None if stage is None else stage.version
@@ -115,6 +125,11 @@ class Setup:
         tag = args.scenario
         self.trainer = Actor.options(name=f"tensorhub-replica-{MODEL}-{tag}-trainer", **self.cluster.on(0)).remote(
             MODEL, self.spec, replica="trainer", datacenter="dc0", config=self.config)
+        # The trainer opens the model first: the reference server is created by the first
+        # client, on its node (Ray's default for a zero-CPU actor), so it sits in the trainer's
+        # datacenter -- the deployment README recommends (a remote datacenter's every call pays
+        # one slow round trip, not two).
+        ray.get(self.trainer.ping.remote())
         self.readers: dict[int, list] = {}
         for d in range(1, len(dcs)):
             self.readers[d] = [
@@ -184,6 +199,7 @@ def seed(args) -> dict:
     out = {"scenario": "seed", "shard_bytes": s.nbytes, "dcs": len(s.readers) + 1,
            "crossed": {str(d): after[d] - before[d] for d in after},
            "digests_ok": all(r["digest"] == digest for r in results.values()),
+           "server_on_trainer_node": ray.get(s.trainer.server_node.remote()) == ray.get(s.trainer.node.remote()),
            "reads": [{"action": r["action"], "prefetched": r["prefetched"], "cross": r["cross_datacenter"],
                       "wall_s": r["wall_s"], "sources": r["sources"]} for r in results.values()]}
     s.close()
