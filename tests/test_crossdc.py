@@ -90,6 +90,41 @@ def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locall
         h.close(drop_last_copy=True)
 
 
+def test_a_landed_seed_stays_in_its_datacenter_while_the_next_one_crosses(port):
+    """The seeder's staging copy lands version 2 and, before any engine there took it, version
+    3 is committed: the staging copy keeps 2 in its datacenter as a host copy before it starts
+    3 (it used to overwrite it). While 3 crosses, "latest" in dc b answers 2, read there from
+    that host copy; when 3 lands and 4 follows, the copy of 2 goes (a newer one is kept).
+    Without retention copies made ahead (those go to the first reader anywhere)."""
+    cfg = CFG.replace(host_copy_ahead=False)
+    trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
+    b0, _ = _hub(port, "b", config=cfg, replica="b0")
+    b1, b1t = _hub(port, "b", config=cfg, replica="b1")
+    _publish(trainer, tt, 1)
+    _wait(lambda: _staged(b0, 1))
+    assert b1.update("latest").version == 1 and b0.update("latest").prefetched
+    _publish(trainer, tt, 2)
+    _wait(lambda: _staged(b0, 2))  # landed; nobody in dc b updates
+    stage = b0._stage
+    half, go = inproc.hold_half_way(stage)
+    _publish(trainer, tt, 3)
+    assert half.wait(20)
+    kept = f"{stage.client_id}#host2"
+    assert kept in port.core.nodes and port.core.nodes[kept].datacenter == "b"
+    st = b1.update("latest")
+    assert (st.version, st.skipped_in_flight, st.cross_datacenter) == (2, 3, False)
+    assert st.sources == (kept,)
+    ref = [t.clone() for t in tt]  # the trainer's own tensors hold 3 now, being read
+    workload.fill_version(ref, 2)
+    assert workload.digest(b1t) == workload.digest(ref)
+    go.set()
+    _wait(lambda: _staged(b0, 3))
+    _publish(trainer, tt, 4)
+    _wait(lambda: f"{stage.client_id}#host3" in port.core.nodes and kept not in port.core.nodes)
+    for h in (b1, b0, trainer):
+        h.close(drop_last_copy=True)
+
+
 def test_without_skipping_the_reader_waits_for_the_seed_and_reads_it_locally(port):
     cfg = Config(**{**CFG.__dict__, "smart_skipping": False})
     trainer, tt = _hub(port, "a", config=cfg, replica="trainer")

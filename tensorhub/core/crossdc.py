@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import SERVABLE, Node, S
+from tensorhub.core.state import COMPLETE, SERVABLE, Node, S
 
 if TYPE_CHECKING:
     from tensorhub.core.reference import _Model
@@ -116,6 +116,40 @@ class CrossDatacenter:
             if n.stage_for and n.state in (S.READING, S.WAITING):
                 return True
         return False
+
+    def _keeps_dc_copy(self, node: Node) -> bool:
+        """Offload seeding keeps a landed seed in its datacenter: a staging copy moving on (to
+        the next seed, the link starts at once) that holds the only copy of its version in its
+        datacenter, newer than every other version complete there, offloads it first -- a host
+        copy there, for the datacenter's readers to skip to while the next seed crosses. Without
+        it, a seed slower than the trainer's step was overwritten the moment it landed and the
+        datacenter's engines ran on a version several steps old."""
+        if not node.stage_for or node.spot or not self.config.smart_skipping:
+            return False
+        mod = self.models[node.model]
+        if node.version not in self.retained(node.model):
+            return False
+        dc = node.datacenter
+
+        def complete_here(v: int) -> bool:
+            return all(self._group((node.model, v, s)).visible_dc[dc] > 0 for s in range(mod.num_shards))
+
+        if self._group(node.key).visible_dc[dc] > 0:
+            return False  # another holder there keeps it
+        return not any(complete_here(v) for v in self.retained(node.model) if v > node.version)
+
+    def _drop_older_dc_copies(self, host: Node) -> None:
+        """A newer datacenter copy (``host``) was kept: its owner's host copies of older versions
+        go, unless one is the last live non-spot copy of its version anywhere (retention)."""
+        for hid in sorted(self._hosts_of.get(host.owner, ())):
+            old = self.nodes[hid]
+            if old.id == host.id or old.version >= host.version or old.state is not S.PUBLISHED:
+                continue
+            if any(o != old.id and self.nodes[o].state in COMPLETE and not self.nodes[o].spot
+                   and self._heard_lately(self.nodes[o]) for o in self.groups.get(old.key, ())):
+                log.info("model=%s version=%d shard=%d host copy %s: a newer one is kept in %s",
+                         old.model, old.version, old.shard, old.id, old.datacenter)
+                self._drain(old)
 
     def _newest_in_play(self, model: str, avail: list[int]) -> int:
         """The newest retained committed version that is available or on its way to being so:

@@ -599,6 +599,8 @@ class ReferenceCore(CrossDatacenter):
             raise InvalidState(f"{self._describe(node)}: offload reported for version {req.version}")
         if self._needs_offload(node):
             self._add_host_copy(node, req.version, req.endpoint)
+            if node.stage_for:
+                self._drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
         else:  # another non-spot holder appeared meanwhile: the copy is not needed
             self._deliver(node.id, m.DropHostCopy(version=req.version))
         self._complete_unpublish(node)
@@ -856,6 +858,8 @@ class ReferenceCore(CrossDatacenter):
     def _needs_offload(self, node: Node) -> bool:
         if node.spot or node.host or node.version not in self.retained(node.model):
             return False
+        if self._keeps_dc_copy(node):
+            return True
         return not any(
             other != node.id and self.nodes[other].state in VISIBLE_SOURCE and not self.nodes[other].spot
             and self._heard_lately(self.nodes[other])
@@ -911,8 +915,9 @@ class ReferenceCore(CrossDatacenter):
         if not node.host and self._needs_offload(node):
             node.state = S.OFFLOADING
             self.index.mark(node)
-            log.info("model=%s version=%d shard=%d %s holds the last non-spot copy: offload first",
-                     node.model, node.version, node.shard, node.id)
+            log.info("model=%s version=%d shard=%d %s holds %s: offload first", node.model, node.version,
+                     node.shard, node.id, f"the newest copy in {node.datacenter}" if node.stage_for
+                     else "the last non-spot copy")
             self._deliver(node.id, m.OffloadOrder(version=node.version))
             return
         self._complete_unpublish(node)
