@@ -167,3 +167,26 @@ def test_shards_sharing_a_process_pulse_together_and_die_together():
     r = run_scenario(5, "sharded", shared_processes=True, keep_trace=True)
     assert any(line.count("Beat(") > 1 for line in r.lines if "Pulse(beats=" in line), "one pulse, several beats"
     assert any("crash process" in line for line in r.lines)
+
+
+def test_across_datacenters_rollouts_seed_into_staging_copies_that_share_their_fate():
+    """The crossdc workload runs offload seeding as the real handle does (a staging copy per
+    seeder, in its process): seeds land, a crash takes a seeder with its staging copy, and every
+    invariant holds (the 3000-seed runs in benchmarks/RESULTS.md cover it at scale)."""
+    from tensorhub.sim.scenario import World
+    from tensorhub.sim.seeding import SeedingClient
+
+    seeds = staged = crashed_together = 0
+    for seed in range(40):
+        w = World(seed, "crossdc")
+        w.run()
+        assert not w.checker.violations, (seed, w.checker.violations)
+        for c in w.clients.values():
+            if isinstance(c, SeedingClient):
+                seeds += sum(1 for s in c.seeds if s[3] == "ok")
+                if c.stage is not None:
+                    staged += 1
+                    crashed_together += not c.alive and not c.stage.alive
+                    assert c.alive or not c.stage.alive, "a staging copy outlived its process"
+    assert seeds >= 100 and staged >= 40, (seeds, staged)
+    assert crashed_together >= 3, crashed_together

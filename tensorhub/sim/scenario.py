@@ -19,6 +19,7 @@ from tensorhub.sim.client import FREED, TORN, SimClient
 from tensorhub.sim.loop import Sim
 from tensorhub.sim.network import Network
 from tensorhub.sim.server import CoreFactory, SimServer
+from tensorhub.sim.seeding import SeedingClient
 from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
@@ -161,8 +162,8 @@ class World:
         self.net.add_host(name, dc, self.params.nic_bw)
         return name
 
-    def add_client(self, cid: str, **kw) -> SimClient:
-        c = SimClient(self, cid, **kw)
+    def add_client(self, cid: str, cls: type = SimClient, **kw) -> SimClient:
+        c = cls(self, cid, **kw)
         self.clients[cid] = c
         return c
 
@@ -205,6 +206,9 @@ class World:
         return True
 
     def crash(self, c: SimClient, restart: bool, report: bool = True) -> None:
+        owner = getattr(c, "stage_for", None)
+        if owner is not None and owner in self.clients:
+            c = self.clients[owner]  # a staging handle lives in its owner's process
         proc = c.process
         if proc is not None and proc.alive and c.alive:
             # The process dies: every handle in it, each reported gone (Ray knows the process).
@@ -232,6 +236,9 @@ class World:
                 x.source_died()
         if self.death_report_s is not None and report:
             self.sim.after(self.death_report_s, self.server.declare_dead, c.cid)
+        stage = getattr(c, "stage", None)
+        if stage is not None:
+            self._crash_one(stage, False, report)  # its staging handle, same process
         if c.driver is not None:
             c.driver.on_crash(c, restart)
 
@@ -276,8 +283,12 @@ def build_workload(w: World, rng: random.Random) -> None:
     w.trainers.append(TrainerDriver(w, "trainer", trainer_hosts, "dc0", False, w.sim.rng("trainer"),
                                     max_versions=p.max_versions))
 
+    # Across datacenters rollouts act on SeedAhead (offload seeding: a staging copy in their
+    # process), as the real handle does.
+    cls = SeedingClient if wl == "crossdc" else SimClient
+
     def rollout(name: str, hosts: list[str], dc: str, spot: bool = False) -> None:
-        w.rollouts.append(RolloutDriver(w, name, hosts, dc, spot, w.sim.rng(name)))
+        w.rollouts.append(RolloutDriver(w, name, hosts, dc, spot, w.sim.rng(name), client_cls=cls))
 
     if wl == "standalone":
         for i in range(rng.randint(3, 9)):

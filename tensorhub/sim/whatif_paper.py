@@ -53,14 +53,13 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-import msgspec
-
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import S
 from tensorhub.sim.client import SimClient
 from tensorhub.sim.scenario import Params, World
+from tensorhub.sim.seeding import SeedingClient
 
 GB = 1e9
 UNITS = 256
@@ -110,74 +109,6 @@ class StaticSources(ReferenceCore):
             if n.state is S.READING or (allowed is not None and n.replica_id not in allowed):
                 out.add(i)
         return out
-
-
-class StagingClient(SimClient):
-    """A prefetch staging handle (``Hub._open_stage``): a holder of its own in host memory on
-    its owner's host; the owner reads from it first."""
-
-    def __init__(self, world, cid: str, *, stage_for: str, **kw) -> None:
-        self.stage_for = stage_for
-        super().__init__(world, cid, **kw)
-
-    def registration(self) -> m.Register:
-        return msgspec.structs.replace(super().registration(), stage_for=self.stage_for)
-
-
-class SeedingClient(SimClient):
-    """A rollout shard that acts on ``SeedAhead`` as ``Hub._seed_asked`` does: prefetch the
-    version into its staging copy in the background (one prefetch at a time, newest wins)."""
-
-    def __init__(self, world, cid: str, *, staging_own_nic: bool = False, **kw) -> None:
-        self.staging_own_nic = staging_own_nic
-        """Put the staging copy on a host of its own (a NIC of its own, not the seeder's)."""
-        self.stage: Optional[StagingClient] = None
-        self.seeding = -1
-        self.seed_next: Optional[int] = None
-        self.seeds: list[tuple[int, float, float, str]] = []
-        """(version, asked at, done at, code) of every prefetch."""
-        super().__init__(world, cid, **kw)
-
-    def _notes(self, notes: list) -> None:
-        for note in notes:
-            if isinstance(note, m.SeedAhead):
-                self._seed_asked(note.version)
-        super()._notes([n for n in notes if not isinstance(n, m.SeedAhead)])
-
-    def _seed_asked(self, version: int) -> None:
-        if not self.alive or (self.published is not None and self.published >= version) or self.seeding >= version:
-            return
-        st = self.stage
-        if st is not None and st.published is not None and st.published >= version:
-            return
-        self.seeding = version
-        if st is not None and st.op is not None:
-            self.seed_next = version  # Hub: prefetches run one after the other
-            return
-        self._prefetch(version)
-
-    def _prefetch(self, version: int) -> None:
-        w, asked = self.world, self.world.sim.now
-        if self.stage is None:
-            cid = f"{self.replica_id}~prefetch/s{self.shard}"
-            # Host memory of the seeder's process: behind the seeder's NIC, unless the what-if
-            # gives host memory a NIC of its own (one of a node's other RDMA NICs).
-            host = w.add_host(self.dc) if self.staging_own_nic else self.host
-            self.stage = StagingClient(w, cid, stage_for=self.cid, replica_id=f"{self.replica_id}~prefetch",
-                                       shard=self.shard, num_shards=self.num_shards, host=host, dc=self.dc,
-                                       spot=self.spot, role="staging")
-            w.clients[cid] = self.stage
-            self.stage.register(lambda code, _v: self._stage_read(version, asked) if code == "ok" else None)
-        else:
-            self._stage_read(version, asked)
-
-    def _stage_read(self, version: int, asked: float) -> None:
-        def done(code: str, _v: int) -> None:
-            self.seeds.append((version, asked, self.world.sim.now, code))
-            nxt, self.seed_next = self.seed_next, None
-            if nxt is not None and nxt > version:
-                self._prefetch(nxt)
-        self.stage.replicate(version, True, done)
 
 
 # ---------------------------------------------------------------------- building blocks

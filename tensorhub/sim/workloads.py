@@ -31,8 +31,11 @@ class Barrier:
 class ReplicaDriver:
     role = "replica"
 
-    def __init__(self, world, replica_id: str, hosts: list[str], dc: str, spot: bool, rng: random.Random) -> None:
+    def __init__(self, world, replica_id: str, hosts: list[str], dc: str, spot: bool, rng: random.Random,
+                 client_cls: type = SimClient) -> None:
         self.world = world
+        self.client_cls = client_cls
+        """The class of the members (:class:`tensorhub.sim.seeding.SeedingClient` across datacenters)."""
         self.replica_id = replica_id
         self.num_shards = len(hosts)
         self.hosts = hosts
@@ -52,7 +55,7 @@ class ReplicaDriver:
     def _spawn(self, i: int) -> SimClient:
         suffix = f".{self.gen}" if self.gen else ""
         c = self.world.add_client(
-            f"{self.replica_id}/s{i}{suffix}", replica_id=self.replica_id, shard=i,
+            f"{self.replica_id}/s{i}{suffix}", cls=self.client_cls, replica_id=self.replica_id, shard=i,
             num_shards=self.num_shards, host=self.hosts[i], dc=self.dc, spot=self.spot, role=self.role,
         )
         c.driver, c.index = self, i
