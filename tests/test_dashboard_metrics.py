@@ -110,3 +110,32 @@ def test_demo_metrics_are_read_back_from_the_prometheus_endpoint_per_model():
         # the model's own server (server_per_model) tags its request counts with the model
         assert total(samples, "ray_tensorhub_requests_total", model="demo-policy", type="Publish") >= versions, \
             samples["ray_tensorhub_requests_total"]
+
+
+def test_a_holder_state_that_empties_is_shown_as_zero_not_its_last_count():
+    """The table drops a state once no node is in it; its gauge must go to 0 (it kept showing,
+    say, 3 readers after the last read ended)."""
+    from tensorhub.actors.server import _Metrics
+
+    class Gauge:
+        def __init__(self):
+            self.now = {}
+
+        def set(self, value, tags):
+            self.now[(tags["model"], tags.get("state"))] = value
+
+    class Core:
+        models = {}
+        counts = {("m", "reading"): 3, ("m", "published"): 1}
+
+        def holder_counts(self):
+            return dict(self.counts)
+
+    met = _Metrics.__new__(_Metrics)
+    met.requests, met.holders, met.versions, met._shown = object(), Gauge(), Gauge(), set()
+    core = Core()
+    met.table(core)
+    assert met.holders.now == {("m", "reading"): 3, ("m", "published"): 1}
+    core.counts = {("m", "published"): 4}
+    met.table(core)
+    assert met.holders.now == {("m", "reading"): 0, ("m", "published"): 4}

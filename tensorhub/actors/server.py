@@ -260,6 +260,8 @@ class _Metrics:
                                         ("type", "outcome", "model"))
         self.holders = metrics.Gauge("tensorhub_holders", "nodes in the reference table by state", ("model", "state"))
         self.versions = metrics.Gauge("tensorhub_latest_version", "newest available version", ("model",))
+        self._shown: set[tuple[str, str]] = set()
+        """(model, state) pairs whose holder gauge was last set above 0."""
 
     def request(self, kind: str, reply: object) -> None:
         if self.requests is not None:
@@ -269,8 +271,12 @@ class _Metrics:
     def table(self, core: ReferenceCore) -> None:
         if self.requests is None:
             return
-        for (model, state), c in core.holder_counts().items():
+        counts = core.holder_counts()
+        for model, state in self._shown - counts.keys():
+            self.holders.set(0, tags={"model": model, "state": state})  # the table drops empty states
+        for (model, state), c in counts.items():
             self.holders.set(c, tags={"model": model, "state": state})
+        self._shown = set(counts)
         for model in core.models:
             avail = core.available(model)
             if avail:
