@@ -609,3 +609,31 @@ def test_one_agent_survives_registrations_from_many_threads_while_pulling(tmp_pa
     script.write_text(_CHURN)
     proc = subprocess.run([sys.executable, str(script), "4"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+def test_follow_requests_wait_for_the_pull_of_their_version_boundedly():
+    """One process may pull two versions at once (a handle's read, its staging copy's seed):
+    each pull takes only the follow requests for its version; the others wait, at most
+    ``_FOLLOWS_KEPT`` of them (a follow for a read the process no longer does must not pile up)."""
+    from tensorhub.transport import follow as fo
+
+    class FakeNixl:
+        def __init__(self):
+            self.pending = {}
+
+        def get_new_notifs(self):
+            out, self.pending = self.pending, {}
+            return out
+
+    nx = FakeNixl()
+    notes = fo.Notes(nx)
+    enc = fo._ENCODER.encode
+    nx.pending = {"r1": [enc(fo.Follow("r1", b"m", 4, 0))], "r2": [enc(fo.Follow("r2", b"m", 5, 3))]}
+    notes.poll()
+    assert [f.reader for f in notes.take_follows(5)] == ["r2"]
+    assert notes.take_follows(5) == []
+    assert [(f.reader, f.version) for f in notes.take_follows(4)] == [("r1", 4)]
+    nx.pending = {"x": [enc(fo.Follow(f"x{i}", b"m", 1, 0)) for i in range(fo._FOLLOWS_KEPT + 10)]}
+    notes.poll()
+    assert notes.take_follows(9) == []
+    assert len(notes.take_follows(1)) == fo._FOLLOWS_KEPT  # the newest kept

@@ -24,7 +24,7 @@ Rules kept here (DESIGN.md section 1):
   holds any more fail with ``VersionLost``.
 
 The rules across datacenters (offload seeding, smart skipping) are a mixin of their own,
-:mod:`tensorhub.core.crossdc`.
+:mod:`tensorhub.core.crossdc`, and so is retention with host copies, :mod:`tensorhub.core.retention`.
 
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
@@ -43,6 +43,7 @@ from tensorhub.core import messages as m
 from tensorhub.core import scheduler, versions
 from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.index import Group, Index
+from tensorhub.core.retention import Retention
 from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import (
     InvalidState,
@@ -84,7 +85,7 @@ class _Model:
         replica "" once the datacenter has (or reads) that version."""
 
 
-class ReferenceCore(CrossDatacenter):
+class ReferenceCore(CrossDatacenter, Retention):
     """The reference table and every rule around it. Not thread-safe: one driver calls it."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
@@ -469,9 +470,10 @@ class ReferenceCore(CrossDatacenter):
             raise InvalidState(f"{self._describe(node)}: unpublish() first, or use update()")
         node.in_flight = -1
         version = self._resolve_in_txn(node, req)
-        log.debug("model=%s reader=%s (%s, %s %s) asks %r: version %d%s", node.model, node.id, node.datacenter,
-                  node.state.name, node.version, req.spec, version,
-                  f" (skipping {node.in_flight} in flight)" if node.in_flight >= 0 else "")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model=%s reader=%s (%s, %s %s) asks %r: version %d%s", node.model, node.id, node.datacenter,
+                      node.state.name, node.version, req.spec, version,
+                      f" (skipping {node.in_flight} in flight)" if node.in_flight >= 0 else "")
         node.round_seq = req.seq
         if node.state is S.PUBLISHED and node.version == version:
             return m.NoChange(version=version, in_flight=node.in_flight)
@@ -547,20 +549,6 @@ class ReferenceCore(CrossDatacenter):
         self._maybe_commit(node)
         self._ask_host_copy(node)
 
-    def _ask_host_copy(self, node: Node) -> None:
-        """The first non-spot reader to hold a retained version copies it to host memory in the
-        background (MakeHostCopy), unless a copy exists or another holder was asked already."""
-        if self.config.versions_retained < 2 or node.spot or node.host:
-            return
-        if node.version not in self.retained(node.model):
-            return
-        g = self.index.group(node.key)
-        if g is not None and (g.hosts or g.asked - {node.id}):
-            return
-        node.copy_asked = node.version
-        self.index.mark(node)
-        self._deliver(node.id, m.MakeHostCopy(version=node.version))
-
     def _on_Swap(self, req: m.Swap, now: float) -> m.Reply:
         """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""
         x, y = self.nodes[req.client_id], self.nodes.get(req.stage_id)
@@ -591,32 +579,6 @@ class ReferenceCore(CrossDatacenter):
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         self._stop_reading(node)
-        return m.Ok()
-
-    def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
-        node = self.nodes[req.client_id]
-        if node.version != req.version:
-            raise InvalidState(f"{self._describe(node)}: offload reported for version {req.version}")
-        if self._needs_offload(node):
-            self._add_host_copy(node, req.version, req.endpoint)
-            if node.stage_for:
-                self._drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
-        else:  # another non-spot holder appeared meanwhile: the copy is not needed
-            self._deliver(node.id, m.DropHostCopy(version=req.version))
-        self._complete_unpublish(node)
-        return m.Waiting(version=req.version)
-
-    def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
-        node = self.nodes[req.client_id]
-        wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
-                  and req.version in self.retained(node.model)
-                  and not self._group(node.key).hosts)
-        node.copy_asked = -1
-        self.index.mark(node)
-        if wanted:
-            self._add_host_copy(node, req.version, req.endpoint)
-        else:
-            self._deliver(node.id, m.DropHostCopy(version=req.version))
         return m.Ok()
 
     def _on_Leave(self, req: m.Leave, now: float) -> m.Reply:
@@ -676,25 +638,6 @@ class ReferenceCore(CrossDatacenter):
             datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
             stage_for=n.stage_for,
         )
-
-    def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
-        hid = f"{owner.id}#host{version}"
-        if hid in self.nodes:
-            return
-        self._order += 1
-        host = Node(
-            id=hid, model=owner.model, replica_id=f"{owner.replica_id}#host", shard=owner.shard,
-            num_shards=owner.num_shards, datacenter=owner.datacenter, spot=False,
-            layout=owner.layout, endpoint=endpoint, order=self._order, host=True, owner=owner.id,
-            machine=owner.machine,
-        )
-        self.nodes[hid] = host
-        self._model_nodes[host.model] += 1
-        self._model_hosts[host.model] += 1
-        self._hosts_of.setdefault(owner.id, set()).add(hid)
-        self._set_version(host, version, S.PUBLISHED, host.units)
-        self._maybe_commit(host)
-        log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
 
     # ------------------------------------------------------------------ versions
 
@@ -759,16 +702,6 @@ class ReferenceCore(CrossDatacenter):
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
                 self._forget(model, old)
-
-    def _forget(self, model: str, version: int) -> None:
-        """A version fell out of retention: its host copies drain and are freed."""
-        log.info("model=%s version=%d is past retention", model, version)
-        self.models[model].origin_dc.pop(version, None)
-        for i in range(self.models[model].num_shards):
-            for nid in sorted(self.groups.get((model, version, i), ())):
-                host = self.nodes[nid]
-                if host.host and host.state is S.PUBLISHED:
-                    self._drain(host)
 
     def _resolve(self, node: Node, spec: m.VersionSpec) -> int:
         try:
@@ -854,45 +787,6 @@ class ReferenceCore(CrossDatacenter):
                    for n in self._replica_nodes(node.model, node.replica_id))
 
     # ------------------------------------------------------------------ unpublish, drain, offload
-
-    def _needs_offload(self, node: Node) -> bool:
-        if node.spot or node.host or node.version not in self.retained(node.model):
-            return False
-        if self._keeps_dc_copy(node):
-            return True
-        return not any(
-            other != node.id and self.nodes[other].state in VISIBLE_SOURCE and not self.nodes[other].spot
-            and self._heard_lately(self.nodes[other])
-            for other in self.groups.get(node.key, ())
-        )
-
-    def _last_copies(self, node: Node) -> list[int]:
-        """Retained versions of which ``node`` (or a host copy it serves) is the last live non-spot
-        copy, while clients other than ``node`` remain in its model (else nobody could read them)."""
-        if self._model_nodes[node.model] - self._model_hosts[node.model] <= 1:
-            return []  # node is the model's only client
-        retained = self.retained(node.model)
-        mine = [node] + [self.nodes[h] for h in self._hosts_of.get(node.id, ())]
-        held = set()
-        for n in mine:
-            if n.spot or n.version not in retained or n.state not in COMPLETE:
-                continue
-            others = [self.nodes[o] for o in self.groups.get(n.key, ()) if o != n.id]
-            if not any(o.state in COMPLETE and not o.spot and o.owner != node.id and self._heard_lately(o)
-                       for o in others):
-                held.add(n.version)
-        return sorted(held)
-
-    def _heard_lately(self, node: Node) -> bool:
-        """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: heard
-        from within ``2.5 * heartbeat_interval_s``, not reported failed, not unreachable. A holder
-        that died recently is still in the table until its lease runs out; counting it would let
-        the last live copy go (the version is lost when the ghost expires). A false "silent"
-        costs one extra host copy, which is dropped as excess later."""
-        owner = self.nodes.get(node.owner) if node.host else node
-        if owner is None or owner.unreachable or owner.suspected_at is not None:
-            return False
-        return self._now - owner.last_seen <= 2.5 * self.config.heartbeat_interval_s
 
     def _begin_unpublish(self, node: Node) -> None:
         self._drain(node)
@@ -1098,9 +992,10 @@ class ReferenceCore(CrossDatacenter):
                 self._touched.add(key)
 
     def _attach(self, reader: Node, src: Node) -> None:
-        log.debug("model=%s version=%d reader=%s (%s) reads from %s (%s, %s, %d units)", reader.model,
-                  reader.version, reader.id, reader.datacenter, src.id, src.datacenter, src.state.name,
-                  src.progress)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model=%s version=%d reader=%s (%s) reads from %s (%s, %s, %d units)", reader.model,
+                      reader.version, reader.id, reader.datacenter, src.id, src.datacenter, src.state.name,
+                      src.progress)
         reader.state = S.READING
         reader.source = src.id
         reader.assign_no += 1

@@ -50,6 +50,10 @@ _DECODER = msgspec.msgpack.Decoder(Union[Follow, Advanced])
 _ENCODER = msgspec.msgpack.Encoder()
 
 
+_FOLLOWS_KEPT = 64
+"""Follow requests kept for a version no pull of this process is reading yet."""
+
+
 class Notes:
     """The NIXL notifications of one agent, sorted by kind. NIXL hands out every notification of
     the agent at once, and one process may follow a holder and be followed at the same time (the
@@ -87,7 +91,9 @@ class Notes:
             out, self._follows = self._follows, []
             return out
         out = [f for f in self._follows if f.version == version]
-        self._follows = [f for f in self._follows if f.version != version]
+        # The rest wait for their pull, boundedly: a follow for a read this process no longer
+        # does would otherwise stay forever (a follower without pushes polls instead).
+        self._follows = [f for f in self._follows if f.version != version][-_FOLLOWS_KEPT:]
         return out
 
     def take_advanced(self, peer: str) -> list[Advanced]:

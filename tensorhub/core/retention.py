@@ -1,0 +1,139 @@
+"""Retention: host copies that keep recent versions available.
+
+A mixin of :class:`tensorhub.core.reference.ReferenceCore` (it reads and changes the core's
+table), kept apart because it is one concern (DESIGN.md section 1, rule 3):
+
+- the last live non-spot complete holder of a retained version offloads it to host memory
+  before it unpublishes (``_needs_offload``; an ``OffloadOrder``, answered by ``OffloadDone``);
+  a seeder's staging copy also keeps its datacenter's newest copy that way
+  (:meth:`~tensorhub.core.crossdc.CrossDatacenter._keeps_dc_copy`);
+- the first non-spot reader to hold a retained version is asked to copy it ahead, in the
+  background (``MakeHostCopy``, answered by ``HostCopy``), so that unpublish has nothing left to copy;
+- a host copy is a node of its own (``<owner>#host<version>``), served by its owner's process;
+- a version past retention is forgotten: its host copies drain and are freed (``_forget``);
+- a client that serves the last live copy of a retained version may not leave (``_last_copies``),
+  and "live" means heard from lately (``_heard_lately``): a dead holder whose lease has not run
+  out yet does not count.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tensorhub.core import messages as m
+from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, S
+from tensorhub.errors import InvalidState
+
+log = logging.getLogger("tensorhub.core.reference")
+
+
+class Retention:
+    """Host copies and retention (see the module docstring)."""
+
+    def _ask_host_copy(self, node: Node) -> None:
+        """The first non-spot reader to hold a retained version copies it to host memory in the
+        background (MakeHostCopy), unless a copy exists or another holder was asked already."""
+        if self.config.versions_retained < 2 or node.spot or node.host:
+            return
+        if node.version not in self.retained(node.model):
+            return
+        g = self.index.group(node.key)
+        if g is not None and (g.hosts or g.asked - {node.id}):
+            return
+        node.copy_asked = node.version
+        self.index.mark(node)
+        self._deliver(node.id, m.MakeHostCopy(version=node.version))
+
+    def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        if node.version != req.version:
+            raise InvalidState(f"{self._describe(node)}: offload reported for version {req.version}")
+        if self._needs_offload(node):
+            self._add_host_copy(node, req.version, req.endpoint)
+            if node.stage_for:
+                self._drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
+        else:  # another non-spot holder appeared meanwhile: the copy is not needed
+            self._deliver(node.id, m.DropHostCopy(version=req.version))
+        self._complete_unpublish(node)
+        return m.Waiting(version=req.version)
+
+    def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
+        node = self.nodes[req.client_id]
+        wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
+                  and req.version in self.retained(node.model)
+                  and not self._group(node.key).hosts)
+        node.copy_asked = -1
+        self.index.mark(node)
+        if wanted:
+            self._add_host_copy(node, req.version, req.endpoint)
+        else:
+            self._deliver(node.id, m.DropHostCopy(version=req.version))
+        return m.Ok()
+
+    def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
+        hid = f"{owner.id}#host{version}"
+        if hid in self.nodes:
+            return
+        self._order += 1
+        host = Node(
+            id=hid, model=owner.model, replica_id=f"{owner.replica_id}#host", shard=owner.shard,
+            num_shards=owner.num_shards, datacenter=owner.datacenter, spot=False,
+            layout=owner.layout, endpoint=endpoint, order=self._order, host=True, owner=owner.id,
+            machine=owner.machine,
+        )
+        self.nodes[hid] = host
+        self._model_nodes[host.model] += 1
+        self._model_hosts[host.model] += 1
+        self._hosts_of.setdefault(owner.id, set()).add(hid)
+        self._set_version(host, version, S.PUBLISHED, host.units)
+        self._maybe_commit(host)
+        log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
+
+    def _forget(self, model: str, version: int) -> None:
+        """A version fell out of retention: its host copies drain and are freed."""
+        log.info("model=%s version=%d is past retention", model, version)
+        self.models[model].origin_dc.pop(version, None)
+        for i in range(self.models[model].num_shards):
+            for nid in sorted(self.groups.get((model, version, i), ())):
+                host = self.nodes[nid]
+                if host.host and host.state is S.PUBLISHED:
+                    self._drain(host)
+
+    def _needs_offload(self, node: Node) -> bool:
+        if node.spot or node.host or node.version not in self.retained(node.model):
+            return False
+        if self._keeps_dc_copy(node):
+            return True
+        return not any(
+            other != node.id and self.nodes[other].state in VISIBLE_SOURCE and not self.nodes[other].spot
+            and self._heard_lately(self.nodes[other])
+            for other in self.groups.get(node.key, ())
+        )
+
+    def _last_copies(self, node: Node) -> list[int]:
+        """Retained versions of which ``node`` (or a host copy it serves) is the last live non-spot
+        copy, while clients other than ``node`` remain in its model (else nobody could read them)."""
+        if self._model_nodes[node.model] - self._model_hosts[node.model] <= 1:
+            return []  # node is the model's only client
+        retained = self.retained(node.model)
+        mine = [node] + [self.nodes[h] for h in self._hosts_of.get(node.id, ())]
+        held = set()
+        for n in mine:
+            if n.spot or n.version not in retained or n.state not in COMPLETE:
+                continue
+            others = [self.nodes[o] for o in self.groups.get(n.key, ()) if o != n.id]
+            if not any(o.state in COMPLETE and not o.spot and o.owner != node.id and self._heard_lately(o)
+                       for o in others):
+                held.add(n.version)
+        return sorted(held)
+
+    def _heard_lately(self, node: Node) -> bool:
+        """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: heard
+        from within ``2.5 * heartbeat_interval_s``, not reported failed, not unreachable. A holder
+        that died recently is still in the table until its lease runs out; counting it would let
+        the last live copy go (the version is lost when the ghost expires). A false "silent"
+        costs one extra host copy, which is dropped as excess later."""
+        owner = self.nodes.get(node.owner) if node.host else node
+        if owner is None or owner.unreachable or owner.suspected_at is not None:
+            return False
+        return self._now - owner.last_seen <= 2.5 * self.config.heartbeat_interval_s
