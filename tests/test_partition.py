@@ -145,6 +145,21 @@ def _close(ray, fleets: dict, config: Config) -> None:
         ray.kill(ray.get_actor(name, namespace="tensorhub"), no_restart=True)
 
 
+def test_server_placement_falls_back_to_anywhere_when_ray_cannot_name_the_node(monkeypatch):
+    """``server_near_creator``: the creator's node by affinity; where Ray cannot say which node
+    this process is on (a Ray Client driver), no affinity rather than a failure."""
+    import ray
+
+    from tensorhub.actors import server
+
+    class Ctx:
+        def get_node_id(self):
+            raise RuntimeError("not in a worker")
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Ctx())
+    assert server._creator_node() is None
+
+
 @pytest.mark.ray
 def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_cluster, model_name):
     """trainer-a -> reader-a on a's server, trainer-b -> reader-b on b's: two server actors,

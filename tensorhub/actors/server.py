@@ -347,20 +347,29 @@ def server_handle(config: Config, model: str):
         ray.init(namespace=config.namespace, log_to_driver=False)
     name = config.server_actor_name(model)
     placement = {}
-    if config.server_near_creator:
+    node_id = _creator_node() if config.server_near_creator else None
+    if node_id:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # Hard affinity: the creator's node is alive (the creator runs there) and a zero-CPU
         # actor fits it. Ray 2.60 places a *soft*-affine detached actor on the head node
         # whatever the node named (measured on the emulated cluster: 3 of 3 placements).
-        placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-            node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     handle = ReferenceServer.options(
         name=name, namespace=config.namespace, lifetime="detached", get_if_exists=True,
         max_concurrency=_MAX_CONCURRENCY, **placement,
     ).remote(dataclasses.asdict(config), model if config.server_per_model else "")
     ray.get(handle.ping.remote())
     return handle
+
+
+def _creator_node() -> Optional[str]:
+    """This process's Ray node (hex id), or None where Ray cannot say (a Ray Client driver):
+    then the server goes wherever Ray puts it."""
+    try:
+        return ray.get_runtime_context().get_node_id() or None
+    except Exception:  # noqa: BLE001 - placement is a preference, never a reason to fail
+        return None
 
 
 def connect(config: Config, model: str) -> RayPort:
