@@ -36,9 +36,9 @@ import torch
 
 from tensorhub import errors, metrics, pulse
 from tensorhub.config import Config
-from tensorhub.host_copies import HostCopies
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.host_copies import HostCopies
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.logs import configure_from_env
 from tensorhub.port import ServerPort

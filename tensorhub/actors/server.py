@@ -28,8 +28,8 @@ from tensorhub.actors.liveness import DeathWatch, RayLiveness, current_process
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.logs import configure_from_env
 from tensorhub.errors import ServerUnavailable
+from tensorhub.logs import configure_from_env
 from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
 
 log = logging.getLogger(__name__)
