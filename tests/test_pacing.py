@@ -138,8 +138,11 @@ def _fifo_link(pacer: Pacer, unit: int, rate_Bps: float, rtt_s: float, units: in
 
 @pytest.mark.parametrize("case, unit, rate, rtt, least, widest_max", [
     # the crossdc benchmark's link: 100 Mbit/s, 20 ms each way; a unit is 21 ms, the round trip
-    # 40 ms: three reads fill it (the throughput-only estimate settled at two: 64% of the link)
+    # 40 ms: three reads fill it
     ("100 Mbit/s, 40 ms", 256 * KiB, 12.5e6, 40e-3, 0.9, 4),
+    # a longer round trip: five reads are needed; the window sized from the throughput alone
+    # stopped short of them (81% of the link in this model), the link's own rate reaches them
+    ("100 Mbit/s, 80 ms", 256 * KiB, 12.5e6, 80e-3, 0.9, 6),
     # inside a datacenter: one read nearly fills it, the window stays small
     ("1 Gbit/s, 0.2 ms", 256 * KiB, 125e6, 0.2e-3, 0.85, 2),
 ])

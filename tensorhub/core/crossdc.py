@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import COMPLETE, SERVABLE, Node, S
+from tensorhub.core.state import SERVABLE, Node, S
 
 if TYPE_CHECKING:
     from tensorhub.core.reference import _Model
@@ -126,17 +126,12 @@ class CrossDatacenter:
         datacenter's engines ran on a version several steps old."""
         if not node.stage_for or node.spot or not self.config.smart_skipping:
             return False
-        mod = self.models[node.model]
         if node.version not in self.retained(node.model):
             return False
-        dc = node.datacenter
-
-        def complete_here(v: int) -> bool:
-            return all(self._group((node.model, v, s)).visible_dc[dc] > 0 for s in range(mod.num_shards))
-
-        if self._group(node.key).visible_dc[dc] > 0:
+        if self._group(node.key).visible_dc[node.datacenter] > 0:
             return False  # another holder there keeps it
-        return not any(complete_here(v) for v in self.retained(node.model) if v > node.version)
+        return not any(self._complete_in(node.model, v, node.datacenter)
+                       for v in self.retained(node.model) if v > node.version)
 
     def _drop_older_dc_copies(self, host: Node) -> None:
         """A newer datacenter copy (``host``) was kept: its owner's host copies of older versions
@@ -145,11 +140,15 @@ class CrossDatacenter:
             old = self.nodes[hid]
             if old.id == host.id or old.version >= host.version or old.state is not S.PUBLISHED:
                 continue
-            if any(o != old.id and self.nodes[o].state in COMPLETE and not self.nodes[o].spot
-                   and self._heard_lately(self.nodes[o]) for o in self.groups.get(old.key, ())):
+            if self._other_live_copy(old):
                 log.info("model=%s version=%d shard=%d host copy %s: a newer one is kept in %s",
                          old.model, old.version, old.shard, old.id, old.datacenter)
                 self._drain(old)
+
+    def _complete_in(self, model: str, version: int, dc: str) -> bool:
+        """Every shard of ``version`` has a visible complete holder in datacenter ``dc``."""
+        return all(self._group((model, version, s)).visible_dc[dc] > 0
+                   for s in range(self.models[model].num_shards))
 
     def _newest_in_play(self, model: str, avail: list[int]) -> int:
         """The newest retained committed version that is available or on its way to being so:
@@ -180,13 +179,9 @@ class CrossDatacenter:
         newest = self._newest_in_play(node.model, avail)
         dc = node.datacenter
         shards = range(self.models[node.model].num_shards)
-
-        def complete_here(v: int) -> bool:
-            return all(self._group((node.model, v, s)).visible_dc[dc] > 0 for s in shards)
-
-        if complete_here(newest):
+        if self._complete_in(node.model, newest, dc):
             return None
-        local = next((v for v in reversed(avail) if v < newest and complete_here(v)), -1)
+        local = next((v for v in reversed(avail) if v < newest and self._complete_in(node.model, v, dc)), -1)
         own = node.version if node.state is S.PUBLISHED and node.version < newest else -1
         keep = max(local, own)
 

@@ -121,11 +121,19 @@ class Retention:
         for n in mine:
             if n.spot or n.version not in retained or n.state not in COMPLETE:
                 continue
-            others = [self.nodes[o] for o in self.groups.get(n.key, ()) if o != n.id]
-            if not any(o.state in COMPLETE and not o.spot and o.owner != node.id and self._heard_lately(o)
-                       for o in others):
+            if not self._other_live_copy(n, owner=node.id):
                 held.add(n.version)
         return sorted(held)
+
+    def _other_live_copy(self, node: Node, owner: str = "") -> bool:
+        """Another live non-spot complete copy of ``node``'s version and shard exists (not
+        ``node``, nor a host copy served by ``owner``)."""
+        for oid in self.groups.get(node.key, ()):
+            o = self.nodes[oid]
+            if (oid != node.id and o.state in COMPLETE and not o.spot and (not owner or o.owner != owner)
+                    and self._heard_lately(o)):
+                return True
+        return False
 
     def _heard_lately(self, node: Node) -> bool:
         """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: heard

@@ -30,6 +30,7 @@ thread.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -66,15 +67,22 @@ __all__ = [
 _HEADER = 2  # control block: [version, progress, checksums...]
 
 
-def sleep_unlocked(lock: threading.RLock, seconds: float) -> None:
-    """Sleep with ``lock`` (an agent's ``xfer_lock``, held by this thread) let go meanwhile, so
+@contextlib.contextmanager
+def unlocked(lock: threading.RLock):
+    """Let go of ``lock`` (an agent's ``xfer_lock``, held by this thread) for the block, so
     another thread's pull on the same agent makes progress while this one waits. A thread that
     holds it more than once keeps it (only one level is let go): correct, merely serial."""
     lock.release()
     try:
-        time.sleep(seconds)
+        yield
     finally:
         lock.acquire()
+
+
+def sleep_unlocked(lock: threading.RLock, seconds: float) -> None:
+    """Sleep without holding ``lock`` (see :func:`unlocked`)."""
+    with unlocked(lock):
+        time.sleep(seconds)
 
 
 class XferState(str, enum.Enum):

@@ -48,6 +48,7 @@ from tensorhub.transport.nixl import (
     _to_u64,
     _unit_desc_index,
     sleep_unlocked,
+    unlocked,
 )
 from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
 from tensorhub.transport.readstate import ReadState
@@ -263,12 +264,8 @@ class _Puller:
                 if not self.inflight and self.verifying and st.next_post >= min(st.end, st.remote_progress):
                     # Nothing to read until the next checksum is done: wait for it (bounded too).
                     self._raise_if_stalled()
-                    lock = self.region.agent.xfer_lock
-                    lock.release()
-                    try:
+                    with unlocked(self.region.agent.xfer_lock):
                         concurrent.futures.wait([self.verifying[min(self.verifying)]], timeout=POLL_MAX_S)
-                    finally:
-                        lock.acquire()
                     continue
             if self._reap():
                 if not self.config.checksums:
