@@ -200,8 +200,7 @@ def test_a_failure_closing_the_staging_copy_still_closes_the_handle():
     assert rollout.client_id not in port.core.nodes
     with pytest.raises(errors.HandleClosed):
         rollout.close()
-    _close(trainer)
-    port.core.nodes.pop(stage.client_id, None)  # its Leave was "lost": the lease would expire it
+    _close(trainer)  # the staging copy's Leave was lost: its lease expires it on the server
 
 
 def test_a_staging_copy_holding_the_last_copy_keeps_both_open_and_prefetching():
