@@ -174,6 +174,12 @@ class Hub(HostCopies):
         self._seeding = -1
         """The newest version a SeedAhead asked this handle to prefetch."""
         self._prefetcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._prefetching = 0
+        """Prefetch jobs running now (under ``_stage_lock``): an update does not wait for one."""
+        self._closing = False
+        """close() has begun (under ``_stage_lock``): no prefetch or staging copy starts any more."""
+        self._verify_left: Optional[int] = None
+        """Verify mode, during an update: the version it leaves, checked before its first pull."""
         self._double: Optional[list[tuple[str, torch.Tensor]]] = None
         """The second set of tensors registered as a double buffer: prefetches land there and an
         update swaps the two sets instead of copying."""
@@ -213,32 +219,43 @@ class Hub(HostCopies):
         set that holds the new version, and the next prefetch overwrites the other set (the engine
         must have moved to the new one). Unsharded handles only (sharded replicas copy, in rounds);
         an update that cannot swap (the prefetch is incomplete or not the version asked, others
-        read the staging copy) copies as without a double buffer."""
+        read the staging copy) copies as without a double buffer.
+
+        ``tensors`` and ``double_buffer`` may be any iterable of ``(name, tensor)`` pairs (a
+        generator such as ``model.named_parameters()`` included): each is read once. Every client
+        of a model must run with the same ``checksums`` setting (a holder without them publishes
+        none for its readers to verify): ``ConfigError`` otherwise, nothing registered."""
         with self._lock:
             if self._machine.phase is not HubState.OPEN:
                 self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
-            layout = Layout.for_config(tensors, self.config)
             items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+            layout = Layout.for_config(items, self.config)
             spare = None
             if double_buffer is not None:
                 spare = self._like(double_buffer, layout, "double_buffer")
-                if distinct_storages([t for _, t in spare]).keys() & distinct_storages([t for _, t in items]).keys():
+                if _share_memory([t for _, t in spare], [t for _, t in items]):
                     raise errors.LayoutMismatch("double_buffer: shares memory with the tensors")
             ts = [t for _, t in items]
             region = tx.Region.register(ts, layout, self.config)
-            msg = m.Register(
-                client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
-                num_shards=self.num_shards, layout=_layout_info(layout),
-                endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
-                process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
-            )
+            try:
+                msg = m.Register(
+                    client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
+                    num_shards=self.num_shards, layout=_layout_info(layout, self.config.checksums),
+                    endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
+                    process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
+                )
+            except BaseException:
+                region.close()  # nothing registered: the transport registration goes too
+                raise
             self._layout, self._tensors, self._region = layout, ts, region
             self._machine.unit_count = layout.unit_count
             try:
                 self._run(hm.RegisterOp(msg))
-            except BaseException:
+            except BaseException as exc:
                 self._layout, self._tensors, self._region = None, [], None
                 region.close()
+                if isinstance(exc, errors.LayoutMismatch):
+                    self._explain_mismatch(msg.layout, exc)
                 raise
             self._double = spare
             self._start_heartbeat()
@@ -304,7 +321,13 @@ class Hub(HostCopies):
         publishes that version; otherwise drain and unpublish the current version, then
         replicate the new one. If the version is lost mid-read and ``spec`` is relative,
         retries once in the same round (the shards of a replica stay in one transaction).
-        ``round``, ``progress``: as for :meth:`replicate`."""
+        ``round``, ``progress``: as for :meth:`replicate`.
+
+        All or nothing: an update that fails before a byte of the new version is written keeps
+        the current version published. With a double buffer it swaps when it can (see
+        :meth:`register`); it never waits for a prefetch in flight (it copies behind it).
+        Verify mode (``verify_mutability``): the version it leaves is checked once drained,
+        before the new one is written (``MutabilityViolation``; the handle is idle then)."""
         with self._lock:
             if self._double is not None and round is None:
                 st = self._swap(spec)
@@ -315,24 +338,39 @@ class Hub(HostCopies):
     def _swap(self, spec: m.VersionSpec) -> Optional[ReadStats]:
         """update() with a double buffer: take over the complete staging copy's memory (the
         server exchanges the two holders' endpoints) instead of copying it. None: not possible
-        now (the caller copies)."""
+        now (the caller copies, and that read is all or nothing): a prefetch is running (the copy
+        follows it, pipelined, and smart skipping may answer at once), the staging copy is
+        incomplete, or ``spec`` names another version. The server accepts a swap only from a
+        handle that publishes nothing, so the current version is unpublished first; if the server
+        then refuses, it is published again before this returns None: a refused swap changes
+        nothing."""
         stage = self._stage
         if stage is None or self.num_shards > 1:
             return None
+        with self._stage_lock:
+            if self._prefetching:
+                return None
         with stage._lock:  # no prefetch may start on the staging copy meanwhile
             v = stage._machine.published
+            old = self._machine.published
             if (v is None or stage._region is None or stage._region.progress != self._layout.unit_count
-                    or self._machine.published == v or self._machine.reading):
+                    or old == v or self._machine.reading or (isinstance(spec, int) and spec != v)):
                 return None
             t0 = time.perf_counter()
             stage._stop_host_copy(cancel_it=False)
             self._stop_host_copy()
-            if self._machine.published is not None:
+            if old is not None:
                 self._unpublish_locked()
-            reply = self._port.call(m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v, spec=spec))
+            try:
+                reply = self._port.call(m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v,
+                                               spec=spec))
+            except errors.TensorHubError as e:
+                reply = m.ErrorReply(code=type(e).__name__, message=str(e))
             if isinstance(reply, m.ErrorReply):
                 log.info("model=%s replica=%s shard=%d: no swap, copying instead: %s", self.model, self.replica,
                          self.shard, reply.message)
+                if old is not None:
+                    self._publish_again(old)
                 return None
             with self._mlock, stage._mlock:
                 self._region, stage._region = stage._region, self._region
@@ -354,6 +392,16 @@ class Hub(HostCopies):
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers, stall_s=0.0)
         return st
 
+    def _publish_again(self, version: int) -> None:
+        """A refused swap: publish ``version`` again from the tensors, which still hold it (it
+        was unpublished only for the swap, and verified unchanged in verify mode). If the server
+        cannot be told, the handle stays unpublished and the update copies from there."""
+        try:
+            self._run(hm.PublishOp(version, tuple(self._checksums) if self.config.checksums else ()))
+        except errors.TensorHubError as e:
+            log.warning("model=%s replica=%s shard=%d: version %d not published again after a refused swap: %s",
+                        self.model, self.replica, self.shard, version, e)
+
     def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
         close raises ``HandleClosed``.
@@ -365,13 +413,30 @@ class Hub(HostCopies):
         closes the handle (and raises).
 
         A prefetch staging copy (:meth:`prefetch`) is closed first, after its prefetch in
-        flight ends; it follows the same last-copy rule."""
-        self._close_stage(drop_last_copy)
+        flight ends; it follows the same last-copy rule (its ``LastCopyHeld`` leaves both open).
+        Any other failure of the staging copy's close still closes the handle, then is raised.
+        No prefetch starts once close() has begun (a seed asked meanwhile is dropped).
+
+        Verify mode (``verify_mutability``): the version this call unpublished is checked like
+        :meth:`unpublish` checks it, once the handle is closed (``MutabilityViolation``)."""
+        try:
+            self._close_stage(drop_last_copy)
+        except errors.LastCopyHeld:
+            with self._stage_lock:
+                self._closing = False  # both stay open, as they were
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the handle closes first, then this is raised
+            stage_error: Optional[BaseException] = exc
+        else:
+            stage_error = None
         with self._lock:
             self._stop_host_copy()
+            was = self._machine.published
             try:
                 self._run(hm.CloseOp(drop_last_copy=drop_last_copy))
             except errors.LastCopyHeld:
+                with self._stage_lock:
+                    self._closing = False  # the handle stays open (it serves its host copy)
                 raise
             except errors.HandleClosed:
                 raise
@@ -387,6 +452,10 @@ class Hub(HostCopies):
                 raise
             self._stop_threads()
             self._release()
+            if stage_error is not None:
+                raise stage_error
+            if was is not None and self.config.verify_mutability:
+                self._verify_unchanged(was)
 
     def prefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
                  buffer: Optional[NamedTensors] = None) -> "concurrent.futures.Future[ReadStats]":
@@ -408,7 +477,8 @@ class Hub(HostCopies):
         exception and costs nothing else (the next :meth:`update` reads as if there had been
         none). Prefetches run one after the other. Raises ``InvalidState`` before
         :meth:`register`, ``LayoutMismatch`` for a ``buffer`` of another layout, and
-        ``HandleClosed``."""
+        ``HandleClosed``; nothing changes then. A ``buffer`` that shares memory with the registered
+        tensors is a ``LayoutMismatch`` too."""
         return self._start_prefetch(spec, _check_round(round), buffer, seed=None)
 
     def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
@@ -418,7 +488,7 @@ class Hub(HostCopies):
         if self._stage_for:
             raise errors.InvalidState("a prefetch staging handle does not prefetch")
         with self._stage_lock:
-            if self._machine.phase is HubState.CLOSED:
+            if self._machine.phase is HubState.CLOSED or self._closing:
                 raise errors.HandleClosed(f"{self.client_id} is closed")
             if self._layout is None:
                 raise errors.InvalidState("prefetch() needs register() first")
@@ -428,6 +498,9 @@ class Hub(HostCopies):
                 if self._stage is not None or self._prefetcher is not None:
                     raise errors.InvalidState("the staging buffer is set by the first prefetch() only")
                 buffer = self._like(buffer, self._layout, "prefetch buffer")
+                if _share_memory([t for _, t in buffer], self._tensors):
+                    # The prefetch would write the published tensors while readers fetch them.
+                    raise errors.LayoutMismatch("prefetch buffer: shares memory with the registered tensors")
             if self._prefetcher is None:
                 self._prefetcher = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"tensorhub-prefetch-{self.client_id}")
@@ -443,6 +516,16 @@ class Hub(HostCopies):
 
     def _prefetch_job(self, spec: m.VersionSpec, round_no: Optional[int],
                       buffer: Optional[list], seed: Optional[int] = None) -> ReadStats:
+        with self._stage_lock:
+            self._prefetching += 1
+        try:
+            return self._prefetch_now(spec, round_no, buffer, seed)
+        finally:
+            with self._stage_lock:
+                self._prefetching -= 1
+
+    def _prefetch_now(self, spec: m.VersionSpec, round_no: Optional[int],
+                      buffer: Optional[list], seed: Optional[int]) -> ReadStats:
         if seed is not None and seed < self._seeding:
             # A seed asked while an older one was crossing: only the newest is worth the link.
             return ReadStats(action="noop", version=seed)
@@ -468,10 +551,12 @@ class Hub(HostCopies):
             buffer = [(meta.name, c) for meta, c in zip(self._layout.metas, self._host_like(touch=True))]
         stage.register(buffer)
         with self._stage_lock:
-            if self._machine.phase is HubState.CLOSED:
-                stage.close(drop_last_copy=True)
-                raise errors.HandleClosed(f"{self.client_id} closed during its first prefetch")
-            self._stage = stage
+            closing = self._machine.phase is HubState.CLOSED or self._closing
+            if not closing:
+                self._stage = stage
+        if closing:
+            stage.close(drop_last_copy=True)
+            raise errors.HandleClosed(f"{self.client_id} closed during its first prefetch")
         log.info("model=%s replica=%s shard=%d: prefetch staging copy %s registered",
                  self.model, self.replica, self.shard, stage.client_id)
         return stage
@@ -502,21 +587,50 @@ class Hub(HostCopies):
                                         "dtypes, shapes and order must match)")
         return items
 
+    def _explain_mismatch(self, mine: m.LayoutInfo, refused: errors.LayoutMismatch) -> None:
+        """The server refused this registration's layout: if the model's layout for this shard
+        differs from ours only in the ``checksums`` setting, raise ``ConfigError`` saying so
+        (the server's message could only name a fingerprint). Else return: ``refused`` stands.
+        Costs one query, on this failure path only."""
+        try:
+            status = self._port.call(m.Query(model=self.model, layouts=True))
+        except errors.TensorHubError:
+            return
+        if not isinstance(status, m.Status):
+            return
+        view = next((v for v in status.models if v.model == self.model), None)
+        known = next((sl.layout for sl in (view.layouts if view is not None else ()) if sl.shard == self.shard), None)
+        if known is None:
+            return
+        ours = self.config.checksums
+        if known.fingerprint == mine.fingerprint.removesuffix(_SUMS_TAG[ours]) + _SUMS_TAG[not ours]:
+            raise errors.ConfigError(
+                f"model={self.model} shard={self.shard}: this handle runs with checksums={ours}, the model's "
+                f"other clients with checksums={not ours}; every client of a model must use the same setting "
+                f"(Config.checksums, TENSORHUB_CHECKSUMS)") from refused
+
     def _close_stage(self, drop_last_copy: bool) -> None:
+        """close(), first step: no prefetch starts from now on; the one in flight ends; the
+        staging copy closes (``LastCopyHeld``: kept, raised; any other failure closes it and
+        is raised)."""
         with self._stage_lock:
+            self._closing = True
             prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
             prefetcher.shutdown(wait=True, cancel_futures=True)
         with self._stage_lock:
             stage = self._stage
-        if stage is not None and stage.state is not HubState.CLOSED:
-            stage.close(drop_last_copy=drop_last_copy)  # LastCopyHeld: kept, raised
-        with self._stage_lock:
-            self._stage = None
+        try:
+            if stage is not None and stage.state is not HubState.CLOSED:
+                stage.close(drop_last_copy=drop_last_copy)
+        finally:
+            with self._stage_lock:
+                if self._stage is stage and (stage is None or stage.state is HubState.CLOSED):
+                    self._stage = None
 
     # asyncio twins
-    async def aregister(self, tensors: NamedTensors) -> None:
-        await asyncio.to_thread(self.register, tensors)
+    async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
+        await asyncio.to_thread(lambda: self.register(tensors, double_buffer=double_buffer))
 
     async def apublish(self, version: int) -> None:
         await asyncio.to_thread(self.publish, version)
@@ -576,6 +690,15 @@ class Hub(HostCopies):
                     case _:
                         awaiting = cmd
             assert awaiting is not None, f"{self.client_id}: the machine stopped without an outcome"
+            if isinstance(awaiting, hm.Pull) and self._verify_left is not None:
+                # Verify mode: the server drained the version this update leaves; its bytes must
+                # still be what was published, checked before the first byte of the new one lands.
+                left, self._verify_left = self._verify_left, None
+                try:
+                    self._verify_unchanged(left)
+                except BaseException as exc:
+                    self._finish_interrupted(exc)
+                    raise
             if pause_at_pull and isinstance(awaiting, hm.Pull):
                 return awaiting
             try:
@@ -712,10 +835,12 @@ class Hub(HostCopies):
         self._t_assigned = self._offload_s = 0.0
         self._starved0 = self._region.starved_s if self._region is not None else 0.0
         self._progress = progress
+        self._verify_left = self._machine.published if update and self.config.verify_mutability else None
         try:
             out = self._run(hm.ReplicateOp(spec, update, round_no))
         finally:
             self._progress = None
+            self._verify_left = None
         st = self._read_stats(out)
         if st.action == "replicated" and not st.prefetched:
             # The server may ask this new holder for the version's retention copy at once (not
@@ -761,7 +886,11 @@ class Hub(HostCopies):
         self._read_t0 = time.perf_counter()
         self._t_assigned = self._offload_s = 0.0
         self._starved0 = self._region.starved_s if self._region is not None else 0.0
-        res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+        self._verify_left = self._machine.published if update and self.config.verify_mutability else None
+        try:
+            res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+        finally:
+            self._verify_left = None
         if isinstance(res, hm.Outcome):
             return m.NoChange(version=res.version)
         self._pending_pull = res
@@ -1026,6 +1155,17 @@ def _log_seed(model: str, shard: int, version: int, fut: "concurrent.futures.Fut
         log.info("model=%s shard=%d: seeded version %d into this datacenter", model, shard, version)
 
 
+def _share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether any tensor of ``a`` lies in memory under a tensor of ``b``: one storage, or two
+    storages whose byte ranges overlap on one device (e.g. views made with ``from_blob``)."""
+    spans = [(st.device, st.data_ptr(), st.data_ptr() + st.nbytes()) for st in distinct_storages(b).values()]
+    for st in distinct_storages(a).values():
+        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+        if any(dev == st.device and lo < end and start < hi for dev, start, end in spans):
+            return True
+    return False
+
+
 def _check_round(round_no: Optional[int]) -> Optional[int]:
     if round_no is not None and (not isinstance(round_no, int) or isinstance(round_no, bool) or round_no < 1):
         raise errors.BadVersionSpec(f"round must be an int >= 1, got {round_no!r}")
@@ -1039,9 +1179,14 @@ def _sync_devices(tensors: Sequence[torch.Tensor]) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _layout_info(layout: Layout) -> m.LayoutInfo:
+_SUMS_TAG = {True: ":sums", False: ":nosums"}
+"""The end of a registered layout's fingerprint: the handle's ``checksums`` setting, which every
+client of a model must share (the server refuses a registration whose fingerprint differs)."""
+
+
+def _layout_info(layout: Layout, checksums: bool = True) -> m.LayoutInfo:
     return m.LayoutInfo(
-        fingerprint=layout.fingerprint + ":" + layout.unit_signature[:16],
+        fingerprint=layout.fingerprint + ":" + layout.unit_signature[:16] + _SUMS_TAG[bool(checksums)],
         unit_count=layout.unit_count,
         total_bytes=layout.total_bytes,
         tensors=tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in layout.metas),

@@ -53,6 +53,13 @@ _ENCODER = msgspec.msgpack.Encoder()
 _FOLLOWS_KEPT = 64
 """Follow requests kept for a version no pull of this process is reading yet."""
 
+_PUSHES_PER_PEER_KEPT = 256
+"""Progress pushes kept per holder until a pull of this process takes them (the newest): a
+holder keeps pushing to a reader whose pull has ended, and nobody takes those again."""
+
+_PEERS_KEPT = 64
+"""Holders whose untaken pushes are kept (those filed most recently)."""
+
 
 class Notes:
     """The NIXL notifications of one agent, sorted by kind. NIXL hands out every notification of
@@ -81,7 +88,18 @@ class Notes:
                 if isinstance(msg, Follow):
                     self._follows.append(msg)
                 else:
-                    self._advanced.setdefault(peer, []).append(msg)
+                    self._file_advanced(peer, msg)
+
+    def _file_advanced(self, peer: str, msg: Advanced) -> None:
+        """Keep ``msg`` for the next pull from ``peer``, boundedly (pushes are hints: a reader
+        that misses one reads the holder's counter instead)."""
+        kept = self._advanced.pop(peer, [])  # re-inserted last: the dict is oldest-filed first
+        kept.append(msg)
+        if len(kept) > _PUSHES_PER_PEER_KEPT:
+            del kept[0]
+        self._advanced[peer] = kept
+        while len(self._advanced) > _PEERS_KEPT:
+            del self._advanced[next(iter(self._advanced))]
 
     def take_follows(self, version: Optional[int] = None) -> list[Follow]:
         """The follow requests filed so far (only those for ``version`` unless None; the others

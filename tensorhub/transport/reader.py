@@ -447,7 +447,11 @@ class _Puller:
         if not self.inflight:
             return
         timeout = self.config.source_stall_timeout_s
-        _await_terminal(self.nx, self.inflight, timeout)
+        lock = self.region.agent.xfer_lock
+        # Let go of the agent between looks, as the loop's sleeps do: another pull of this
+        # process (or a registration) must not wait out this pull's stall timeout.
+        with unlocked(lock):
+            _await_terminal(self.nx, self.inflight, timeout, lock)
         if not self.inflight:
             return
         units = sorted(self.inflight)

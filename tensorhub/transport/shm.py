@@ -271,16 +271,39 @@ def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         d.copy_(s)
 
 
-_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
+class _Copier:
+    """The process's same-host copy threads: one pool, replaced by a larger one when a pull asks
+    for more threads. The pool replaced is shut down without waiting (its queued copies still
+    run, then its threads exit); a pull holding this object submits to the current pool, so
+    none submits to a pool shut down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._threads = 0
+
+    def at_least(self, threads: int) -> "_Copier":
+        with self._lock:
+            if self._pool is None or self._threads < threads:
+                old = self._pool
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads,
+                                                                   thread_name_prefix="tensorhub-shm")
+                self._threads = threads
+                if old is not None:
+                    old.shutdown(wait=False)
+        return self
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        with self._lock:
+            return self._pool.submit(fn, *args)
 
 
-def _copier(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < threads:  # noqa: SLF001
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tensorhub-shm")
-        return _pool
+_COPIER = _Copier()
+
+
+def _copier(threads: int) -> _Copier:
+    """The copy threads, at least ``threads`` of them."""
+    return _COPIER.at_least(threads)
 
 
 def _copy_units(src, dst: Sequence[torch.Tensor], layout: Layout, units: Sequence[int],
