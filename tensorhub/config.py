@@ -55,6 +55,14 @@ class Config:
     ``heartbeat_interval_s``."""
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
+    lease_stretch_max_s: float = 60.0
+    """How far a server that falls behind stretches every lease: silence counts from what the
+    server could have read, so a client whose pulse waits unread in its queue is not declared
+    dead (the server measures how far behind it is: :class:`tensorhub.port.Backlog`); and while
+    it is behind by more than ``heartbeat_interval_s`` it holds pulses longer (up to twice
+    ``pulse_hold_s``). A client that really stopped is still declared dead within
+    ``lease_timeout_s + lease_stretch_max_s`` of its last word, however far behind the
+    server is (Ray's pushed deaths stay the fast path). 0: leases are never stretched."""
     host_copies_pooled: int = 1
     """Retention (offload) buffers each non-spot handle keeps ready: allocated, touched and
     registered in the background after ``register`` and refilled after every offload, so an
@@ -172,6 +180,7 @@ class Config:
         need(self.server_tick_s > 0, "server_tick_s must be > 0")
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
         need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
+        need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
 
     def server_actor_name(self, model: str) -> str:
         """The name of the reference server actor that serves ``model`` (in ``namespace``).
