@@ -51,7 +51,8 @@ class Config:
     So an idle fleet costs the server one call per process per ``pulse_hold_s``, and events
     still arrive at once. A dead process is found through Ray (its worker's or node's death is
     pushed to the server), not by the silence of its pulse; a process that hangs without dying
-    is found within ``pulse_hold_s + lease_timeout_s``. 0: no holding, one pulse per
+    is found within ``pulse_hold_s + lease_timeout_s`` (on a server that is behind, longer:
+    ``lease_stretch_max_s``). 0: no holding, one pulse per
     ``heartbeat_interval_s``."""
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""

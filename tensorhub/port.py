@@ -231,8 +231,11 @@ class Backlog:
       one probe period.
 
     Either way a client that really stopped is declared dead at most ``max_s`` later than on
-    an idle server. Not thread-safe by itself in ``probed`` mode (one event loop drives it);
-    the exact mode takes its own lock (callers arrive from many threads)."""
+    an idle server. Thread-safe (a :class:`LocalPort`'s callers arrive from many threads). At
+    most ``PENDING_MAX`` requests are remembered unread: the oldest beyond are forgotten (a
+    probe that never returns must not grow the server)."""
+
+    PENDING_MAX = 4096
 
     def __init__(self, max_s: float, now: float, probed: bool = False) -> None:
         assert max_s >= 0, max_s
@@ -251,6 +254,8 @@ class Backlog:
         with self._lock:
             self._tokens += 1
             self._pending[self._tokens] = at
+            if len(self._pending) > self.PENDING_MAX:
+                del self._pending[next(iter(self._pending))]
             return self._tokens
 
     def read(self, token: int, heard: bool = True) -> None:
@@ -278,14 +283,15 @@ class Backlog:
         return behind
 
 
-def busy_hold(hold_s: float, behind_s: float, interval_s: float) -> float:
+def busy_hold(hold_s: float, behind_s: float, interval_s: float, request_timeout_s: float) -> float:
     """The hold of a pulse on a server behind by ``behind_s`` (:class:`Backlog`): once it is
-    behind by more than one ``interval_s``, longer by the backlog, up to twice ``hold_s``, so
-    the fleet's next round of pulses comes after it has caught up (load shed before leases
-    are). A client waits a hold out for up to its wait plus ``request_timeout_s``."""
+    behind by more than one ``interval_s``, longer by the backlog, up to twice ``hold_s`` and
+    by at most half of ``request_timeout_s`` (a client waits a hold out for its wait plus
+    ``request_timeout_s``), so the fleet's next round of pulses comes after the server has
+    caught up: load is shed before leases are."""
     if hold_s <= 0 or behind_s <= interval_s:
         return hold_s
-    return hold_s + min(hold_s, behind_s)
+    return hold_s + min(hold_s, behind_s, request_timeout_s / 2)
 
 
 def holdable(request: m.Request, reply: object, wait_s: float, hold_max_s: float) -> float:
@@ -411,7 +417,8 @@ class LocalPort:
         hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
         if hold_s:
             behind = self.backlog.behind_s(time.monotonic())
-            return self._hold(request, busy_hold(hold_s, behind, self.config.heartbeat_interval_s))
+            return self._hold(request, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
+                                                 self.config.request_timeout_s))
         if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
             return reply
         deadline = time.monotonic() + wait_s

@@ -59,21 +59,30 @@ def test_a_probed_backlog_is_the_age_of_the_newest_probe_read(probes, now, want)
     assert b.behind_s(now) == pytest.approx(want)
 
 
+def test_a_backlog_remembers_a_bounded_number_of_unread_requests():
+    b = Backlog(max_s=10.0, now=0.0)
+    b.arrived(0.0)
+    for _ in range(Backlog.PENDING_MAX):
+        b.arrived(1.0)
+    assert b.behind_s(2.0) == pytest.approx(1.0), "the oldest beyond the bound is forgotten"
+
+
 def test_a_backlog_without_stretch_is_never_behind():
     b = Backlog(max_s=0.0, now=0.0)
     b.arrived(-50.0)
     assert b.behind_s(1.0) == 0.0
 
 
-@pytest.mark.parametrize("hold_s, behind_s, want", [
-    (30.0, 0.0, 30.0),    # caught up: the configured hold
-    (30.0, 1.0, 30.0),    # behind by one interval or less: still
-    (30.0, 12.0, 42.0),   # behind: longer by the backlog
-    (30.0, 90.0, 60.0),   # at most twice
-    (0.0, 90.0, 0.0),     # not held stays not held
+@pytest.mark.parametrize("hold_s, behind_s, timeout_s, want", [
+    (30.0, 0.0, 300.0, 30.0),    # caught up: the configured hold
+    (30.0, 1.0, 300.0, 30.0),    # behind by one interval or less: still
+    (30.0, 12.0, 300.0, 42.0),   # behind: longer by the backlog
+    (30.0, 90.0, 300.0, 60.0),   # at most twice
+    (30.0, 90.0, 10.0, 35.0),    # and within the client's patience (half its request timeout)
+    (0.0, 90.0, 300.0, 0.0),     # not held stays not held
 ])
-def test_a_busy_server_holds_pulses_longer(hold_s, behind_s, want):
-    assert busy_hold(hold_s, behind_s, interval_s=1.0) == want
+def test_a_busy_server_holds_pulses_longer(hold_s, behind_s, timeout_s, want):
+    assert busy_hold(hold_s, behind_s, interval_s=1.0, request_timeout_s=timeout_s) == want
 
 
 @pytest.mark.parametrize("silent_s, grace_s, alive", [

@@ -97,7 +97,8 @@ class ReferenceServer:
                 reply = ev
         elif hold_s := holdable(req, reply, wait_s, self.config.pulse_hold_s):
             behind = self._backlog.behind_s(time.monotonic())
-            reply = await self._hold(req, busy_hold(hold_s, behind, self.config.heartbeat_interval_s))
+            reply = await self._hold(req, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
+                                                    self.config.request_timeout_s))
         return m.encode(reply)
 
     async def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
