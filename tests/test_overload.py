@@ -16,7 +16,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.port import Backlog, LocalPort, busy_hold
 
-CFG = Config(heartbeat_interval_s=0.1, lease_timeout_s=0.5, server_tick_s=0.05, pulse_hold_s=0.0,
+CFG = Config(heartbeat_interval_s=0.2, lease_timeout_s=1.0, server_tick_s=0.05, pulse_hold_s=0.0,
              liveness_check_s=0.0, same_host=False)
 
 
@@ -86,10 +86,10 @@ def test_a_busy_server_holds_pulses_longer(hold_s, behind_s, timeout_s, want):
 
 
 @pytest.mark.parametrize("silent_s, grace_s, alive", [
-    (0.4, 0.0, True),
-    (0.6, 0.0, False),    # past its lease on a server that is not behind
-    (0.6, 0.2, True),     # the server may not have read it yet
-    (0.8, 0.2, False),    # past its lease plus the backlog
+    (0.9, 0.0, True),
+    (1.1, 0.0, False),    # past its lease on a server that is not behind
+    (1.1, 0.2, True),     # the server may not have read it yet
+    (1.3, 0.2, False),    # past its lease plus the backlog
 ])
 def test_the_core_stretches_leases_by_the_drivers_backlog(silent_s, grace_s, alive):
     core = ReferenceCore(CFG)
