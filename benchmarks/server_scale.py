@@ -143,6 +143,8 @@ def ray_part(args) -> dict:
     ``--clients`` clients with raw protocol messages (no tensors, no client library):
 
     - capacity: calls/s the server answers when pipelined heartbeats keep it busy;
+    - the fleet starts: every process registers its handles at once (``register_10k_s``: until
+      the last is answered) and, as a ``Hub`` does, pulses from its own registration on;
     - steady state, right after the clients registered: every process does what the ``Hub``'s
       liveness loop does at the default config while idle: one ``Pulse`` carrying the
       heartbeats of its ``--handles-per-process`` handles, held by the server up to
@@ -152,12 +154,17 @@ def ray_part(args) -> dict:
       the server process's CPU seconds per wall second. Busy fraction: the larger of calls/s
       over capacity calls/s and the server's CPU over its CPU at capacity (above 1 the server
       is saturated);
-    - the clients whose lease ran out during the steady state (a pulse answered with them
-      unknown: the server fell so far behind that a client's pulses came more than
-      ``lease_timeout_s`` apart, or a held pulse did not keep it alive); they register again;
+    - ``steady_clients_expired``: the clients whose lease ran out from the fleet's start to the
+      end of the steady state (a pulse answered with them unknown: the server declared them
+      dead although they pulsed; a server that falls behind must stretch leases by its
+      backlog, not expire its fleet); they register again. ``steady_server_behind_max_s``: the
+      most the server found itself behind in reading its queue so far (``port.Backlog``);
     - then the storm: a trainer publishes a new version and every client sends
-      ``Replicate("latest")`` at once; seconds from the first send to the last ``Assignment``
-      received.
+      ``Replicate("latest")`` at once, while the trainer heartbeats once per interval (its
+      heartbeats wait in the same queue); seconds from the first send to the last
+      ``Assignment`` received, and ``storm_assigned``: how many were assigned (all of them
+      unless a lease, the trainer's included, ran out); ``storm_server_behind_max_s`` as above,
+      through the storm.
     """
     import os
     import uuid
@@ -199,14 +206,17 @@ def ray_part(args) -> dict:
     out["capacity_server_cpu_fraction"] = round((cpu_s() - c0) / wall, 3)
     say(f"capacity: {out['capacity_calls_per_s']} calls/s (server CPU {out['capacity_server_cpu_fraction']})")
 
+    per = max(1, args.handles_per_process)
+    hold = config.pulse_hold_s
+    # The fleet starts: every process registers its handles and pulses from then on, as a Hub
+    # does (a client whose registration was answered early pulses while the others wait).
     t0 = time.perf_counter()
-    bad = [c for *_, errs in ray.get([gen.send_all.remote("Register") for gen in gens]) for c in errs]
+    bad = [c for errs in ray.get([gen.fleet.remote(config.heartbeat_interval_s, per, hold) for gen in gens])
+           for c in errs]
     assert not bad, bad[:3]
     out["register_10k_s"] = round(time.perf_counter() - t0, 3)
     say(f"registered {n} clients in {out['register_10k_s']} s")
 
-    per = max(1, args.handles_per_process)
-    hold = config.pulse_hold_s
     warm = hold + 2 * config.heartbeat_interval_s if hold else config.heartbeat_interval_s
     # the server's CPU over the counted window only: sampled by a timer thread
     cpu_marks: dict = {}
@@ -220,7 +230,7 @@ def ray_part(args) -> dict:
              for k, dt in (("from", warm), ("to", warm + args.steady_s))]
     for t in marks:
         t.start()
-    stats = ray.get([gen.steady.remote(args.steady_s, config.heartbeat_interval_s, per, hold, warm) for gen in gens])
+    stats = ray.get([gen.steady.remote(args.steady_s, warm) for gen in gens])
     for t in marks:
         t.join()
     wall = cpu_marks["to"][0] - cpu_marks["from"][0]
@@ -241,11 +251,12 @@ def ray_part(args) -> dict:
     out["steady_busy_fraction_10k"] = round(max(by_calls, by_cpu), 3)
     out["steady_late_rounds"] = sum(s["late"] for s in stats)
     out["steady_clients_expired"] = sum(s["expired"] for s in stats)
+    out["steady_server_behind_max_s"] = round(ray.get(server.counts.remote()).get("behind_max_ms", 0) / 1000, 3)
     say(f"steady: busy fraction {out['steady_busy_fraction_10k']} (calls {out['steady_busy_by_calls']}, CPU "
         f"{out['steady_busy_by_cpu']}), server CPU {out['steady_server_cpu_fraction']} of a core, "
         f"{out['steady_achieved_calls_per_s']} of {out['steady_offered_calls_per_s']} calls/s offered "
         f"(hold {hold} s); late rounds {out['steady_late_rounds']}, clients whose lease ran out "
-        f"{out['steady_clients_expired']}")
+        f"{out['steady_clients_expired']}; the server was behind by up to {out['steady_server_behind_max_s']} s")
 
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
     for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t"), m.Publish("trainer", 1)):
@@ -263,8 +274,9 @@ def ray_part(args) -> dict:
     out["storm_10k_s"] = round(max(end for _, end, _, _ in spans) - t0, 3)
     out["storm_assigned"] = sum(k for _, _, k, _ in spans)
     out["storm_errors"] = sorted({c for *_, errs in spans for c in errs})
+    out["storm_server_behind_max_s"] = round(ray.get(server.counts.remote()).get("behind_max_ms", 0) / 1000, 3)
     say(f"storm: {out['storm_assigned']} of {n} Replicates assigned in {out['storm_10k_s']} s "
-        f"(errors: {out['storm_errors'] or 'none'})")
+        f"(errors: {out['storm_errors'] or 'none'}); the server was behind by up to {out['storm_server_behind_max_s']} s")
 
     ray.kill(server)
     ray.shutdown()
@@ -381,51 +393,64 @@ def _load_gen_class():
             bad = [r.code for r in decoded if isinstance(r, self.m.ErrorReply)]
             return t0, end, sum(isinstance(r, self.m.Assignment) for r in decoded), bad
 
-        async def steady(self, duration_s: float, interval_s: float, per_process: int = 1,
-                         hold_s: float = 0.0, warm_s: float = 0.0) -> dict:
-            """Each process does what the Hub's liveness loop does while idle: one Pulse of its
-            ``per_process`` clients, asking the server to hold it up to ``hold_s``; the next
-            leaves when it returns, never sooner than ``interval_s`` after the last. Processes
-            start spread over one interval, their first holds end spread over one hold (a
-            fleet is not in step). Calls are counted over ``duration_s`` after
-            ``warm_s`` (a held fleet's first round of pulses is all sent at the start)."""
-            m = self.m
+        async def fleet(self, interval_s: float, per_process: int = 1, hold_s: float = 0.0) -> list:
+            """The fleet starts: each process registers its ``per_process`` clients one after the
+            other (one ``Register`` each, as ``Hub.register``), then does what the Hub's liveness
+            loop does while idle, until :meth:`steady` ends: one Pulse of its clients, asking the
+            server to hold it up to ``hold_s``; the next leaves when it returns, never sooner
+            than ``interval_s`` after the last. Their first holds end spread over one hold (a
+            fleet is not in step). Returns once every client registered (the pulses go on): the
+            error codes of refused registrations."""
             groups = [self.ids[i:i + per_process] for i in range(0, len(self.ids), per_process)]
-            pulses = [m.encode(m.Pulse(beats=tuple(m.Beat(cid) for cid in g))) for g in groups]
+            self._window = (float("inf"), float("inf"))
+            self._stats = {"calls": 0, "late": 0, "expired": set(), "processes": len(groups)}
+            registered = [asyncio.get_running_loop().create_future() for _ in groups]
+            self._loops = [asyncio.get_running_loop().create_task(
+                self._process(i, g, len(groups), interval_s, hold_s, registered[i])) for i, g in enumerate(groups)]
+            return [c for errs in await asyncio.gather(*registered) for c in errs]
+
+        async def _process(self, i: int, cids: list, processes: int, interval_s: float, hold_s: float,
+                           registered: asyncio.Future) -> None:
+            m, stats = self.m, self._stats
+            errs = []
+            for cid in cids:
+                rep = m.decode_reply(await self.server.call.remote(m.encode(self._req("Register", cid)), 0.0))
+                if isinstance(rep, m.ErrorReply):
+                    errs.append(rep.code)
+            registered.set_result(errs)
+            data = m.encode(m.Pulse(beats=tuple(m.Beat(cid) for cid in cids)))
+            wait = max(hold_s * (i + 1) / processes, interval_s) if hold_s else 0.0
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(max(0.0, last + interval_s - time.monotonic()))
+                sent = last = time.monotonic()
+                t_from, t_to = self._window
+                if t_from <= sent < t_to:
+                    stats["calls"] += 1  # sent in the window (its reply may come after it)
+                rep = m.decode_reply(await self.server.call.remote(data, wait))
+                wait = hold_s
+                if isinstance(rep, m.PulseReply) and rep.unknown:
+                    # a lease ran out between two pulses: announce again, as a Hub would
+                    stats["expired"].update(rep.unknown)
+                    for cid in rep.unknown:
+                        await self.server.call.remote(m.encode(self._req("Register", cid)), 0.0)
+                if not hold_s and time.monotonic() - sent > interval_s:
+                    stats["late"] += 1
+
+        async def steady(self, duration_s: float, warm_s: float = 0.0) -> dict:
+            """Counts the fleet's pulses sent over ``duration_s`` after ``warm_s`` (a held
+            fleet's first round of pulses is all sent at the start), then stops it (a pulse
+            still held is left to the server). Returns calls, late rounds (unheld pulses
+            answered after more than one interval), clients whose lease ran out since the fleet
+            started, processes."""
             start = time.monotonic()
-            t_from, t_to = start + warm_s, start + warm_s + duration_s
-            counted = late = 0
-            expired: set[str] = set()
-
-            async def process(i: int, data: bytes) -> None:
-                nonlocal counted, late
-                await asyncio.sleep(interval_s * i / len(pulses))
-                # a fleet out of step: the first holds end spread over one hold
-                wait = max(hold_s * (i + 1) / len(pulses), interval_s) if hold_s else 0.0
-                while True:
-                    sent = time.monotonic()
-                    if sent >= t_to:
-                        return
-                    if t_from <= sent:
-                        counted += 1  # sent in the window (its reply may come after it)
-                    try:  # a pulse still held when the window ends is left to the server
-                        out = await asyncio.wait_for(self.server.call.remote(data, wait), timeout=t_to - sent)
-                        wait = hold_s
-                    except asyncio.TimeoutError:
-                        return
-                    rep = m.decode_reply(out)
-                    if isinstance(rep, m.PulseReply) and rep.unknown:
-                        # a lease ran out between two pulses: announce again, as a Hub would
-                        expired.update(rep.unknown)
-                        for cid in rep.unknown:
-                            await self.server.call.remote(m.encode(self._req("Register", cid)), 0.0)
-                    spent = time.monotonic() - sent
-                    if not hold_s and spent > interval_s:
-                        late += 1
-                    await asyncio.sleep(max(0.0, interval_s - spent))
-
-            await asyncio.gather(*[process(i, d) for i, d in enumerate(pulses)])
-            return {"calls": counted, "late": late, "expired": len(expired), "processes": len(groups)}
+            self._window = (start + warm_s, start + warm_s + duration_s)
+            await asyncio.sleep(warm_s + duration_s)
+            for t in self._loops:
+                t.cancel()
+            await asyncio.gather(*self._loops, return_exceptions=True)
+            s = self._stats
+            return {"calls": s["calls"], "late": s["late"], "expired": len(s["expired"]), "processes": s["processes"]}
 
     return LoadGen
 

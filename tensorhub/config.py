@@ -51,10 +51,19 @@ class Config:
     So an idle fleet costs the server one call per process per ``pulse_hold_s``, and events
     still arrive at once. A dead process is found through Ray (its worker's or node's death is
     pushed to the server), not by the silence of its pulse; a process that hangs without dying
-    is found within ``pulse_hold_s + lease_timeout_s``. 0: no holding, one pulse per
+    is found within ``pulse_hold_s + lease_timeout_s`` (on a server that is behind, longer:
+    ``lease_stretch_max_s``). 0: no holding, one pulse per
     ``heartbeat_interval_s``."""
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
+    lease_stretch_max_s: float = 60.0
+    """How far a server that falls behind stretches every lease: silence counts from what the
+    server could have read, so a client whose pulse waits unread in its queue is not declared
+    dead (the server measures how far behind it is: :class:`tensorhub.port.Backlog`); and while
+    it is behind by more than ``heartbeat_interval_s`` it holds pulses longer (up to twice
+    ``pulse_hold_s``). A client that really stopped is still declared dead within
+    ``lease_timeout_s + lease_stretch_max_s`` of its last word, however far behind the
+    server is (Ray's pushed deaths stay the fast path). 0: leases are never stretched."""
     host_copies_pooled: int = 1
     """Retention (offload) buffers each non-spot handle keeps ready: allocated, touched and
     registered in the background after ``register`` and refilled after every offload, so an
@@ -172,6 +181,7 @@ class Config:
         need(self.server_tick_s > 0, "server_tick_s must be > 0")
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
         need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
+        need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
 
     def server_actor_name(self, model: str) -> str:
         """The name of the reference server actor that serves ``model`` (in ``namespace``).

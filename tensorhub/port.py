@@ -211,6 +211,89 @@ class PulseHolds:
         return m.PulseReply(unknown=tuple(unknown), notes=notes)
 
 
+class Backlog:
+    """How far behind a server is in reading what was sent to it, in seconds, at most
+    ``max_s`` (0: never behind): leases are judged against it (``ReferenceCore.tick``'s
+    ``grace_s``), so a client whose pulse waits unread in the server's queue is not declared
+    dead for that wait, and a slow server does not turn an overload into an outage.
+
+    A server knows it one of two ways:
+
+    - every request marks its arrival before it queues (:meth:`arrived`) and is marked
+      :meth:`read` once the server has applied it (:class:`LocalPort`: a caller arrives before
+      it waits for the lock): behind = the age of the oldest request not yet read, 0 when
+      none waits;
+    - ``probed``: the server sends itself a probe through the queue its clients' calls wait in,
+      which it cannot see into (the Ray actor: a call to itself, every ``server_tick_s``),
+      and marks it read when it runs: behind = the age of the newest probe read (whatever was
+      sent before it has been read: one queue, first come first served). So a server whose
+      loop stalls falls behind even while it sends no probe; an idle one is behind by at most
+      one probe period.
+
+    Either way a client that really stopped is declared dead at most ``max_s`` later than on
+    an idle server. Thread-safe (a :class:`LocalPort`'s callers arrive from many threads). At
+    most ``PENDING_MAX`` requests are remembered unread: the oldest beyond are forgotten (a
+    probe that never returns must not grow the server)."""
+
+    PENDING_MAX = 4096
+
+    def __init__(self, max_s: float, now: float, probed: bool = False) -> None:
+        assert max_s >= 0, max_s
+        self.max_s = max_s
+        self.probed = probed
+        self._pending: dict[int, float] = {}
+        self._tokens = 0
+        self._read_upto = now
+        """``probed``: when the newest probe read was sent."""
+        self._lock = threading.Lock()
+        self.max_seen_s = 0.0
+        """The most this server was found behind (observability)."""
+
+    def arrived(self, at: float) -> int:
+        """A request (a probe) sent or arrived at ``at``; returns its token for :meth:`read`."""
+        with self._lock:
+            self._tokens += 1
+            self._pending[self._tokens] = at
+            if len(self._pending) > self.PENDING_MAX:
+                del self._pending[next(iter(self._pending))]
+            return self._tokens
+
+    def read(self, token: int, heard: bool = True) -> None:
+        """The server has read request ``token`` (idempotent; unknown tokens are ignored).
+        ``heard=False``: it never will (a probe that failed), forget it without learning."""
+        with self._lock:
+            at = self._pending.pop(token, None)
+            if at is not None and heard and at > self._read_upto:
+                self._read_upto = at
+
+    def behind_s(self, now: float) -> float:
+        """How long the oldest unread request may have waited at ``now`` (0 to ``max_s``)."""
+        if self.max_s <= 0:
+            return 0.0
+        with self._lock:
+            if self.probed:
+                oldest = self._read_upto
+            elif self._pending:
+                oldest = min(self._pending.values())
+            else:
+                return 0.0
+        behind = min(self.max_s, max(0.0, now - oldest))
+        if behind > self.max_seen_s:
+            self.max_seen_s = behind
+        return behind
+
+
+def busy_hold(hold_s: float, behind_s: float, interval_s: float, request_timeout_s: float) -> float:
+    """The hold of a pulse on a server behind by ``behind_s`` (:class:`Backlog`): once it is
+    behind by more than one ``interval_s``, longer by the backlog, up to twice ``hold_s`` and
+    by at most half of ``request_timeout_s`` (a client waits a hold out for its wait plus
+    ``request_timeout_s``), so the fleet's next round of pulses comes after the server has
+    caught up: load is shed before leases are."""
+    if hold_s <= 0 or behind_s <= interval_s:
+        return hold_s
+    return hold_s + min(hold_s, behind_s, request_timeout_s / 2)
+
+
 def holdable(request: m.Request, reply: object, wait_s: float, hold_max_s: float) -> float:
     """How long a server may hold ``request`` after answering it with ``reply`` (0: answer
     now): a pulse asked to wait (``wait_s``), up to the server's ``pulse_hold_s``, that brought
@@ -288,6 +371,8 @@ class LocalPort:
         self.holds = PulseHolds()
         """Pulses held here (``pulse_hold_s``), with the actor's rules."""
         self._held = threading.Condition(self._lock)
+        self.backlog = Backlog(self.config.lease_stretch_max_s, time.monotonic())
+        """Callers waiting for the lock, by arrival: leases stretch while they wait."""
 
     def _apply(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -304,44 +389,57 @@ class LocalPort:
         now = time.monotonic()
         if self.holds.of:
             self.core.touch(self.holds.attended(), now)
-        self._apply(self.core.tick(now))
+        self._apply(self.core.tick(now, self.backlog.behind_s(now)))
 
     def tick(self) -> None:
         with self._lock:
             self._tick()
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
-        with self._lock:
-            client_id = getattr(request, "client_id", None)
-            if self.holds.releases(request):
-                self._held.notify_all()
-            self._tick()
-            reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
-            self._wake(woken)
-            hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
-            if hold_s:
-                return self._hold(request, hold_s)
-            if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
-                return reply
-            deadline = time.monotonic() + wait_s
-            w = self._waiters.get(client_id)
-            if w is None:
-                w = self._waiters[client_id] = _Waiter(threading.Condition(self._lock))
-            w.calls += 1
-            try:
-                while True:
-                    ev = self.mail.pop_terminal(client_id)
-                    if ev is not None:
-                        return ev
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return reply
-                    w.cond.wait(min(left, self.config.server_tick_s))
-                    self._tick()
-            finally:
-                w.calls -= 1
-                if not w.calls:
-                    del self._waiters[client_id]
+        # Arrived now, read once applied: while it waits for the lock, no lease runs out for
+        # what it (or any other waiting caller) carries.
+        token = self.backlog.arrived(time.monotonic())
+        try:
+            with self._lock:
+                return self._call(request, wait_s, token)
+        finally:
+            self.backlog.read(token)
+
+    def _call(self, request: m.Request, wait_s: float, token: int) -> object:
+        """:meth:`call` under the lock."""
+        client_id = getattr(request, "client_id", None)
+        if self.holds.releases(request):
+            self._held.notify_all()
+        self._tick()
+        reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
+        self.backlog.read(token)
+        self._wake(woken)
+        hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
+        if hold_s:
+            behind = self.backlog.behind_s(time.monotonic())
+            return self._hold(request, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
+                                                 self.config.request_timeout_s))
+        if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
+            return reply
+        deadline = time.monotonic() + wait_s
+        w = self._waiters.get(client_id)
+        if w is None:
+            w = self._waiters[client_id] = _Waiter(threading.Condition(self._lock))
+        w.calls += 1
+        try:
+            while True:
+                ev = self.mail.pop_terminal(client_id)
+                if ev is not None:
+                    return ev
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return reply
+                w.cond.wait(min(left, self.config.server_tick_s))
+                self._tick()
+        finally:
+            w.calls -= 1
+            if not w.calls:
+                del self._waiters[client_id]
 
     def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
         """Keep an idle process's pulse (the caller holds the lock) until an event, a release

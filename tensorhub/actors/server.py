@@ -30,7 +30,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.errors import ServerUnavailable
 from tensorhub.logs import configure_from_env
-from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
+from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ class ReferenceServer:
         self._by: dict[str, dict[str, list[str]]] = {}
         self.pushed_deaths = 0
         """Clients removed because Ray pushed their worker's or node's death."""
+        self._backlog = Backlog(self.config.lease_stretch_max_s, time.monotonic(), probed=True)
+        """How far behind this server reads its queue (probes it sends itself): leases stretch
+        by it (:class:`~tensorhub.port.Backlog`)."""
+        self._probes: set[asyncio.Task] = set()
+        self._me = None
+        """This actor's own handle (its probes go through it)."""
 
     async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
         self._start()
@@ -90,19 +96,37 @@ class ReferenceServer:
             if ev is not None:
                 reply = ev
         elif hold_s := holdable(req, reply, wait_s, self.config.pulse_hold_s):
-            reply = await self._hold(req, hold_s)
+            behind = self._backlog.behind_s(time.monotonic())
+            reply = await self._hold(req, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
+                                                    self.config.request_timeout_s))
         return m.encode(reply)
 
     async def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
         """Keep an idle process's pulse until an event for it, a release or ``hold_s``
-        (:class:`~tensorhub.port.PulseHolds`)."""
+        (:class:`~tensorhub.port.PulseHolds`). A hold that runs out stamps its handles as heard
+        from now: the process was waiting on us until the answer leaves, and its next pulse
+        gets a whole lease (plus the server's backlog) to arrive."""
         hold = self._holds.start(pulse, self.core, time.monotonic() + hold_s)
         hold.waker = asyncio.Event()
         try:
             await asyncio.wait_for(hold.waker.wait(), timeout=hold_s)
         except asyncio.TimeoutError:
-            pass
+            if not hold.over:  # not released meanwhile (a released hold stops counting at once)
+                self.core.touch(hold.client_ids, time.monotonic())
         return self._holds.answer(hold, self.core, self.mail)
+
+    async def probe(self, token: int) -> None:
+        """The server's own call to itself, through the queue its clients' calls wait in: read
+        now (:class:`~tensorhub.port.Backlog`). Unknown tokens are ignored."""
+        self._backlog.read(token)
+
+    async def _probe(self) -> None:
+        token = self._backlog.arrived(time.monotonic())
+        try:
+            await self._me.probe.remote(token)
+        except Exception:  # noqa: BLE001 - a lost probe teaches nothing; the next one will
+            log.debug("backlog probe failed", exc_info=True)
+            self._backlog.read(token, heard=False)
 
     async def _wait_terminal(self, client_id: str, deadline: float):
         """The next terminal event of ``client_id`` before ``deadline``, or None."""
@@ -145,9 +169,11 @@ class ReferenceServer:
 
     async def counts(self) -> dict[str, int]:
         """Calls served so far, by request type (``Pulse``, ``Replicate``, ...) and ``notes``;
-        also ``held`` (pulses held now) and ``pushed_deaths`` (clients removed on a death Ray
-        pushed)."""
-        return {**self._counts, "held": len(self._holds.of), "pushed_deaths": self.pushed_deaths}
+        also ``held`` (pulses held now), ``pushed_deaths`` (clients removed on a death Ray
+        pushed) and ``behind_max_ms`` (the most the server was found behind in reading its
+        queue: leases stretch by it)."""
+        return {**self._counts, "held": len(self._holds.of), "pushed_deaths": self.pushed_deaths,
+                "behind_max_ms": int(self._backlog.max_seen_s * 1000)}
 
     async def ping(self) -> str:
         self._start()
@@ -157,6 +183,7 @@ class ReferenceServer:
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
+            self._me = ray.get_runtime_context().current_actor
             self._ticker = loop.create_task(self._tick_loop())
             if self.config.liveness_check_s > 0:
                 self._deaths = loop.create_task(DeathWatch(self._on_deaths, self._on_jobs_ended).run())
@@ -212,7 +239,10 @@ class ReferenceServer:
         processes = self.core.processes()
         # A process whose pulse is overdue is asked about by name (its actor may have died while
         # its job lives on): found within a few intervals, not at the end of its lease.
-        targeted = tuple(targeted) + tuple(self.core.overdue(time.monotonic(), 2 * self.config.heartbeat_interval_s))
+        # Overdue counts from what the server could have read (its backlog, as leases do).
+        now = time.monotonic()
+        late_s = 2 * self.config.heartbeat_interval_s + self._backlog.behind_s(now)
+        targeted = tuple(targeted) + tuple(self.core.overdue(now, late_s))
         gone = await asyncio.to_thread(self._liveness.gone, processes, targeted)
         for cid, why in sorted(gone.items()):
             log.info("client %s is gone: %s", cid, why)
@@ -221,12 +251,17 @@ class ReferenceServer:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.server_tick_s)
+            if self.config.lease_stretch_max_s > 0:
+                probe = asyncio.get_running_loop().create_task(self._probe())
+                self._probes.add(probe)
+                probe.add_done_callback(self._probes.discard)
             if self._holds.of and time.monotonic() - self._stamped_at >= self.config.heartbeat_interval_s:
                 # Held pulses' handles count as heard from: stamped once per interval (the
                 # freshness a source needs is 2.5 intervals), not on every tick.
                 self._stamped_at = time.monotonic()
                 self.core.touch(self._holds.attended(), self._stamped_at)
-            self._route(self.core.tick(time.monotonic()))
+            now = time.monotonic()
+            self._route(self.core.tick(now, self._backlog.behind_s(now)))
             self._metrics.table(self.core)
             if self.config.liveness_check_s > 0 and time.monotonic() - self._swept_at >= self.config.liveness_check_s:
                 try:

@@ -170,15 +170,20 @@ class ReferenceCore(CrossDatacenter, Retention):
                     break
         return reply, effects
 
-    def tick(self, now: float) -> list[m.Deliver]:
-        """Expire clients whose lease ran out; returns the effects of their removal."""
+    def tick(self, now: float, grace_s: float = 0.0) -> list[m.Deliver]:
+        """Expire clients whose lease ran out; returns the effects of their removal.
+        ``grace_s`` (>= 0): how long the driver may not yet have read what clients sent it (its
+        own backlog): a client counts as silent only after ``lease_timeout_s + grace_s`` (a
+        reported client after ``2.5 * heartbeat_interval_s + grace_s``), so a slow server does
+        not mistake its unread queue for dead clients."""
+        assert grace_s >= 0, grace_s
         self._effects = []
         self._touched = set()
         self._now = now
         if self._born is None:
             self._born = now
-        lease = self.config.lease_timeout_s
-        probe = 2.5 * self.config.heartbeat_interval_s
+        lease = self.config.lease_timeout_s + grace_s
+        probe = 2.5 * self.config.heartbeat_interval_s + grace_s
         dead_replicas = set()
         for cid in self._lease:  # oldest first: stop at the first one still within its lease
             n = self.nodes[cid]
