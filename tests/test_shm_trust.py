@@ -401,3 +401,46 @@ def test_a_storage_torch_already_shares_is_described_as_it_is():
         assert src.piece(1, 0, 4).view(torch.float32).item() == 1.0
     finally:
         src.close()
+
+
+def test_a_hub_reads_by_nixl_when_the_holder_file_is_not_the_published_one(monkeypatch):
+    """End to end: every endpoint's file identity is off by one inode (as a foreign or reused
+    descriptor looks), so the same-host tier refuses to map it and the handle reads the version
+    through NIXL instead, byte-exact."""
+    import msgspec
+
+    import tensorhub
+    from tensorhub.port import LocalPort
+    from tensorhub.testing import workload
+
+    cfg = Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10, source_stall_timeout_s=1.0,
+                 heartbeat_interval_s=0.2, lease_timeout_s=5.0)
+    real_share = shm.share
+
+    def forged(tensors, control, config):
+        info = real_share(tensors, control, config)
+        if info is None:
+            return None
+        f = msgspec.structs.replace(info.files[0], ino=info.files[0].ino + 1)
+        return msgspec.structs.replace(info, files=(f,) + info.files[1:])
+
+    monkeypatch.setattr(shm, "share", forged)
+    nixl_pulls, shm_pulls = [], []
+    real_nixl, real_shm = tensorhub.client.tx.pull, shm.pull
+    monkeypatch.setattr(tensorhub.client.tx, "pull", lambda *a, **k: nixl_pulls.append(1) or real_nixl(*a, **k))
+    monkeypatch.setattr(shm, "pull", lambda *a, **k: shm_pulls.append(1) or real_shm(*a, **k))
+    port = LocalPort(cfg)
+    spec = workload.small_spec(2 << 20, big=2, tiny=12)
+    handles = []
+    for name in ("t", "r"):
+        named = workload.allocate(spec)
+        h = tensorhub.open("m", port=port, config=cfg, replica=name)
+        h.register(named)
+        handles.append((h, [t for _, t in named]))
+    (t, tt), (r, rt) = handles
+    workload.fill_version(tt, 1)
+    t.publish(1)
+    assert r.replicate(1).version == 1 and workload.digest(rt) == workload.digest(tt)
+    assert nixl_pulls and not shm_pulls
+    r.close(drop_last_copy=True)
+    t.close(drop_last_copy=True)
