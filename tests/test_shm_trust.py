@@ -18,14 +18,19 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
+import msgspec
 import pytest
 import torch
 
+import tensorhub
 from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.layout import Layout, checksum_all
+from tensorhub.port import LocalPort
+from tensorhub.testing import workload
 from tensorhub.transport import shm
 
 CFG = Config(unit_bytes=1 << 20, unit_bytes_min=256 << 10, same_host_threads=1, source_stall_timeout_s=1.0)
@@ -187,8 +192,6 @@ def _shared_file():
 
 
 def _with_file(info, **changes):
-    import msgspec
-
     f = msgspec.structs.replace(info.files[0], **changes)
     return msgspec.structs.replace(info, files=(f,) + info.files[1:])
 
@@ -210,7 +213,7 @@ def test_an_endpoint_naming_a_file_that_is_not_the_published_one_is_not_mapped()
         st = os.fstat(fd)
         with pytest.raises(errors.SourceUnreachable, match="not a shared-memory file"):
             shm.ShmSource(_with_file(info, fd=fd, nbytes=st.st_size, dev=st.st_dev, ino=st.st_ino))
-        fifo_dir = __import__("tempfile").mkdtemp()
+        fifo_dir = tempfile.mkdtemp()
         os.mkfifo(os.path.join(fifo_dir, "p"))
         rfd = os.open(os.path.join(fifo_dir, "p"), os.O_RDONLY | os.O_NONBLOCK)
         try:
@@ -234,16 +237,12 @@ def test_a_mapping_larger_than_its_file_is_unreachable_not_a_raw_error():
     t, c, info = _shared_file()
     with pytest.raises(errors.SourceUnreachable, match="bytes"):
         shm.ShmSource(_with_file(info, nbytes=1 << 30))
-    import msgspec
-
     with pytest.raises(errors.SourceUnreachable, match="control block"):
         shm.ShmSource(msgspec.structs.replace(info, control=(0, info.files[0].nbytes, 128)))
 
 
 def test_tensors_outside_the_mapped_file_fail_the_pull_before_any_copy():
     t, c, info = _shared_file()
-    import msgspec
-
     lay = Layout.for_config([("t", t)], Config())
     bad = shm.ShmSource(msgspec.structs.replace(info, tensors=((0, info.files[0].nbytes - 10),)))
     reader = _Region([torch.zeros_like(t)], lay.unit_count)
@@ -407,12 +406,6 @@ def test_a_hub_reads_by_nixl_when_the_holder_file_is_not_the_published_one(monke
     """End to end: every endpoint's file identity is off by one inode (as a foreign or reused
     descriptor looks), so the same-host tier refuses to map it and the handle reads the version
     through NIXL instead, byte-exact."""
-    import msgspec
-
-    import tensorhub
-    from tensorhub.port import LocalPort
-    from tensorhub.testing import workload
-
     cfg = Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10, source_stall_timeout_s=1.0,
                  heartbeat_interval_s=0.2, lease_timeout_s=5.0)
     real_share = shm.share

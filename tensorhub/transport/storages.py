@@ -83,6 +83,12 @@ def _file_holding(files: Sequence[SharedFile], ptr: int) -> Optional[SharedFile]
     return files[i] if i >= 0 and files[i].holds(ptr) else None
 
 
+def _pinned(st: torch.UntypedStorage) -> bool:
+    """Page-locked memory (moving it would silently unpin the user's buffer). Asked only where
+    CUDA is initialized: nothing is pinned before, and asking would create a CUDA context."""
+    return torch.cuda.is_initialized() and st.is_pinned()
+
+
 def _torch_file(st: torch.UntypedStorage) -> SharedFile:
     """A storage torch already shares by descriptor (``share_memory_()`` by the user, or received
     through ``torch.multiprocessing``): its own file, as it is. Raises if torch cannot name a
@@ -133,8 +139,10 @@ def share_storages(storages: Sequence[torch.UntypedStorage]) -> Optional[list[tu
     file (see the module docstring). Nothing moves, and None is returned, when some storage
     cannot be described (pinned, mapped from a named file, another sharing strategy). After a
     storage moved, it may not be resized (torch refuses: its memory is not its allocator's), and
-    sharing it again with torch (``share_memory_()``) would move it out of the file, which the
-    contract of a registered region forbids anyway: no reallocation while registered.
+    sharing it again with torch (``share_memory_()``, or sending it through
+    ``torch.multiprocessing``, which does that) would move it out of the file: the contract of a
+    registered region forbids it anyway (no reallocation while registered: NIXL registered the
+    addresses too).
 
     May raise ``OSError``/``RuntimeError`` when the file cannot be made (no descriptor left,
     ``/dev/shm`` full): then the storages not yet moved stay where they were; those moved stay
@@ -150,7 +158,7 @@ def _share_locked(storages: Sequence[torch.UntypedStorage]) -> Optional[list[tup
     for i, st in enumerate(storages):
         if (f := _file_holding(files, st.data_ptr())) is not None:
             out[i] = (f, st.data_ptr() - f.addr)
-        elif st.is_pinned():
+        elif _pinned(st):
             return None
         elif st.is_shared():
             torch_shared.append(i)
