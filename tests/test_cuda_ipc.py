@@ -43,20 +43,20 @@ def test_devices_are_matched_by_uuid_not_index(two_gpus):
 
 
 def test_a_gpu_region_seen_from_a_process_without_its_gpu_goes_by_nixl(two_gpus):
-    info = shm.ShmInfo(host=shm.host_key(), pid=1, storages=(), tensors=((0, 0),), control=(3, 4096),
+    info = shm.ShmInfo(host=shm.host_key(), pid=1, files=(), tensors=((0, 0),), control=(0, 0, 4096),
                        cuda=(_storage("GPU-cccc"),))
     assert not shm.usable(info)
-    visible = shm.ShmInfo(host=shm.host_key(), pid=1, storages=(), tensors=((0, 0),), control=(3, 4096),
+    visible = shm.ShmInfo(host=shm.host_key(), pid=1, files=(), tensors=((0, 0),), control=(0, 0, 4096),
                           cuda=(_storage("GPU-aaaa"),))
     assert shm.usable(visible)
-    own = shm.ShmInfo(host=shm.host_key(), pid=os.getpid(), storages=(), tensors=((0, 0),),
-                      control=(3, 4096), cuda=(_storage("GPU-aaaa"),))
+    own = shm.ShmInfo(host=shm.host_key(), pid=os.getpid(), files=(), tensors=((0, 0),),
+                      control=(0, 0, 4096), cuda=(_storage("GPU-aaaa"),))
     assert not shm.usable(own)  # CUDA cannot open a process's own handles
 
 
 def test_no_cuda_here_means_no_cuda_ipc_and_an_unopenable_source_is_unreachable():
     cuda_ipc.local_device.cache_clear()
-    info = shm.ShmInfo(host=shm.host_key(), pid=2**22 + 7, storages=(), tensors=((0, 0),), control=(3, 4096),
+    info = shm.ShmInfo(host=shm.host_key(), pid=2**22 + 7, files=(), tensors=((0, 0),), control=(0, 0, 4096),
                        cuda=(_storage("GPU-aaaa"),))
     if not torch.cuda.is_available():
         assert not shm.usable(info)
@@ -65,7 +65,7 @@ def test_no_cuda_here_means_no_cuda_ipc_and_an_unopenable_source_is_unreachable(
 
 
 def test_cuda_handles_travel_in_the_endpoint():
-    info = shm.ShmInfo(host="h", pid=5, storages=(), tensors=((0, 0), (-1, 0), (0, 512)), control=(3, 4096),
+    info = shm.ShmInfo(host="h", pid=5, files=(), tensors=((0, 0), (-1, 0), (0, 512)), control=(0, 0, 4096),
                        cuda=(_storage("GPU-aaaa", 1024),))
     ep = Endpoint(agent_name="a", agent_metadata=b"m", tensors=(MemRegion(1, 512, "VRAM", 0),),
                   control=MemRegion(2, 64), fingerprint="f", unit_signature="s", unit_count=1, shm=info)
@@ -78,7 +78,7 @@ def test_cpu_regions_carry_no_cuda_handles():
     lay = Layout.build([("a", ts[0])], 64 << 10, 16 << 10)
     r = Region.register(ts, lay, Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10))
     try:
-        assert r.shm_info is not None and r.shm_info.cuda == () and r.shm_info.storages
+        assert r.shm_info is not None and r.shm_info.cuda == () and r.shm_info.files
     finally:
         r.close()
 

@@ -57,7 +57,7 @@ def _holder_and_reader(agent, version=7, complete=True):
 
 def test_register_moves_tensors_into_shared_memory_in_place(agent):
     """The tensor objects, their views and a Parameter stay valid: storages are swapped, not
-    tensors replaced."""
+    tensors replaced; a write through any of them is seen through the published file."""
     p = torch.nn.Parameter(torch.randn(1000))
     base = torch.randn(4096)
     view = base[100:200]
@@ -65,15 +65,24 @@ def test_register_moves_tensors_into_shared_memory_in_place(agent):
     before = [_bytes(t) for t in ts]
     layout = Layout.build([("p", p.data), ("base", base)], CFG.unit_bytes, CFG.pack_below_bytes)
     region = Region.register(ts, layout, CFG, agent=agent)
+    src = None
     try:
-        assert p.is_shared() and base.is_shared() and view.is_shared()
         assert view.data_ptr() == base.data_ptr() + 400, "a view follows its storage"
         assert [_bytes(t) for t in ts] == before
         info = region.endpoint().shm
         assert info is not None and shm.usable(info) and info.pid == os.getpid()
+        assert len(info.files) == 1, "one file for the region: tensors and control block"
         base[150] = 42.0
+        p.data[3] = -7.0
         assert view[50].item() == 42.0
+        src = shm.ShmSource(info)
+        assert src.piece(1, 150 * 4, 4).view(torch.float32).item() == 42.0
+        assert src.piece(0, 3 * 4, 4).view(torch.float32).item() == -7.0
+        region.set_version(5)
+        assert int(src.control[0]) == 5
     finally:
+        if src is not None:
+            src.close()
         region.close()
 
 
@@ -220,11 +229,11 @@ def test_a_partial_holder_that_dies_fails_the_pull_at_once():
 
 
 def test_unmappable_or_foreign_memory_is_not_used():
-    info = shm.ShmInfo(host=shm.host_key(), pid=2**22 + 12345, storages=((3, 4096),), tensors=((0, 0),),
-                       control=(3, 4096))
+    info = shm.ShmInfo(host=shm.host_key(), pid=2**22 + 12345, files=(shm.ShmFile(3, 4096, 1, 1),),
+                       tensors=((0, 0),), control=(0, 0, 4096))
     with pytest.raises(errors.SourceUnreachable):
         shm.ShmSource(info)
-    assert not shm.usable(shm.ShmInfo(host="another-host", pid=1, storages=(), tensors=(), control=(0, 0)))
+    assert not shm.usable(shm.ShmInfo(host="another-host", pid=1, files=(), tensors=(), control=(0, 0, 0)))
     assert not shm.usable(None)
 
 

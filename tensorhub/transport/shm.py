@@ -1,23 +1,30 @@
 """The same-host tier: a reader on the holder's host copies straight out of the holder's memory.
 
 Two processes on one host should not go through a network transport. At registration a
-holder's CPU tensors move into shared memory *in place* (``UntypedStorage.share_memory_()``
-swaps each storage for a shared one: the tensor objects, their views and a model's parameters
-stay valid), and so does the region's control block. The endpoint then also carries
-:class:`ShmInfo`: the host's identity, the holder's pid and, per storage, the file descriptor
-that keeps its shared memory alive. A reader on the same host opens ``/proc/<pid>/fd/<fd>``,
+holder's CPU tensors move into shared memory *in place*, packed into one shared-memory file
+per region (:func:`~tensorhub.transport.storages.share_storages`: each storage's memory is
+swapped, so the tensor objects, their views and a model's parameters stay valid; one descriptor
+per region, whatever its tensor count), and so does the region's control block. The endpoint
+then also carries :class:`ShmInfo`: the host's identity, the holder's pid and, per file, the
+descriptor that keeps it in the holder's process with the file's identity (device, inode). A
+reader on the same host opens ``/proc/<pid>/fd/<fd>``, checks that it is the published file,
 maps it (once: mappings are cached with the source) and copies units with a few threads;
 every other rule is the NIXL read loop's (:class:`~tensorhub.transport.readstate.ReadState`):
 only units the source's control block shows final, the verified prefix in unit order, the
-checksums, the stall timeout, a partial holder's progress.
+checksums, the stall timeout, a partial holder's progress. The control block is another
+process's live memory: it is read as a seqlock (see :func:`pull`).
 
-Host identity is the kernel's boot id plus the network namespace: the emulated cluster's hosts
-(namespaces on one machine) are different hosts, two Ray nodes in one namespace are one.
+Host identity is the kernel's boot id, the network namespace and the PID namespace: the
+emulated cluster's hosts (namespaces on one machine) are different hosts, two Ray nodes in one
+namespace are one, and two containers that share the host's network but not its PID namespace
+are two (a pid names another process in each: the reader would map the wrong memory, and
+checksums would not tell, the control block being the wrong process's too).
 
 CUDA tensors take CUDA IPC instead (:mod:`tensorhub.transport.cuda_ipc`: the handles travel in
 :attr:`ShmInfo.cuda`, the control block stays here in host shared memory). Where ``/dev/shm``
-lacks the room the region keeps NIXL only. A reader that cannot open the holder's memory
-(another PID namespace, no permission, a GPU it does not see) falls back to NIXL too.
+lacks the room the region keeps NIXL only. A reader that cannot open the holder's memory, or
+finds a descriptor that is not the published file (no permission, a reused descriptor number,
+a GPU it does not see), falls back to NIXL too.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import functools
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 import warnings
@@ -37,10 +45,10 @@ import msgspec
 import torch
 
 from tensorhub.config import Config
-from tensorhub.errors import ChecksumMismatch, InvalidState, SourceUnreachable
+from tensorhub.errors import ChecksumMismatch, InvalidState, SourceUnreachable, TransferError
 from tensorhub.layout import Layout, checksum_unit
 from tensorhub.transport import cuda_ipc
-from tensorhub.transport.storages import distinct_storages, storage_offsets
+from tensorhub.transport.storages import bytes_to_move, distinct_storages, share_storages
 from tensorhub.transport.cuda_ipc import CudaStorage
 from tensorhub.transport.readstate import ReadState
 
@@ -49,30 +57,49 @@ logger = logging.getLogger(__name__)
 _HEADER = 2  # the control block: [version, progress, checksum per unit] (as in nixl.py)
 
 
+class ShmFile(msgspec.Struct, frozen=True):
+    """A shared-memory file of the holder: the descriptor ``fd`` that keeps it in the holder's
+    process, its size, and its identity (``st_dev``, ``st_ino``), which a reader checks after
+    opening ``/proc/<pid>/fd/<fd>``: a descriptor number names whatever the process that has
+    that pid *here* holds under it (another PID namespace, a reused number)."""
+
+    fd: int
+    nbytes: int
+    dev: int
+    ino: int
+
+
 class ShmInfo(msgspec.Struct, frozen=True):
-    """How a reader on the same host maps a region: ``storages`` are (fd, bytes) in the
-    holder's process ``pid``; ``tensors`` (layout order) are (storage index, byte offset), -1
-    for an empty tensor; ``control`` the control block's (fd, bytes). For a region on a GPU,
-    ``storages`` is empty and ``cuda`` holds the exported CUDA storages ``tensors`` index."""
+    """How a reader on the same host maps a region: ``files`` are shared-memory files of the
+    holder's process ``pid``; ``tensors`` (layout order) are (file index, byte offset), -1 for an
+    empty tensor; ``control`` the control block's (file index, byte offset, bytes). For a region
+    on a GPU, ``files`` holds the control block only and ``tensors`` index ``cuda``, the
+    exported CUDA storages."""
 
     host: str
     pid: int
-    storages: tuple[tuple[int, int], ...]
+    files: tuple[ShmFile, ...]
     tensors: tuple[tuple[int, int], ...]
-    control: tuple[int, int]
+    control: tuple[int, int, int]
     cuda: tuple[CudaStorage, ...] = ()
 
 
 @functools.lru_cache(maxsize=1)
 def host_key() -> str:
-    """This host's identity for the same-host tier (boot id + network namespace)."""
+    """This host's identity for the same-host tier: the boot id, the network namespace and the
+    PID namespace, "" where this process cannot take part (no ``/proc``, or a ``/proc`` of
+    another PID namespace, where ``/proc/<pid>`` does not name the process of that pid here).
+    Two processes with one key resolve each other's pid to the same process."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return ""
     except OSError:
         return ""
-    return f"{boot}:{netns}"
+    return f"{boot}:{netns}:{pidns}"
 
 
 def _shm_free_bytes() -> int:
@@ -83,9 +110,32 @@ def _shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _describe(storages: Sequence[torch.UntypedStorage]) -> Optional[tuple[list[ShmFile], list[tuple[int, int]]]]:
+    """Share ``storages`` (:func:`~tensorhub.transport.storages.share_storages`): the files, and
+    per storage (file index, byte offset); None (logged) where they cannot be shared."""
+    try:
+        placed = share_storages(storages)
+    except (OSError, RuntimeError) as e:  # no descriptor left, /dev/shm full
+        logger.info("same-host tier off for this region: %s", e)
+        return None
+    if placed is None:
+        logger.info("same-host tier off for this region: a storage cannot be shared (pinned or file-mapped)")
+        return None
+    index: dict[int, int] = {}  # a file's address here -> its index in the endpoint
+    files: list[ShmFile] = []
+    out = []
+    for f, off in placed:
+        if f.addr not in index:
+            index[f.addr] = len(files)
+            files.append(ShmFile(f.fd, f.nbytes, f.dev, f.ino))
+        out.append((index[f.addr], off))
+    return files, out
+
+
 def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config) -> Optional[ShmInfo]:
     """Move ``tensors`` (CPU, contiguous) and ``control`` into shared memory in place, so that
-    same-host readers can map them; None (nothing changed) if not possible or not wanted."""
+    same-host readers can map them; None if not possible or not wanted (then nothing moved,
+    except where the shared memory ran out midway: the storages moved stay valid)."""
     if not config.same_host or not host_key():
         return None
     devices = {t.device.type for t in tensors}
@@ -94,24 +144,29 @@ def share(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config
     if devices != {"cpu"}:
         return None
     found = distinct_storages(list(tensors) + [control])
-    need = sum(st.nbytes() for st in found.values() if not st.is_shared())
+    need = bytes_to_move(list(found.values()))
     if need and need * 1.1 > _shm_free_bytes():
         logger.info("same-host tier off for this region: /dev/shm has %d bytes free, %d needed",
                     _shm_free_bytes(), need)
         return None
-    try:
-        fds: dict[int, tuple[int, int]] = {}
-        for st in found.values():
-            st.share_memory_()  # a no-op for memory already shared
-            fd, size = st._share_fd_cpu_()
-            fds[st.data_ptr()] = (int(fd), int(size))
-    except Exception as e:  # noqa: BLE001 - e.g. an mmapped or pinned storage, another strategy
-        logger.info("same-host tier off for this region: %s", e)
+    storages = list(found.values())
+    described = _describe(storages)
+    if described is None:
         return None
-    order = list(fds)
-    ctl_fd, ctl_size = fds[control.untyped_storage().data_ptr()]
-    return ShmInfo(host=host_key(), pid=os.getpid(), storages=tuple(fds[p] for p in order),
-                   tensors=storage_offsets(tensors, order), control=(ctl_fd, ctl_size))
+    files, placed = described
+    where = {st.data_ptr(): at for st, at in zip(storages, placed)}  # the addresses after the move
+    spans = []
+    for t in tensors:
+        if not t.numel():
+            spans.append((-1, 0))
+        else:
+            st = t.untyped_storage()
+            fi, off = where[st.data_ptr()]
+            spans.append((fi, off + t.data_ptr() - st.data_ptr()))
+    ci, coff = where[control.untyped_storage().data_ptr()]
+    return ShmInfo(host=host_key(), pid=os.getpid(), files=tuple(files), tensors=tuple(spans),
+                   control=(ci, coff + control.data_ptr() - control.untyped_storage().data_ptr(),
+                            control.numel() * 8))
 
 
 def _share_cuda(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: Config) -> Optional[ShmInfo]:
@@ -122,21 +177,20 @@ def _share_cuda(tensors: Sequence[torch.Tensor], control: torch.Tensor, config: 
     if exported is None:
         return None
     cuda, descs = exported
-    try:
-        st = control.untyped_storage()
-        st.share_memory_()
-        fd, size = st._share_fd_cpu_()
-    except Exception as e:  # noqa: BLE001
-        logger.info("CUDA IPC off for this region: control block not shareable: %s", e)
+    described = _describe([control.untyped_storage()])
+    if described is None:
         return None
-    return ShmInfo(host=host_key(), pid=os.getpid(), storages=(), tensors=descs, control=(int(fd), int(size)),
+    files, [(ci, coff)] = described
+    return ShmInfo(host=host_key(), pid=os.getpid(), files=tuple(files), tensors=descs,
+                   control=(ci, coff + control.data_ptr() - control.untyped_storage().data_ptr(),
+                            control.numel() * 8),
                    cuda=cuda)
 
 
 def usable(info: Optional[ShmInfo]) -> bool:
     """Whether a region described by ``info`` can be read through shared memory from here (for a
     GPU region: by CUDA IPC, every GPU it uses visible in this process)."""
-    if info is None or not info.host or info.host != host_key():
+    if info is None or not info.host or info.host != host_key() or info.pid <= 0:
         return False
     # CUDA cannot open this process's own IPC handles: a GPU region of this process goes by NIXL
     return not info.cuda or (info.pid != os.getpid() and cuda_ipc.usable(info.cuda))
@@ -144,45 +198,83 @@ def usable(info: Optional[ShmInfo]) -> bool:
 
 class ShmSource:
     """The holder's memory mapped into this process (read-only). Raises
-    :class:`SourceUnreachable` if it cannot be mapped."""
+    :class:`SourceUnreachable` if it cannot be mapped, or if a descriptor of process
+    ``info.pid`` is not the shared-memory file the endpoint published (identity, size): that pid
+    names another process here, or the holder reused the number; the read then goes by NIXL."""
 
     def __init__(self, info: ShmInfo) -> None:
         self.info = info
         self.name = f"shm:{info.pid}"
         self._maps: list[mmap.mmap] = []
-        self._ids: list[tuple[int, int]] = []
         try:
-            views = [self._map(fd, size) for fd, size in info.storages]
-            self.control = self._map(*info.control).view(torch.int64)
+            files = [self._map(f) for f in info.files]
+            self.control = self._control(files)
+            views = files
             if info.cuda:
                 views = cuda_ipc.open_storages(info.cuda)
                 self.name = f"cuda-ipc:{info.pid}"
-        except (OSError, RuntimeError, LookupError) as e:
+        except SourceUnreachable:
+            self.close()
+            raise
+        except (OSError, RuntimeError, LookupError, ValueError) as e:
             self.close()
             raise SourceUnreachable(f"cannot map the memory of process {info.pid}: {e}") from e
         self._views = views
         self.reached = True
 
-    def _map(self, fd: int, size: int) -> torch.Tensor:
-        path = f"/proc/{self.info.pid}/fd/{fd}"
-        f = os.open(path, os.O_RDONLY)
+    def _path(self, f: ShmFile) -> str:
+        return f"/proc/{self.info.pid}/fd/{f.fd}"
+
+    def _check(self, f: ShmFile, st: os.stat_result) -> None:
+        """``st`` (of what the descriptor names) must be the file ``f`` published: a deleted
+        regular file (shared memory: never a named file of the holder) with its identity and at
+        least its size."""
+        if (st.st_dev, st.st_ino) != (f.dev, f.ino):
+            raise SourceUnreachable(f"{self._path(f)} is not the file the endpoint published: process "
+                                    f"{self.info.pid} here is not the holder, or the descriptor was reused")
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0:
+            raise SourceUnreachable(f"{self._path(f)} is not a shared-memory file")
+        if not 0 < f.nbytes <= st.st_size:
+            raise SourceUnreachable(f"{self._path(f)} has {st.st_size} bytes, the endpoint says {f.nbytes}")
+
+    def _map(self, f: ShmFile) -> torch.Tensor:
+        path = self._path(f)
+        self._check(f, os.stat(path))  # before opening: never open what is not ours (a FIFO blocks)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            st = os.fstat(f)
-            mm = mmap.mmap(f, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+            self._check(f, os.fstat(fd))  # what we opened: the number may have been reused meanwhile
+            mm = mmap.mmap(fd, f.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
         finally:
-            os.close(f)
+            os.close(fd)
         self._maps.append(mm)
-        self._ids.append((st.st_dev, st.st_ino))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: we never write through it
             return torch.frombuffer(mm, dtype=torch.uint8)
 
+    def _control(self, files: Sequence[torch.Tensor]) -> torch.Tensor:
+        fi, off, nbytes = self.info.control
+        if not (0 <= fi < len(files) and off >= 0 and off % 8 == 0 and nbytes >= 8 * _HEADER
+                and nbytes % 8 == 0 and off + nbytes <= files[fi].numel()):
+            raise SourceUnreachable(f"process {self.info.pid}: control block {self.info.control} outside its file")
+        return files[fi][off:off + nbytes].view(torch.int64)
+
+    def check_layout(self, layout: Layout) -> None:
+        """Raise :class:`SourceUnreachable` unless every tensor of ``layout`` and the control
+        block lie inside the memory mapped (an endpoint's offsets are not trusted)."""
+        spans = self.info.tensors
+        if len(spans) != len(layout.metas) or self.control.numel() < _HEADER + layout.unit_count:
+            raise SourceUnreachable(f"{self.name}: the endpoint does not describe this layout")
+        for (si, off), m in zip(spans, layout.metas):
+            if m.nbytes and not (0 <= si < len(self._views) and 0 <= off
+                                 and off + m.nbytes <= self._views[si].numel()):
+                raise SourceUnreachable(f"{self.name}: tensor {m.name!r} lies outside the memory mapped")
+
     def still_same(self) -> bool:
         """The holder still has the memory we mapped (a descriptor number can be reused)."""
         try:
-            for (fd, _), ident in zip(self.info.storages + (self.info.control,), self._ids):
-                st = os.stat(f"/proc/{self.info.pid}/fd/{fd}")
-                if (st.st_dev, st.st_ino) != ident:
+            for f in self.info.files:
+                st = os.stat(self._path(f))
+                if (st.st_dev, st.st_ino) != (f.dev, f.ino):
                     return False
         except OSError:
             return False
@@ -191,11 +283,12 @@ class ShmSource:
     def alive(self) -> bool:
         """The holder process still holds its control block (cheap: one ``stat``). Its memory
         outlives it while mapped here, but a dead partial holder will never advance."""
+        f = self.info.files[self.info.control[0]]
         try:
-            st = os.stat(f"/proc/{self.info.pid}/fd/{self.info.control[0]}")
+            st = os.stat(self._path(f))
         except OSError:
             return False
-        return (st.st_dev, st.st_ino) == self._ids[-1]
+        return (st.st_dev, st.st_ino) == (f.dev, f.ino)
 
     def piece(self, tensor_index: int, offset: int, nbytes: int) -> torch.Tensor:
         si, base = self.info.tensors[tensor_index]
@@ -329,6 +422,24 @@ def _to_u64(s: int) -> int:
     return s & 0xFFFFFFFFFFFFFFFF
 
 
+def _snapshot(ctl: torch.Tensor, version: int, known: int, unit_count: int,
+              name: str) -> tuple[int, int, Optional[list[int]]]:
+    """The source's (version, progress, checksums), read version first, then progress and the
+    checksums past the ``known`` units, then the version again; a torn snapshot (the version
+    changed in between) gives the version read last with nothing final. Checksums only for
+    ``version``. Raises :class:`TransferError` for a progress outside ``[0, unit_count]``."""
+    v = int(ctl[0])
+    if v != version:
+        return v, 0, None
+    p = int(ctl[1])
+    if not 0 <= p <= unit_count:
+        raise TransferError(f"{name} publishes progress {p} of {unit_count} units")
+    sums = ctl[_HEADER:_HEADER + p].tolist() if p > known else None
+    if (again := int(ctl[0])) != v:
+        return again, 0, None
+    return v, p, sums
+
+
 def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
          start_unit: int = 0, end_unit: Optional[int] = None,
          on_unit: Optional[Callable[[int], None]] = None,
@@ -336,7 +447,16 @@ def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
     """Like :func:`tensorhub.transport.reader.pull`, from a same-host source's memory (a
     :class:`ShmSource`, or a :class:`LocalSource` of this process): copies units
     ``[start_unit, end_unit)`` of ``expect_version`` into ``region`` and returns the bytes read;
-    every copy it started has ended when it returns or raises."""
+    every copy it started has ended when it returns or raises.
+
+    The source's control block is live memory another process writes, so it is read as a
+    seqlock reader: version, then progress and checksums, then the version again (a snapshot
+    whose version changed is not used), and after every copy the version once more: a unit
+    counts only if the source still held ``expect_version`` after its bytes were copied (the
+    holder hides a version, ``set_progress(0)`` then ``set_version``, before it writes other
+    bytes), with or without checksums. A source that moved on raises :class:`TransferError`;
+    a :class:`ShmSource` whose endpoint does not fit ``layout`` raises
+    :class:`SourceUnreachable` before any copy."""
     n_units = layout.unit_count if end_unit is None else max(0, min(end_unit, layout.unit_count))
     if start_unit == 0:
         region.set_progress(0)
@@ -350,6 +470,8 @@ def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
         return 0
     if not src.still_same():
         raise SourceUnreachable(f"{src.name}: the memory mapped earlier is gone")
+    if isinstance(src, ShmSource):
+        src.check_layout(layout)
     ctl = src.control
     if (isinstance(src, LocalSource) and start_unit == 0 and n_units == layout.unit_count
             and int(ctl[0]) == expect_version and int(ctl[1]) == n_units):
@@ -380,9 +502,7 @@ def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
             if should_stop is not None and should_stop():
                 break
             now = time.monotonic()
-            v, p = int(ctl[0]), int(ctl[1])
-            st.source_state(v, p, ctl[_HEADER:_HEADER + p].tolist() if v == expect_version and p > st.remote_progress
-                            else None, now)
+            st.source_state(*_snapshot(ctl, expect_version, st.remote_progress, layout.unit_count, src.name), now)
             run: list[int] = []
             while (u := st.next_to_post()) is not None:
                 run.append(u)
@@ -403,6 +523,9 @@ def pull(region, src, layout: Layout, *, expect_version: int, config: Config,
                 landed.update(zip(units, f.result()))
                 st.completed(units, time.monotonic())
                 moved = True
+            if moved and (v := int(ctl[0])) != expect_version:  # seqlock: after the copies ended
+                raise TransferError(f"{src.name} moved on from version {expect_version} (now {v}) while units "
+                                    f"{st.prefix}+ were copied: they are not used")
             while (u := st.next_to_verify()) is not None:
                 expected = st.expected_sum(u)
                 got = landed.pop(u)
