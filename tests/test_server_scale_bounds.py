@@ -336,3 +336,17 @@ def test_mailboxes_of_dead_clients_are_forgotten():
     assert mail.clients() <= EVICTED_MAILBOXES_MAX + 1
     assert mail.pop_background("keep") == [m.Evicted(reason="gone"), m.SeedAhead(version=1)]
     assert mail.pop_background("x1999") == [m.Evicted(reason="process gone")], "the newest evictions are kept"
+
+
+def test_the_churn_figure_of_server_scale_runs_every_operation():
+    """``benchmarks/server_scale.py``'s churn part (every core operation with live and departed
+    clients) runs at a small size and times each operation it names."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "server_scale.py"
+    spec = importlib.util.spec_from_file_location("server_scale", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.churn_round(100, 200, k=10)
+    assert set(out) == set(bench.CHURN_OPS) and all(us > 0 for us in out.values())

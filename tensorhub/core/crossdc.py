@@ -1,7 +1,8 @@
 """The reference core's rules across datacenters: offload seeding and smart skipping.
 
 A mixin of :class:`tensorhub.core.reference.ReferenceCore` (it reads and changes the core's
-table: ``models``, ``nodes``, ``index``, ``groups``), kept apart because it is one concern:
+table: ``models``, ``nodes``, ``index``, ``groups``, and the candidate seeders the core keeps
+in a :class:`SeedCandidates`), kept apart because it is one concern:
 
 - **Offload seeding** (``_seed_remote``): when a version is committed, ask one replica of every
   other datacenter with readers (idle before busy, non-spot before spot) to prefetch it into its

@@ -28,7 +28,10 @@ The rules across datacenters (offload seeding, smart skipping) are a mixin of th
 
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
-owner and model, and its clients in the order they were last heard from (lease expiry).
+owner and model, the candidate seeders per datacenter, the rounds by replica
+(:mod:`tensorhub.core.rounds`), and its clients in the order they were last heard from (lease
+expiry). No removal scans it either: a death among 10,000 clients costs what it costs among
+100, and a departed replica's state is forgotten (its rounds within a bound).
 """
 
 from __future__ import annotations
@@ -1049,8 +1052,9 @@ class ReferenceCore(CrossDatacenter, Retention):
                 continue
             self._deliver(nid, m.Evicted(reason=reason))
             self._remove(nid)
-        # The replica's rounds stay: its members re-announce (or restart) and go on counting from
-        # them; a round whose version is gone is re-resolved by the next shard that asks.
+        # The replica's rounds stay (for a bounded time, tensorhub/core/rounds.py): its members
+        # re-announce (or restart) and go on counting from them; a round whose version is gone
+        # is re-resolved by the next shard that asks.
         self._forget_empty_models()
 
 
