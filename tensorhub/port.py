@@ -85,10 +85,6 @@ class Mailboxes:
         """``client_id`` registered (or announced) again: its mailbox is a live client's."""
         self._evicted.pop(client_id, None)
 
-    def clients(self) -> int:
-        """Clients with a mailbox."""
-        return len(self.terminal.keys() | self.background.keys())
-
     def clear_terminal(self, client_id: str) -> None:
         """A new blocking request supersedes events left from the previous one."""
         self.terminal.pop(client_id, None)

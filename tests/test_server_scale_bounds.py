@@ -55,6 +55,11 @@ def best_of(tries: int, run) -> float:
     return min(run() for _ in range(tries))
 
 
+def mailboxes(mail: Mailboxes) -> int:
+    """Clients with a mailbox."""
+    return len(mail.terminal.keys() | mail.background.keys())
+
+
 def settled() -> None:
     """Before a timed part: the index is flushed by the caller, and the garbage collector's
     full pass over the table just built is done now (not charged to the first removals)."""
@@ -333,7 +338,7 @@ def test_mailboxes_of_dead_clients_are_forgotten():
         apply_request(core, mail, reg(f"x{i}", f"x{i}", spot=True), now)
     mail.route(core.declare_dead([f"x{i}" for i in range(2000)], now, "process gone"))
     assert len(core.nodes) == 2
-    assert mail.clients() <= EVICTED_MAILBOXES_MAX + 1
+    assert mailboxes(mail) <= EVICTED_MAILBOXES_MAX + 1
     assert mail.pop_background("keep") == [m.Evicted(reason="gone"), m.SeedAhead(version=1)]
     assert mail.pop_background("x1999") == [m.Evicted(reason="process gone")], "the newest evictions are kept"
 
@@ -350,3 +355,56 @@ def test_the_churn_figure_of_server_scale_runs_every_operation():
     spec.loader.exec_module(bench)
     out = bench.churn_round(100, 200, k=10)
     assert set(out) == set(bench.CHURN_OPS) and all(us > 0 for us in out.values())
+
+
+def test_departed_clients_leave_nothing_behind_after_the_bound():
+    """The server's memory follows its live clients: after 1,500 sharded replicas each did a
+    round and went (left, died, or fell silent), and the bound passed, no table of the core
+    holds more than the live clients' entries, and the mailboxes at most the bounded evicted."""
+    lease = 10.0
+    core = ReferenceCore(Config(lease_timeout_s=lease, heartbeat_interval_s=1.0))
+    mail = Mailboxes()
+    live = [f"live{i}" for i in range(50)]
+
+    def send(req, now):
+        reply, _ = apply_request(core, mail, req, now)
+        assert not isinstance(reply, m.ErrorReply), reply
+
+    for s in (0, 1):
+        send(reg(f"T/{s}", "trainer", s, 2, dc="a"), 0.0)
+        send(m.Publish(f"T/{s}", 1), 0.0)
+    for j, rid in enumerate(live):
+        for s in (0, 1):
+            send(reg(f"{rid}/{s}", rid, s, 2, dc="ab"[j % 2]), 0.0)
+    now = 0.0
+    for i in range(1500):
+        rid = f"d{i}"
+        for s in (0, 1):
+            send(reg(f"{rid}/{s}", rid, s, 2, dc="ab"[i % 2], spot=True), now)
+        for s in (0, 1):
+            send(m.Replicate(f"{rid}/{s}", "latest", seq=1), now)
+        if i % 3 == 0:
+            mail.route(core.declare_dead([f"{rid}/0"], now, "worker died"))
+        elif i % 3 == 1:
+            for s in (0, 1):
+                send(m.ReplicateAbort(f"{rid}/{s}"), now)
+                send(m.Leave(f"{rid}/{s}", drop_last_copy=True), now)
+        if i % 100 == 99:  # time passes; the live fleet heartbeats, the silent third expires
+            now += 1.0
+            for cid in [f"T/{s}" for s in (0, 1)] + [f"{r}/{s}" for r in live for s in (0, 1)]:
+                send(m.Heartbeat(cid), now)
+            mail.route(core.tick(now))
+    end = now + DEPARTED_ROUNDS_LEASES * lease + 2 * lease
+    while now < end:
+        now += 1.0
+        for cid in [f"T/{s}" for s in (0, 1)] + [f"{r}/{s}" for r in live for s in (0, 1)]:
+            send(m.Heartbeat(cid), now)
+        mail.route(core.tick(now))
+    clients = 2 + 2 * len(live)
+    assert len(core.nodes) == clients
+    for owner, fields in ((core, vars(core)), (core.index, vars(core.index))):
+        for name, value in fields.items():
+            if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
+                assert len(value) <= clients, f"{type(owner).__name__}.{name} holds {len(value)} entries"
+    assert core.txns.departed_count() == 0
+    assert mailboxes(mail) <= clients + EVICTED_MAILBOXES_MAX
