@@ -21,11 +21,22 @@ Isolation part (``--isolation``, see ``isolation_part``): one model's fleet satu
 while a client of a second model times its own calls, with a server per model
 (``server_per_model``, the default) and with one server for both.
 
-Last stdout line: one JSON object, ``core_us`` = {op: {N: microseconds}} (and, with ``--ray``,
-``steady_busy_fraction_10k`` and ``storm_10k_s``; with ``--isolation``, ``isolation_ms``).
-Human lines go to stderr.
+Churn part (no Ray, always run; see ``churn_round``): every core operation (``CHURN_OPS``) with
+``--churn-live`` live clients plus ``--churn-departed`` departed ones (sharded replicas that did
+a round and died), against its cost with 100 live clients and none departed:
+``core_churn_us`` = {op: {"100": us, "<live>+<departed>": us}} and ``core_churn_ratio`` = {op:
+ratio} (the goal: at most 3 at 10,000 + 20,000).
 
-    python benchmarks/server_scale.py --json [--sizes 100,1000,10000] [--ray] [--isolation]
+Death-wave part (``--death-wave``, see ``death_wave_part``): a real ``ReferenceServer`` with
+``--clients`` clients, ``--wave`` of them hosted by ``--wave-processes`` Ray actors that are
+killed at once: ``death_wave_s``, from the kill until Ray pushed the deaths, the server removed
+every one of those clients and it answered a live client's call (the goal: at most 0.5 s).
+
+Last stdout line: one JSON object, ``core_us`` = {op: {N: microseconds}} and the churn figures
+(and, with ``--ray``, ``steady_busy_fraction_10k`` and ``storm_10k_s``; with ``--isolation``,
+``isolation_ms``; with ``--death-wave``, ``death_wave_s``). Human lines go to stderr.
+
+    python benchmarks/server_scale.py --json [--sizes 100,1000,10000] [--ray] [--isolation] [--death-wave]
 """
 
 from __future__ import annotations
@@ -108,6 +119,100 @@ def core_part(sizes: list[int], reps: int) -> dict[str, dict[str, float]]:
     return table
 
 
+CHURN_OPS = ("Register", "Replicate", "ReplicateDone", "Heartbeat+tick", "declare_dead", "Leave", "Publish")
+
+
+def churn_round(live: int, departed: int, k: int = 20) -> dict[str, float]:
+    """Microseconds per core operation in a table of ``live`` clients plus ``departed`` gone.
+
+    One model of two shards, offload seeding on (the default), two datacenters: the trainer's
+    replica in "a" holds version 1; ``departed // 2`` replicas (alternately in "a" and "b",
+    spot) each registered, replicated one round and died (``declare_dead``), then ``live // 2``
+    idle replicas registered (alternately in "a" and "b"). Then, ``k`` of each, per call:
+    ``Register`` (new replicas' shards), their ``Replicate("latest")`` and ``ReplicateDone``,
+    a live client's ``Heartbeat`` plus a ``tick``, the death of a live replica
+    (``declare_dead`` of one shard: the replica goes), a live client's ``Leave``, and the
+    ``Publish`` of both shards of a new replica holding a new version (its commit asks every
+    datacenter's seeder anew). Before each timed part the table just built is collected and
+    frozen (``gc.freeze``): the collector's passes over the whole heap grow with every
+    long-lived object, whatever the operation, and are not the operation's cost."""
+    import gc
+
+    from tensorhub.config import Config
+    from tensorhub.core import messages as m
+    from tensorhub.core.reference import ReferenceCore
+
+    assert live // 2 >= 2 * k, "enough live replicas for the deaths and leaves"
+    layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
+    core = ReferenceCore(Config())
+    clock = [0.0]
+
+    def send(req):
+        clock[0] += 1e-6
+        reply, _ = core.handle(req, clock[0])
+        assert not isinstance(reply, m.ErrorReply), reply
+        return reply
+
+    def register(rid: str, dc: str, spot: bool = False) -> None:
+        for s in (0, 1):
+            send(m.Register(f"{rid}/{s}", "pol", rid, s, 2, layout, rid.encode(), datacenter=dc, spot=spot))
+
+    register("t", "a")
+    for s in (0, 1):
+        send(m.Publish(f"t/{s}", 1))
+    for i in range(departed // 2):
+        register(f"d{i}", "ab"[i % 2], spot=True)
+        for s in (0, 1):
+            send(m.Replicate(f"d{i}/{s}", "latest", 1))
+        core.declare_dead([f"d{i}/0"], clock[0], "gone")
+    for i in range(live // 2):
+        register(f"r{i}", "ab"[i % 2])
+    out: dict[str, float] = {}
+
+    def timed(op: str, calls: int, body) -> None:
+        core.index.flush()
+        gc.collect()
+        gc.freeze()
+        try:
+            t0 = time.perf_counter()
+            body()
+            out[op] = (time.perf_counter() - t0) / calls * 1e6
+        finally:
+            gc.unfreeze()
+
+    new = [f"n{j}" for j in range(k)]
+    timed("Register", 2 * k, lambda: [register(rid, "ab"[j % 2]) for j, rid in enumerate(new)])
+    timed("Replicate", 2 * k, lambda: [send(m.Replicate(f"{rid}/{s}", "latest", 1)) for rid in new for s in (0, 1)])
+    timed("ReplicateDone", 2 * k, lambda: [send(m.ReplicateDone(f"{rid}/{s}", core.nodes[f"{rid}/{s}"].version))
+                                           for rid in new for s in (0, 1)])
+
+    def beats() -> None:
+        for j in range(k):
+            send(m.Heartbeat(f"r{j}/0"))
+            clock[0] += 1e-6
+            core.tick(clock[0])
+
+    timed("Heartbeat+tick", k, beats)
+    timed("declare_dead", k, lambda: [core.declare_dead([f"r{j}/0"], clock[0], "gone") for j in range(k)])
+    timed("Leave", k, lambda: [send(m.Leave(f"r{k + j}/0", drop_last_copy=True)) for j in range(k)])
+
+    for j in range(k):
+        register(f"p{j}", "a")
+    timed("Publish", 2 * k, lambda: [send(m.Publish(f"p{j}/{s}", 2 + j)) for j in range(k) for s in (0, 1)])
+    return out
+
+
+def churn_part(live: int, departed: int, reps: int) -> dict:
+    """``core_churn_us`` (best of ``reps`` rounds per size) and ``core_churn_ratio``."""
+    big = f"{live}+{departed}"
+    rows = {"100": [churn_round(100, 0) for _ in range(reps)], big: [churn_round(live, departed) for _ in range(reps)]}
+    us = {op: {size: round(min(r[op] for r in rounds), 2) for size, rounds in rows.items()} for op in CHURN_OPS}
+    ratio = {op: round(us[op][big] / max(us[op]["100"], 1e-9), 2) for op in CHURN_OPS}
+    say(f"churn ({big} vs 100): " + ", ".join(f"{op} {us[op][big]:.0f}/{us[op]['100']:.0f} us = {ratio[op]}x"
+                                            for op in CHURN_OPS))
+    return {"core_churn_us": us, "core_churn_ratio": ratio, "core_churn_ratio_max": max(ratio.values())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="100,1000,10000", help="reader counts for the core part")
@@ -121,6 +226,13 @@ def main() -> int:
     ap.add_argument("--isolation", action="store_true",
                     help="also time a second model's calls while the first model's fleet saturates its server")
     ap.add_argument("--isolation-s", type=float, default=5.0, help="isolation part: seconds of load per mode")
+    ap.add_argument("--churn-live", type=int, default=10_000, help="churn part: live clients")
+    ap.add_argument("--churn-departed", type=int, default=20_000, help="churn part: departed clients")
+    ap.add_argument("--churn-reps", type=int, default=3, help="churn part: rounds per size (the best is reported)")
+    ap.add_argument("--death-wave", action="store_true",
+                    help="also run the death wave (--wave of --clients die at once, pushed by Ray)")
+    ap.add_argument("--wave", type=int, default=1_000, help="death wave: clients that die")
+    ap.add_argument("--wave-processes", type=int, default=10, help="death wave: the Ray actors hosting them")
     ap.add_argument("--json", action="store_true", help="no extra human output (the JSON line is printed either way)")
     args = ap.parse_args()
 
@@ -130,8 +242,11 @@ def main() -> int:
     summary["core_ratio_max_over_min"] = {
         op: round(summary["core_us"][op][big] / summary["core_us"][op][small], 2) for op in OPS
     }
+    summary.update(churn_part(args.churn_live, args.churn_departed, args.churn_reps))
     if args.ray:
         summary.update(ray_part(args))
+    if args.death_wave:
+        summary.update(death_wave_part(args))
     if args.isolation:
         summary["isolation_ms"] = isolation_part(args)
     print(json.dumps(summary), flush=True)
@@ -278,6 +393,83 @@ def ray_part(args) -> dict:
     say(f"storm: {out['storm_assigned']} of {n} Replicates assigned in {out['storm_10k_s']} s "
         f"(errors: {out['storm_errors'] or 'none'}); the server was behind by up to {out['storm_server_behind_max_s']} s")
 
+    ray.kill(server)
+    ray.shutdown()
+    return out
+
+
+def death_wave_part(args) -> dict:
+    """A real ReferenceServer actor (liveness on: Ray's pushed deaths) with ``--clients``
+    clients registered by raw protocol messages, in two datacenters, a trainer in the first
+    holding version 1. ``--wave`` of the clients name one of ``--wave-processes`` Ray actors as
+    their process (a process hosting many handles, as on a node of many engines); all those
+    actors are killed at once. ``death_wave_s``: from the kill until the server has removed
+    every client of the wave (``pushed_deaths``, polled every 5 ms) and then answered a live
+    client's heartbeat; ``death_wave_first_s``: until the first removal was seen (Ray's push:
+    its latency is Ray's, 0.3-1 s on a loaded VM); ``death_wave_after_push_s``: the rest (the
+    server's own part, at most). The lease is long (120 s) so that no client expires meanwhile: what removes the
+    wave is Ray's push alone."""
+    import os
+    import uuid
+
+    import ray
+
+    from tensorhub.actors.server import server_handle
+    from tensorhub.config import Config
+    from tensorhub.core import messages as m
+
+    ns = f"tensorhub-bench-wave-{uuid.uuid4().hex[:6]}"
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    ray.init(address="local", namespace=ns, num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
+    config = Config(server_name="tensorhub-bench-wave", namespace=ns, lease_timeout_s=120.0)
+    server = server_handle(config, "pol")
+    n, wave, procs = args.clients, min(args.wave, args.clients), max(1, args.wave_processes)
+
+    @ray.remote(num_cpus=0)
+    class Victim:
+        def process(self):
+            from tensorhub.actors.liveness import current_process
+
+            return current_process()
+
+    victims = [Victim.remote() for _ in range(procs)]
+    processes = ray.get([v.process.remote() for v in victims])
+    layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
+
+    def call(req):
+        return m.decode_reply(ray.get(server.call.remote(m.encode(req), 0.0)))
+
+    for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t", datacenter="a"), m.Publish("trainer", 1)):
+        assert not isinstance(call(req), m.ErrorReply)
+    t0 = time.perf_counter()
+    regs = [m.Register(f"c{i}", "pol", f"c{i}", 0, 1, layout, b"c", datacenter="ab"[i % 2], spot=i < wave,
+                       process=processes[i % procs] if i < wave else m.ProcessId()) for i in range(n)]
+    for lo in range(0, n, 1000):
+        replies = ray.get([server.call.remote(m.encode(r), 0.0) for r in regs[lo:lo + 1000]])
+        assert not any(isinstance(m.decode_reply(r), m.ErrorReply) for r in replies)
+    say(f"death wave: {n} clients registered in {time.perf_counter() - t0:.1f} s; killing {procs} processes "
+        f"hosting {wave} of them")
+    before = ray.get(server.counts.remote())["pushed_deaths"]
+    t0 = time.perf_counter()
+    for v in victims:
+        ray.kill(v, no_restart=True)
+    removed, first = before, None
+    while removed - before < wave and time.perf_counter() - t0 < 60.0:
+        removed = ray.get(server.counts.remote())["pushed_deaths"]
+        if first is None and removed > before:
+            first = time.perf_counter() - t0
+        if removed - before < wave:
+            time.sleep(0.005)
+    live = call(m.Heartbeat(f"c{n - 1}"))
+    out = {"death_wave_s": round(time.perf_counter() - t0, 3), "death_wave_removed": removed - before,
+           "death_wave_first_s": round(first, 3) if first is not None else None,
+           "death_wave_after_push_s": round(time.perf_counter() - t0 - first, 3) if first is not None else None,
+           "death_wave_clients": n, "death_wave_processes": procs, "death_wave_live_reply": type(live).__name__}
+    st = m.decode_reply(ray.get(server.status.remote("pol")))
+    out["death_wave_clients_left"] = len(st.models[0].holders) if st.models else 0
+    say(f"death wave: {out['death_wave_removed']} of {wave} removed and a live client answered in "
+        f"{out['death_wave_s']} s ({out['death_wave_clients_left']} clients left)")
     ray.kill(server)
     ray.shutdown()
     return out

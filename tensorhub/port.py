@@ -45,12 +45,25 @@ class ServerPort(Protocol):
         ...
 
 
-class Mailboxes:
-    """Per-client queues of events produced by the core's effects."""
+EVICTED_MAILBOXES_MAX = 1024
+"""Mailboxes of evicted clients kept (their ``Evicted`` waits there); past that, the oldest go."""
 
-    def __init__(self) -> None:
+
+class Mailboxes:
+    """Per-client queues of events produced by the core's effects.
+
+    Bounded by the live clients: a client's mailbox goes when it leaves (``forget``) and, once
+    it is evicted (its process died, its lease ran out), after ``evicted_max`` later evictions
+    (oldest eviction first) unless it registered again meanwhile (:meth:`revived`). Until then
+    its ``Evicted`` waits for it; an evicted client that asks after that learns the same from
+    ``UnknownClient``, and a dead one never asks."""
+
+    def __init__(self, evicted_max: int = EVICTED_MAILBOXES_MAX) -> None:
         self.terminal: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.background: dict[str, list] = collections.defaultdict(list)
+        self.evicted_max = evicted_max
+        self._evicted: dict[str, None] = {}
+        """Evicted clients with a mailbox, oldest eviction first."""
 
     def route(self, effects: list[m.Deliver]) -> set[str]:
         """Queue each event; returns the client ids that got something."""
@@ -60,8 +73,17 @@ class Mailboxes:
                 self.terminal[eff.client_id].append(eff.event)
             if isinstance(eff.event, BACKGROUND):
                 self.background[eff.client_id].append(eff.event)
+            if isinstance(eff.event, m.Evicted):
+                self._evicted.pop(eff.client_id, None)
+                self._evicted[eff.client_id] = None
             woken.add(eff.client_id)
+        while len(self._evicted) > self.evicted_max:
+            self.forget(next(iter(self._evicted)))
         return woken
+
+    def revived(self, client_id: str) -> None:
+        """``client_id`` registered (or announced) again: its mailbox is a live client's."""
+        self._evicted.pop(client_id, None)
 
     def clear_terminal(self, client_id: str) -> None:
         """A new blocking request supersedes events left from the previous one."""
@@ -92,6 +114,7 @@ class Mailboxes:
     def forget(self, client_id: str) -> None:
         self.terminal.pop(client_id, None)
         self.background.pop(client_id, None)
+        self._evicted.pop(client_id, None)
 
 
 class Hold:
@@ -329,6 +352,8 @@ def apply_request(core: ReferenceCore, mail: Mailboxes, request: m.Request, now:
     woken = mail.route(effects)
     if isinstance(request, m.Leave) and isinstance(reply, m.Ok):
         mail.forget(request.client_id)
+    elif isinstance(request, (m.Register, m.Announce)) and not isinstance(reply, m.ErrorReply):
+        mail.revived(request.client_id if isinstance(request, m.Register) else request.register.client_id)
     return reply, woken
 
 

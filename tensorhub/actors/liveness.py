@@ -112,12 +112,20 @@ class DeathWatch:
     to ``on_deaths(worker_ids, node_ids)`` and ``on_jobs_ended(job_ids)`` (hex ids, as :class:`ProcessId` holds them) on the
     server's event loop. Deaths from before the subscription are not replayed: the sweep
     (:class:`RayLiveness`) and the lease cover them. Runs until cancelled; a GCS error is logged
-    and the subscription retried."""
+    and the subscription retried.
+
+    A death wave is handed over in one call: the deaths of every batch that arrives on either
+    channel before the loop runs its next callback (a node's death and its workers' exits, a
+    poll of up to 1,000 worker exits) are collected and passed to one ``on_deaths``, so the
+    server removes them in one pass (``ReferenceCore.declare_gone``)."""
 
     def __init__(self, on_deaths: Callable[[set, set], None], on_jobs_ended: Callable[[set], None] = lambda jobs: None) -> None:
         self.on_deaths = on_deaths
         self.on_jobs_ended = on_jobs_ended
         """Jobs Ray reports finished (hex ids): their clients are checked at once."""
+        self._workers_dead: set[str] = set()
+        self._nodes_dead: set[str] = set()
+        self._flush_soon = False
 
     async def run(self) -> None:
         try:
@@ -141,12 +149,34 @@ class DeathWatch:
             self.on_jobs_ended(ended)
 
     def _workers(self, batch) -> None:
-        self.on_deaths({delta.worker_id.hex() for _, delta in batch}, set())
+        self._pushed({delta.worker_id.hex() for _, delta in batch}, set())
 
     def _nodes(self, batch, dead) -> None:
-        nodes = {info.node_id.hex() for _, info in batch if info.state == dead}
-        if nodes:
-            self.on_deaths(set(), nodes)
+        self._pushed(set(), {info.node_id.hex() for _, info in batch if info.state == dead})
+
+    def _pushed(self, workers: set[str], nodes: set[str]) -> None:
+        """Collect deaths; one ``on_deaths`` for all collected by the loop's next callback."""
+        if not workers and not nodes:
+            return
+        self._workers_dead |= workers
+        self._nodes_dead |= nodes
+        if self._flush_soon:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside an event loop: nothing else can arrive meanwhile
+            self._flush()
+            return
+        self._flush_soon = True
+        loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        workers, nodes = self._workers_dead, self._nodes_dead
+        self._workers_dead, self._nodes_dead, self._flush_soon = set(), set(), False
+        try:
+            self.on_deaths(workers, nodes)
+        except Exception:  # noqa: BLE001 - a bad batch must not stop later ones; leases remain
+            log.exception("handling %d pushed worker and %d node deaths failed", len(workers), len(nodes))
 
     @staticmethod
     async def _follow(make, handle) -> None:

@@ -222,11 +222,12 @@ class ReferenceServer:
             for value in ids:
                 for cid in index.get(value, ()):
                     gone[cid] = f"its {what} {value[:12]} died"
-        for cid, why in sorted(gone.items()):
-            if cid in self.core.nodes:
-                log.info("client %s is gone: %s", cid, why)
-                self.pushed_deaths += 1
-                self._route(self.core.declare_dead([cid], time.monotonic(), f"process gone: {why}"))
+        gone = {cid: why for cid, why in sorted(gone.items()) if cid in self.core.nodes}
+        for cid, why in gone.items():
+            log.info("client %s is gone: %s", cid, why)
+        self.pushed_deaths += len(gone)
+        if gone:  # a death wave in one pass of the core
+            self._route(self.core.declare_gone({c: f"process gone: {w}" for c, w in gone.items()}, time.monotonic()))
 
     def _route(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -246,7 +247,8 @@ class ReferenceServer:
         gone = await asyncio.to_thread(self._liveness.gone, processes, targeted)
         for cid, why in sorted(gone.items()):
             log.info("client %s is gone: %s", cid, why)
-            self._route(self.core.declare_dead([cid], time.monotonic(), f"process gone: {why}"))
+        if gone:
+            self._route(self.core.declare_gone({c: f"process gone: {w}" for c, w in gone.items()}, time.monotonic()))
 
     async def _tick_loop(self) -> None:
         while True:

@@ -1,7 +1,8 @@
 """The reference core's rules across datacenters: offload seeding and smart skipping.
 
 A mixin of :class:`tensorhub.core.reference.ReferenceCore` (it reads and changes the core's
-table: ``models``, ``nodes``, ``index``, ``groups``), kept apart because it is one concern:
+table: ``models``, ``nodes``, ``index``, ``groups``, and the candidate seeders the core keeps
+in a :class:`SeedCandidates`), kept apart because it is one concern:
 
 - **Offload seeding** (``_seed_remote``): when a version is committed, ask one replica of every
   other datacenter with readers (idle before busy, non-spot before spot) to prefetch it into its
@@ -15,8 +16,9 @@ table: ``models``, ``nodes``, ``index``, ``groups``), kept apart because it is o
 
 from __future__ import annotations
 
+import bisect
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import SERVABLE, Node, S
@@ -30,6 +32,66 @@ SERVABLE_OR_READING = frozenset({S.PUBLISHED, S.OFFLOADING, S.READING, S.WAITING
 """A datacenter with a node of a version in one of these states has (or is getting) it."""
 IN_PLAY = SERVABLE_OR_READING | {S.DRAINING}
 """A version with a node of every shard in one of these states is, or is about to be, available."""
+_BUSY = frozenset({S.READING, S.WAITING, S.DRAINING, S.OFFLOADING})
+"""A replica with a node in one of these states is busy: asked to seed only if no idle one is."""
+SEED_LOOK_MAX = 64
+"""Candidate seeders of a datacenter looked at, best rank first, for an idle one; when all of
+those are busy, the best-ranked is asked (a bounded look: a datacenter of 10,000 busy replicas
+is not scanned on every removal)."""
+
+
+class SeedCandidates:
+    """The replicas that may seed a datacenter, kept as replicas register and leave (not
+    scanned when a seeder is needed): per (model, datacenter), the *whole* replicas there --
+    every shard registered, all in that datacenter, not a prefetch staging copy -- sorted by
+    rank: non-spot before spot, then the earliest registration among their shards. The core
+    calls :meth:`update` whenever a replica gains or loses a client; an update costs
+    O(shards + log n)."""
+
+    def __init__(self) -> None:
+        self._ranked: dict[str, dict[str, list[tuple[bool, int, str]]]] = {}
+        """model -> datacenter -> (any shard spot, first registration, replica id), ascending."""
+        self._entry: dict[tuple[str, str], tuple[str, tuple[bool, int, str]]] = {}
+        """(model, replica) -> (datacenter, its entry in ``_ranked``)."""
+
+    def update(self, model: str, replica_id: str, nodes: list[Node], num_shards: int) -> None:
+        """``nodes``: the replica's clients now (host copies excluded)."""
+        old = self._entry.pop((model, replica_id), None)
+        if old is not None:
+            dc, item = old
+            ranked = self._ranked[model][dc]
+            del ranked[bisect.bisect_left(ranked, item)]
+            if not ranked:
+                del self._ranked[model][dc]
+                if not self._ranked[model]:
+                    del self._ranked[model]
+        if len(nodes) != num_shards or any(n.stage_for for n in nodes):
+            return
+        dc = nodes[0].datacenter
+        if any(n.datacenter != dc for n in nodes):
+            return
+        item = (any(n.spot for n in nodes), min(n.order for n in nodes), replica_id)
+        self._entry[(model, replica_id)] = (dc, item)
+        bisect.insort(self._ranked.setdefault(model, {}).setdefault(dc, []), item)
+
+    def datacenters(self, model: str) -> dict[str, list]:
+        """The datacenters with a candidate seeder of ``model`` (read only)."""
+        return self._ranked.get(model, {})
+
+    def has(self, model: str, dc: str, replica_id: str) -> bool:
+        """``replica_id`` is a whole replica of ``model`` registered in ``dc``."""
+        entry = self._entry.get((model, replica_id))
+        return entry is not None and entry[0] == dc
+
+    def choose(self, model: str, dc: str, nodes_of: Callable[[str], list[Node]]) -> list[Node]:
+        """The seeder of ``dc`` (which has candidates): the best-ranked idle replica among the
+        first :data:`SEED_LOOK_MAX`, else the best-ranked one. Returns its nodes."""
+        ranked = self._ranked[model][dc]
+        for _, _, rid in ranked[:SEED_LOOK_MAX]:
+            nodes = nodes_of(rid)
+            if not any(n.state in _BUSY for n in nodes):
+                return nodes
+        return nodes_of(ranked[0][2])
 
 
 class CrossDatacenter:
@@ -44,41 +106,30 @@ class CrossDatacenter:
         before spot, then registration order; prefetch staging copies and host copies are never
         asked. Asked again when the asked replica (or the datacenter's reader of the version)
         is gone, when a newer version is committed, or when a reader registers in a datacenter
-        not yet asked. One scan of the model's nodes, only on those events."""
+        not yet asked. Only on those events, and only for the datacenters they concern.
+
+        Cost, per datacenter looked at: O(shards) through the index (whether it has or reads
+        the version, whether its asked seeder is still registered); when a seeder is chosen,
+        the candidates passed over, at most :data:`SEED_LOOK_MAX` (:class:`SeedCandidates`).
+        Never a scan of the model's replicas: a removal among 10,000 clients costs what it costs
+        among 100."""
         mod = self.models.get(model)
         if not self.config.offload_seeding or mod is None or not mod.committed:
             return
         v = mod.committed[-1]
-        reached: set[str] = set()
-        held = False
-        for s in range(mod.num_shards):
-            for i in self.groups.get((model, v, s), ()):
-                n = self.nodes[i]
-                if n.state in SERVABLE_OR_READING:
-                    reached.add(n.datacenter)
-                held = held or n.state in SERVABLE
-        if not held:
+        groups = [self._group((model, v, s)) for s in range(mod.num_shards)]
+        if not any(g.counts[st] for g in groups for st in SERVABLE):
             return  # nothing to seed from (yet, or any more)
-        by_dc: dict[str, list[list[Node]]] = {}
-        for (mo, _rid), ids in self._replicas.items():
-            if mo != model or len(ids) != mod.num_shards:
-                continue
-            nodes = [self.nodes[i] for i in ids]
-            dc = nodes[0].datacenter
-            if nodes[0].stage_for or (dcs is not None and dc not in dcs) or any(n.datacenter != dc for n in nodes):
-                continue
-            by_dc.setdefault(dc, []).append(nodes)
-        for dc in sorted(by_dc):
+        here = self._seedable.datacenters(model)
+        for dc in sorted(here if dcs is None else dcs & here.keys()):
             asked = mod.seed_asked.get(dc)
-            if dc in reached:
+            if any(g.visible_dc[dc] or g.active_dc[dc] or g.offloading_dc[dc] for g in groups):
                 if asked is None or asked[0] < v:
                     self._set_seed_asked(mod, dc, (v, "", self._now))
                 continue
-            if asked is not None and asked[0] >= v and any(nodes[0].replica_id == asked[1] for nodes in by_dc[dc]):
+            if asked is not None and asked[0] >= v and self._seedable.has(model, dc, asked[1]):
                 continue  # asked already, and alive
-            nodes = min(by_dc[dc], key=lambda ns: (
-                any(n.state in (S.READING, S.WAITING, S.DRAINING, S.OFFLOADING) for n in ns),
-                any(n.spot for n in ns), min(n.order for n in ns)))
+            nodes = self._seedable.choose(model, dc, lambda rid: [self.nodes[i] for i in self._replicas[(model, rid)]])
             self._set_seed_asked(mod, dc, (v, nodes[0].replica_id, self._now))
             log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
             for n in sorted(nodes, key=lambda n: n.shard):

@@ -50,7 +50,7 @@ class Group:
     """The derived views of one (model, version, shard)."""
 
     __slots__ = ("counts", "waiting", "cands_dc", "free_all", "free_dc", "free_machine", "staged",
-                 "hosts", "asked", "visible_dc", "active_dc", "size")
+                 "hosts", "asked", "visible_dc", "active_dc", "offloading_dc", "size")
 
     def __init__(self) -> None:
         self.size = 0
@@ -72,6 +72,9 @@ class Group:
         """PUBLISHED nodes per datacenter."""
         self.active_dc: collections.Counter = collections.Counter()
         """READING or WAITING nodes per datacenter."""
+        self.offloading_dc: collections.Counter = collections.Counter()
+        """OFFLOADING nodes per datacenter (with the two above: the datacenters that have, or
+        are getting, this version, for offload seeding)."""
 
     def complete(self) -> int:
         return sum(self.counts[s] for s in COMPLETE)
@@ -156,6 +159,8 @@ class Index:
             g.active_dc[dc] += 1
         if state is S.PUBLISHED:
             g.visible_dc[dc] += 1
+        if state is S.OFFLOADING:
+            g.offloading_dc[dc] += 1
         if host:
             g.hosts.add(nid)
         if asked:
@@ -188,6 +193,8 @@ class Index:
             _dec(g.active_dc, dc)
         if state is S.PUBLISHED:
             _dec(g.visible_dc, dc)
+        if state is S.OFFLOADING:
+            _dec(g.offloading_dc, dc)
         g.hosts.discard(nid)
         g.asked.discard(nid)
         if cand:

@@ -28,7 +28,10 @@ The rules across datacenters (offload seeding, smart skipping) are a mixin of th
 
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
-owner and model, and its clients in the order they were last heard from (lease expiry).
+owner and model, the candidate seeders per datacenter, the rounds by replica
+(:mod:`tensorhub.core.rounds`), and its clients in the order they were last heard from (lease
+expiry). No removal scans it either: a death among 10,000 clients costs what it costs among
+100, and a departed replica's state is forgotten (its rounds within a bound).
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core import scheduler, versions
-from tensorhub.core.crossdc import CrossDatacenter
+from tensorhub.core.crossdc import CrossDatacenter, SeedCandidates
 from tensorhub.core.index import Group, Index
 from tensorhub.core.retention import Retention
+from tensorhub.core.rounds import DEPARTED_ROUNDS_LEASES, RoundTable
 from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import (
     InvalidState,
@@ -93,10 +97,14 @@ class ReferenceCore(CrossDatacenter, Retention):
         self.nodes: dict[str, Node] = {}
         self.models: dict[str, _Model] = {}
         self.groups: dict[Key, set[str]] = {}
-        self.txns: dict[tuple[str, str, int], tuple[object, int, set[int]]] = {}
+        self.txns = RoundTable(DEPARTED_ROUNDS_LEASES * self.config.lease_timeout_s)
+        """The replicate rounds of sharded replicas (:mod:`tensorhub.core.rounds`: by replica;
+        a departed replica's are forgotten within a bound)."""
         self._order = 0
         self._stamp = 0
         self._effects: list[m.Deliver] = []
+        self._removed: set[str] = set()
+        """Clients removed during this request: only their ``Evicted`` reaches them."""
         self._touched: set[Key] = set()
         self._reseed: set[tuple[str, str]] = set()
         """(model, datacenter) whose offload seeding is re-checked when the request settles."""
@@ -118,6 +126,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         """model -> host copies."""
         self._hosts_of: dict[str, set[str]] = {}
         """client -> the host copies it serves."""
+        self._seedable = SeedCandidates()
+        """Per (model, datacenter), the whole replicas that may seed it (offload seeding)."""
         self._lease: dict[str, None] = {}
         """Clients (host copies excluded) in the order they were last heard from, oldest first:
         ``now`` never decreases, so moving a client to the end on each request keeps it sorted."""
@@ -128,6 +138,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         """Apply one request at time ``now``. Errors come back as ``ErrorReply`` and change
         nothing (every handler validates before it mutates)."""
         self._effects = []
+        self._removed = set()
         self._touched = set()
         self._now = now
         if self._born is None:
@@ -178,6 +189,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         not mistake its unread queue for dead clients."""
         assert grace_s >= 0, grace_s
         self._effects = []
+        self._removed = set()
         self._touched = set()
         self._now = now
         if self._born is None:
@@ -200,6 +212,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         for model, replica in sorted(dead_replicas):
             log.info("model=%s replica=%s lease expired or reported dead: removing the replica", model, replica)
             self._remove_replica(model, replica, reason="lease expired")
+        self.txns.prune(now)
         if now >= self._recovering_until:
             if not self._window_closed:
                 # VersionLost was held back during the window: re-check every read group once.
@@ -229,11 +242,23 @@ class ReferenceCore(CrossDatacenter, Retention):
     def declare_dead(self, client_ids, now: float, reason: str) -> list[m.Deliver]:
         """The cluster manager says the processes of ``client_ids`` are gone: remove their
         replicas now (as a lease expiry would later). Unknown ids are ignored. Returns effects."""
+        return self.declare_gone({c: reason for c in client_ids}, now)
+
+    def declare_gone(self, gone: Mapping[str, str], now: float) -> list[m.Deliver]:
+        """:meth:`declare_dead` of many clients at once, each with its own reason (``client id ->
+        reason``): a death wave (a node with hundreds of clients, a job's fleet) is removed in
+        one pass, with one settle of the groups it touched. Cost: the removals themselves, not
+        the table (no removal scans it). Unknown ids are ignored. Returns effects."""
         self._effects = []
+        self._removed = set()
         self._touched = set()
         self._now = now
-        for model, replica in sorted({(self.nodes[c].model, self.nodes[c].replica_id)
-                                      for c in client_ids if c in self.nodes and not self.nodes[c].host}):
+        replicas: dict[tuple[str, str], str] = {}
+        for cid in sorted(gone):
+            n = self.nodes.get(cid)
+            if n is not None and not n.host:
+                replicas.setdefault((n.model, n.replica_id), gone[cid])
+        for (model, replica), reason in sorted(replicas.items()):
             log.info("model=%s replica=%s: %s", model, replica, reason)
             self._remove_replica(model, replica, reason=reason)
         self._settle()
@@ -353,11 +378,11 @@ class ReferenceCore(CrossDatacenter, Retention):
         behind it: its first replicate joins the newest round while a sibling is still reading in
         it, else starts the next one. A best effort: only the caller knows for sure which round a
         restarted process is in (``replicate(..., round=)``)."""
-        keys = [k for k in self.txns if k[:2] == (req.model, req.replica_id)]
-        if not keys:
+        rounds = self.txns.of(req.model, req.replica_id)
+        if not rounds:
             return 0
-        newest = max(k[2] for k in keys)
-        version = self.txns[(req.model, req.replica_id, newest)][1]
+        newest = max(rounds)
+        version = rounds[newest][1]
         inside = any(n.shard != req.shard and n.state in (S.WAITING, S.READING) and n.version == version
                      for n in self._replica_nodes(req.model, req.replica_id))
         return newest - 1 if inside else newest
@@ -631,6 +656,9 @@ class ReferenceCore(CrossDatacenter, Retention):
         self.nodes[node.id] = node
         self._shards[(node.model, node.replica_id, node.shard)] = node.id
         self._replicas.setdefault((node.model, node.replica_id), set()).add(node.id)
+        self._seedable.update(node.model, node.replica_id, self._replica_nodes(node.model, node.replica_id),
+                              node.num_shards)
+        self.txns.returned(node.model, node.replica_id)
         self._model_nodes[node.model] += 1
         self._lease[node.id] = None
         self.index.mark(node)
@@ -754,8 +782,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             version = self._resolve(node, req.spec)
             self.txns[key] = (req.spec, version, {node.shard})
             # Older rounds of this replica are finished once a newer one starts.
-            for k in [k for k in self.txns if k[:2] == key[:2] and k[2] < req.seq]:
-                del self.txns[k]
+            self.txns.drop_before(node.model, node.replica_id, req.seq)
             return version
         spec, version, consumed = txn
         if spec != "announced" and spec != req.spec:
@@ -910,6 +937,12 @@ class ReferenceCore(CrossDatacenter, Retention):
             for key in keys:
                 self._pump(key)
         self._drop_lost_versions(seen)
+        if self._removed:
+            # A removed client gets nothing from this request but its eviction (one pass
+            # here, not one per removal: a death wave of k clients filters once, not k times).
+            self._effects = [e for e in self._effects
+                             if e.client_id not in self._removed or isinstance(e.event, m.Evicted)]
+            self._removed = set()
 
     def _drop_lost_versions(self, keys: set[Key]) -> None:
         """A committed version of which some shard has no node left at all can never be read
@@ -1024,8 +1057,9 @@ class ReferenceCore(CrossDatacenter, Retention):
                 continue
             self._deliver(nid, m.Evicted(reason=reason))
             self._remove(nid)
-        # The replica's rounds stay: its members re-announce (or restart) and go on counting from
-        # them; a round whose version is gone is re-resolved by the next shard that asks.
+        # The replica's rounds stay (for a bounded time, tensorhub/core/rounds.py): its members
+        # re-announce (or restart) and go on counting from them; a round whose version is gone
+        # is re-resolved by the next shard that asks.
         self._forget_empty_models()
 
 
@@ -1049,7 +1083,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 # replica of that datacenter takes over the seed.
                 self._set_seed_asked(mod, node.datacenter, None)
                 self._reseed.add((node.model, node.datacenter))
-        self._effects = [e for e in self._effects if e.client_id != node_id or isinstance(e.event, m.Evicted)]
+        self._removed.add(node_id)
 
     def _forget_empty_models(self) -> None:
         for name in [k for k in self.models if not self._model_nodes[k]]:
@@ -1075,6 +1109,9 @@ class ReferenceCore(CrossDatacenter, Retention):
         replica.discard(node.id)
         if not replica:
             del self._replicas[(node.model, node.replica_id)]
+            self.txns.departed(node.model, node.replica_id, self._now)
+        self._seedable.update(node.model, node.replica_id, self._replica_nodes(node.model, node.replica_id),
+                              node.num_shards)
         del self._lease[node.id]
 
     def _seen(self, node: Node, now: float) -> None:
