@@ -35,6 +35,14 @@ from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_h
 log = logging.getLogger(__name__)
 
 
+def _current_actor():
+    """This actor's own handle, or None where the class runs outside a Ray actor."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class ReferenceServer:
     """Thin shell: ``call(request_bytes, wait_s) -> reply_bytes`` (see :mod:`tensorhub.port`)."""
@@ -121,6 +129,8 @@ class ReferenceServer:
         self._backlog.read(token)
 
     async def _probe(self) -> None:
+        if self._me is None:  # driven outside an actor (tests): no queue to probe
+            return
         token = self._backlog.arrived(time.monotonic())
         try:
             await self._me.probe.remote(token)
@@ -183,7 +193,7 @@ class ReferenceServer:
         if not self._started:
             self._started = True
             loop = asyncio.get_running_loop()
-            self._me = ray.get_runtime_context().current_actor
+            self._me = _current_actor()
             self._ticker = loop.create_task(self._tick_loop())
             if self.config.liveness_check_s > 0:
                 self._deaths = loop.create_task(DeathWatch(self._on_deaths, self._on_jobs_ended).run())
