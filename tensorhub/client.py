@@ -479,16 +479,27 @@ class Hub(HostCopies):
     def _seed_asked(self, version: int) -> None:
         """Offload seeding (``SeedAhead``): this replica was chosen to bring ``version`` into its
         datacenter; receive it into the staging copy in the background, unless the handle is
-        not in a state to (closed, not registered, a staging copy itself) or already has it."""
+        not in a state to (closed, not registered, a staging copy itself) or already has it.
+
+        The seed is the staging copy's round ``version + 1`` (:func:`_seed_round`), not the next
+        count: every shard of the replica is asked the same version, but each may skip a seed on
+        its own (a newer one came while it was busy, it had the version already), and a count
+        would then put the shards in different rounds for good (each later seed of the shard
+        behind failing with ``TransactionMismatch``). A staging copy whose rounds are past that
+        number already (its own ``prefetch()`` calls counted ahead) does not seed."""
         if (self._stage_for or self._layout is None or self._machine.phase is HubState.CLOSED
                 or (self._machine.published is not None and self._machine.published >= version)):
             return
         stage = self._stage
         if (stage is not None and stage.version is not None and stage.version >= version) or self._seeding >= version:
             return
+        if stage is not None and stage._machine.seq >= _seed_round(version):
+            log.info("model=%s shard=%d: not seeding version %d: the staging copy's rounds are past %d",
+                     self.model, self.shard, version, _seed_round(version))
+            return
         self._seeding = version
         try:
-            fut = self._start_prefetch(version, None, None, seed=version)
+            fut = self._start_prefetch(version, _seed_round(version), None, seed=version)
         except errors.TensorHubError as e:
             log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
             return
@@ -1024,6 +1035,11 @@ def _log_seed(model: str, shard: int, version: int, fut: "concurrent.futures.Fut
         log.info("model=%s shard=%d: seeding version %d failed: %s", model, shard, version, err)
     else:
         log.info("model=%s shard=%d: seeded version %d into this datacenter", model, shard, version)
+
+
+def _seed_round(version: int) -> int:
+    """The staging copy's round of a seed of ``version`` (rounds start at 1; versions at 0)."""
+    return version + 1
 
 
 def _check_round(round_no: Optional[int]) -> Optional[int]:
