@@ -109,6 +109,30 @@ def test_a_probed_holder_that_pulses_again_spares_the_offload():
     assert not srv.core._probing
 
 
+def test_a_fleet_of_idle_holders_is_probed_a_few_at_a_time():
+    """trainer -> R0..R9 (all idle, pulses held for 8 s): the unpublish wakes 4 of them, not 10;
+    the first proof ends it without an offload."""
+    srv = _Server(Config(lease_timeout_s=10.0, heartbeat_interval_s=1.0, pulse_hold_s=30.0, versions_retained=2,
+                         readers_per_source_max=10))
+    srv.call(_reg("T", "trainer"))
+    srv.call(m.Publish("T", 1))
+    rollouts = [f"R{i}" for i in range(10)]
+    for cid in rollouts:
+        srv.call(_reg(cid, cid))
+        srv.call(m.Replicate(cid, "latest", seq=1))
+        srv.call(m.ReplicateDone(cid, 1))
+        srv.hold_pulse(cid)
+    for _ in range(16):
+        srv.tick(0.5)
+        srv.call(m.Heartbeat("T"))
+    assert isinstance(srv.call(m.Unpublish("T")), m.Waiting)
+    probed = [cid for cid in rollouts if any(isinstance(e, m.Probe) for e in srv.pop(cid))]
+    assert len(probed) == 4
+    srv.call(m.Pulse(beats=(m.Beat(probed[-1]),)))
+    assert srv.pop("T") == [m.UnpublishDone(version=1)]
+    assert "T#host1" not in srv.core.nodes and not srv.core._probing
+
+
 def test_without_held_pulses_a_silent_holder_is_not_probed():
     """pulse_hold_s = 0: a silent holder is dead to retention at once (no probe, no wait)."""
     srv = _Server(Config(lease_timeout_s=10.0, heartbeat_interval_s=1.0, pulse_hold_s=0.0, versions_retained=2))

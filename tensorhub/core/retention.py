@@ -24,13 +24,18 @@ table), kept apart because it is one concern (DESIGN.md section 1, rule 3):
 
 from __future__ import annotations
 
+import heapq
 import logging
+from typing import Iterator
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import InvalidState
 
 log = logging.getLogger("tensorhub.core.reference")
+
+_PROBES_MAX = 4
+"""Holders a drained holder probes at most for proof of life before it skips an offload."""
 
 
 class Retention:
@@ -141,18 +146,24 @@ class Retention:
             return True
         return not any(self._heard_lately(o) for o in self._other_copies(node))
 
-    def _other_copies(self, node: Node) -> list[Node]:
-        """The visible non-spot copies of ``node``'s version and shard other than ``node``."""
-        return [o for o in (self.nodes[i] for i in sorted(self.groups.get(node.key, ())))
-                if o.id != node.id and o.state in VISIBLE_SOURCE and not o.spot]
+    def _other_copies(self, node: Node) -> Iterator[Node]:
+        """The visible non-spot copies of ``node``'s version and shard other than ``node`` (in
+        no particular order)."""
+        for i in self.groups.get(node.key, ()):
+            o = self.nodes[i]
+            if o.id != node.id and o.state in VISIBLE_SOURCE and not o.spot:
+                yield o
 
     def _awaits_proof(self, node: Node) -> bool:
         """Drained ``node`` needs an offload, but other copies of its version are vouched for by
-        held pulses only: probe their processes (once) and wait until ``proof_until``, so that an
-        idle, living fleet does not cost an offload per unpublish. True: keep waiting (``tick``,
-        or the proving request, :meth:`_proved`, looks again); False: offload now (no doubted
-        copy, or no proof in time). A datacenter copy to keep offloads at once."""
-        doubted = sorted({o.owner if o.host else o.id for o in self._other_copies(node) if self._attended_only(o)})
+        held pulses only: probe their processes (once; the first ``_PROBES_MAX`` by id: one proof
+        is enough, and a fleet of idle holders is not woken at every unpublish) and wait until
+        ``proof_until``, so that an idle, living fleet does not cost an offload per unpublish.
+        True: keep waiting (``tick``, or the proving request, :meth:`_proved`, looks again);
+        False: offload now (no doubted copy, or no proof in time). A datacenter copy to keep
+        offloads at once."""
+        doubted = heapq.nsmallest(_PROBES_MAX, {o.owner if o.host else o.id for o in self._other_copies(node)
+                                                if self._attended_only(o)})
         if not doubted or self._keeps_dc_copy(node):
             self._end_proof_wait(node)
             return False
