@@ -414,7 +414,9 @@ class Hub(HostCopies):
     def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
                         seed: Optional[int]) -> "concurrent.futures.Future[ReadStats]":
         """``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked before
-        this one starts)."""
+        this one starts); its round is :func:`_seed_round` (see :meth:`_seed_asked`)."""
+        if seed is not None:
+            round_no = _seed_round(seed)
         if self._stage_for:
             raise errors.InvalidState("a prefetch staging handle does not prefetch")
         with self._stage_lock:
@@ -499,7 +501,7 @@ class Hub(HostCopies):
             return
         self._seeding = version
         try:
-            fut = self._start_prefetch(version, _seed_round(version), None, seed=version)
+            fut = self._start_prefetch(version, None, None, seed=version)
         except errors.TensorHubError as e:
             log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
             return
