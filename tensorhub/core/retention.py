@@ -68,7 +68,7 @@ class Retention:
         if node.readers:
             # A reader re-announced (after a restart) as still copying from this holder while it
             # offloaded: the holder may not write until that read ends, so it drains again (its
-            # host copy, published now, keeps the version; the drain ends without a second offload).
+            # host copy, if kept, is published now: the drain ends without a second offload).
             node.state = S.DRAINING
             self.index.mark(node)
             self._touched.add(node.key)
