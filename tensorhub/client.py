@@ -484,7 +484,9 @@ class Hub(HostCopies):
     def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
                         seed: Optional[int]) -> "concurrent.futures.Future[ReadStats]":
         """``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked before
-        this one starts)."""
+        this one starts); its round is :func:`_seed_round` (see :meth:`_seed_asked`)."""
+        if seed is not None:
+            round_no = _seed_round(seed)
         if self._stage_for:
             raise errors.InvalidState("a prefetch staging handle does not prefetch")
         with self._stage_lock:
@@ -564,12 +566,23 @@ class Hub(HostCopies):
     def _seed_asked(self, version: int) -> None:
         """Offload seeding (``SeedAhead``): this replica was chosen to bring ``version`` into its
         datacenter; receive it into the staging copy in the background, unless the handle is
-        not in a state to (closed, not registered, a staging copy itself) or already has it."""
+        not in a state to (closed, not registered, a staging copy itself) or already has it.
+
+        The seed is the staging copy's round ``version + 1`` (:func:`_seed_round`), not the next
+        count: every shard of the replica is asked the same version, but each may skip a seed on
+        its own (a newer one came while it was busy, it had the version already), and a count
+        would then put the shards in different rounds for good (each later seed of the shard
+        behind failing with ``TransactionMismatch``). A staging copy whose rounds are past that
+        number already (its own ``prefetch()`` calls counted ahead) does not seed."""
         if (self._stage_for or self._layout is None or self._machine.phase is HubState.CLOSED
                 or (self._machine.published is not None and self._machine.published >= version)):
             return
         stage = self._stage
         if (stage is not None and stage.version is not None and stage.version >= version) or self._seeding >= version:
+            return
+        if stage is not None and stage._machine.seq >= _seed_round(version):
+            log.info("model=%s shard=%d: not seeding version %d: the staging copy's rounds are past %d",
+                     self.model, self.shard, version, _seed_round(version))
             return
         self._seeding = version
         try:
@@ -1164,6 +1177,11 @@ def _share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
         if any(dev == st.device and lo < end and start < hi for dev, start, end in spans):
             return True
     return False
+
+
+def _seed_round(version: int) -> int:
+    """The staging copy's round of a seed of ``version`` (rounds start at 1; versions at 0)."""
+    return version + 1
 
 
 def _check_round(round_no: Optional[int]) -> Optional[int]:

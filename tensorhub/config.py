@@ -47,7 +47,8 @@ class Config:
     answers at once with a background event for one of its handles (a seed, a host copy to make
     or drop), early when one of its handles sends another request or a new handle of the
     process registers, or when a reader reports one of them failed (the process must then pulse
-    again within ``2.5 * heartbeat_interval_s``); while held its handles count as heard from.
+    again within ``2.5 * heartbeat_interval_s``); while held its handles count as heard from for
+    their lease (retention asks such a process for proof, ``Probe``, before it counts its copies).
     So an idle fleet costs the server one call per process per ``pulse_hold_s``, and events
     still arrive at once. A dead process is found through Ray (its worker's or node's death is
     pushed to the server), not by the silence of its pulse; a process that hangs without dying

@@ -25,7 +25,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 
 TERMINAL = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed, m.Evicted)
-BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Evicted)
+BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted)
 
 
 class ServerPort(Protocol):
@@ -139,10 +139,11 @@ class PulseHolds:
 
     - a pulse is held only when it brought nothing to answer (no event waiting, no unknown
       handle) and carries no read progress (progress pulses are answered at once);
-    - while held, its handles count as heard from (:meth:`attended`, stamped by the server's
-      ticks):
-      the process is waiting on us, and its death reaches the server through the cluster
-      manager, not through silence;
+    - while held, its handles count as heard from for their lease (:meth:`attended`, stamped by
+      the server's ticks): the process is waiting on us, and its death reaches the server
+      through the cluster manager, not through silence. Not as proof that it lives: before
+      retention skips an offload because of their copies, the core asks for one
+      (``Probe``, a background event that answers the hold; the next pulse is the proof);
     - :meth:`releases`: a ``Register`` (or ``Announce``) from its process (a new handle's
       first beat must not wait a whole hold), a ``Leave`` of one of its handles, or a reader's
       ``SourceFailed`` naming one of them (the probe: the process must pulse again within

@@ -296,6 +296,13 @@ class MakeHostCopy(_Msg, frozen=True):
     version: int
 
 
+class Probe(_Msg, frozen=True):
+    """Background: the server needs proof that this client's process is alive. Its pulse is
+    held (which proves nothing: a process that died without Ray knowing yet looks the same),
+    and the last live copy of a retained version rests on it. The event answers the held pulse;
+    the next pulse is the proof. Nothing else to do."""
+
+
 class SeedAhead(_Msg, frozen=True):
     """Background (offload seeding): receive ``version`` into a staging copy now
     (:meth:`tensorhub.client.Hub.prefetch`), while the registered tensors keep serving the
@@ -366,7 +373,7 @@ class Status(_Msg, frozen=True):
     models: tuple[ModelView, ...]
 
 
-Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted]
+Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted]
 
 
 class PulseReply(_Msg, frozen=True):
@@ -390,7 +397,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Request)
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, SeedAhead, Failed, Evicted, PulseReply,
+    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, PulseReply,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

@@ -114,6 +114,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._window_closed = True
         self._pending_edges: dict[str, set[str]] = {}
         """After a restart: announced readers whose source has not announced itself yet."""
+        self._probing: dict[str, set[str]] = {}
+        """Client -> drained holders waiting for its process's proof of life (``Probe``)."""
         # Indexes, so that no request scans the table (tensorhub/core/index.py):
         self.index = Index(self.config.readers_per_source_max)
         self._shards: dict[tuple[str, str, int], str] = {}
@@ -151,6 +153,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 if node is None or node.host:
                     raise UnknownClient(f"client {client_id} is not registered (expired, or the server restarted)")
                 self._seen(node, now)
+                node.heard_at = now
                 node.unreachable = False  # it talks to us: alive, reachable from somewhere
                 if node.state is S.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
@@ -164,6 +167,8 @@ class ReferenceCore(CrossDatacenter, Retention):
                 if node.state not in LEGAL[name]:
                     raise InvalidState(f"{name} is not allowed while {self._describe(node)}")
             reply = getattr(self, f"_on_{name}")(req, now)
+            if client_id is not None and client_id in self._probing:
+                self._proved(client_id)
         except TensorHubError as err:
             assert not self._effects, "a rejected request must not have effects"
             return m.ErrorReply(code=code_of(err), message=str(err)), []
@@ -286,8 +291,9 @@ class ReferenceCore(CrossDatacenter, Retention):
         return out
 
     def touch(self, client_ids, now: float) -> None:
-        """Count ``client_ids`` as heard from at ``now`` (the server holds their process's
-        pulse: the process is waiting on us). Unknown ids are skipped."""
+        """Count ``client_ids`` as heard from at ``now`` for their lease (the server holds their
+        process's pulse: the process is waiting on us). Not a proof that the process is alive
+        (retention asks for one, ``Probe``). Unknown ids are skipped."""
         for cid in client_ids:
             n = self.nodes.get(cid)
             if n is not None and not n.host:
@@ -400,6 +406,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             self._window_closed = False
         node = self.nodes[reg.client_id]
         self._seen(node, now)
+        node.heard_at = now
         if hold.published is not None and node.state is S.IDLE:
             self._set_version(node, hold.published, S.PUBLISHED, node.units)
             self._maybe_commit(node)
@@ -428,7 +435,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 if reader.version == node.version:
                     self._attach(reader, node)
         for version, endpoint in hold.host_copies:
-            self._add_host_copy(node, version, endpoint)
+            self._announced_host_copy(node, version, endpoint)
         if hold.txn_seq >= 0 and node.num_shards > 1:
             key = (node.model, node.replica_id, hold.txn_seq)
             txn = self.txns.get(key)
@@ -650,7 +657,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         node = Node(
             id=req.client_id, model=req.model, replica_id=req.replica_id, shard=req.shard,
             num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
-            layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now,
+            layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now, heard_at=now,
             process=req.process, machine=req.machine, stage_for=req.stage_for,
         )
         self.nodes[node.id] = node
@@ -735,6 +742,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
                 self._forget(model, old)
+            self._forget_below(model, mod.forgotten_below)
 
     def _resolve(self, node: Node, spec: m.VersionSpec) -> int:
         try:
@@ -839,6 +847,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         """No reader is left. Offload first when this is the last non-spot copy of a retained
         version (checked now, not at unpublish time: the readers just drained are holders now)."""
         if not node.host and self._needs_offload(node):
+            if self._awaits_proof(node):
+                return  # stays DRAINING until the proof or proof_until (tick)
             node.state = S.OFFLOADING
             self.index.mark(node)
             log.info("model=%s version=%d shard=%d %s holds %s: offload first", node.model, node.version,
@@ -846,6 +856,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                      else "the last non-spot copy")
             self._deliver(node.id, m.OffloadOrder(version=node.version))
             return
+        self._end_proof_wait(node)
         self._complete_unpublish(node)
 
     def _complete_unpublish(self, node: Node) -> None:

@@ -13,18 +13,29 @@ table), kept apart because it is one concern (DESIGN.md section 1, rule 3):
 - a version past retention is forgotten: its host copies drain and are freed (``_forget``);
 - a client that serves the last live copy of a retained version may not leave (``_last_copies``),
   and "live" means heard from lately (``_heard_lately``): a dead holder whose lease has not run
-  out yet does not count.
+  out yet does not count;
+- a held pulse keeps a client's lease but proves nothing about its process (one that died
+  without Ray knowing yet is held the same): a drained holder whose version's other copies are
+  vouched for by held pulses only probes them (``Probe`` answers their pulse; the next pulse is
+  the proof) and waits up to ``2.5 * heartbeat_interval_s`` before it skips the offload; no
+  proof, it offloads (``_awaits_proof``). Offloading in doubt costs a host copy; skipping it
+  in error loses the version.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
+from typing import Iterator
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, S
 from tensorhub.errors import InvalidState
 
 log = logging.getLogger("tensorhub.core.reference")
+
+_PROBES_MAX = 4
+"""Holders a drained holder probes at most for proof of life before it skips an offload."""
 
 
 class Retention:
@@ -54,6 +65,14 @@ class Retention:
                 self._drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
         else:  # another non-spot holder appeared meanwhile: the copy is not needed
             self._deliver(node.id, m.DropHostCopy(version=req.version))
+        if node.readers:
+            # A reader re-announced (after a restart) as still copying from this holder while it
+            # offloaded: the holder may not write until that read ends, so it drains again (its
+            # host copy, if kept, is published now: the drain ends without a second offload).
+            node.state = S.DRAINING
+            self.index.mark(node)
+            self._touched.add(node.key)
+            return m.Waiting(version=req.version)
         self._complete_unpublish(node)
         return m.Waiting(version=req.version)
 
@@ -89,6 +108,25 @@ class Retention:
         self._maybe_commit(host)
         log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
 
+    def _announced_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
+        """A host copy ``owner`` announced after a restart: kept, unless its version is past
+        retention already (its ``DropHostCopy`` was lost with the old server): then dropped."""
+        if version < self.models[owner.model].forgotten_below:
+            log.info("model=%s version=%d: host copy announced by %s is past retention: dropped",
+                     owner.model, version, owner.id)
+            self._deliver(owner.id, m.DropHostCopy(version=version))
+            return
+        self._add_host_copy(owner, version, endpoint)
+
+    def _forget_below(self, model: str, floor: int) -> None:
+        """Retention's floor rose to ``floor``: host copies of versions under it that were never
+        committed (announced after a restart, one shard of a replica only) go too; committed ones
+        go through :meth:`_forget`. One look at the model's groups, once per commit that moves it."""
+        committed = self.models[model].committed
+        for v in sorted({k[1] for k in self.groups if k[0] == model and 0 <= k[1] < floor}):
+            if v not in committed:
+                self._forget(model, v)
+
     def _forget(self, model: str, version: int) -> None:
         """A version fell out of retention: its host copies drain and are freed."""
         log.info("model=%s version=%d is past retention", model, version)
@@ -100,15 +138,67 @@ class Retention:
                     self._drain(host)
 
     def _needs_offload(self, node: Node) -> bool:
+        """``node`` holds a retained version with no other visible non-spot copy whose process
+        proved lately that it is alive (or a datacenter copy to keep)."""
         if node.spot or node.host or node.version not in self.retained(node.model):
             return False
         if self._keeps_dc_copy(node):
             return True
-        return not any(
-            other != node.id and self.nodes[other].state in VISIBLE_SOURCE and not self.nodes[other].spot
-            and self._heard_lately(self.nodes[other])
-            for other in self.groups.get(node.key, ())
-        )
+        return not any(self._heard_lately(o) for o in self._other_copies(node))
+
+    def _other_copies(self, node: Node) -> Iterator[Node]:
+        """The visible non-spot copies of ``node``'s version and shard other than ``node`` (in
+        no particular order)."""
+        for i in self.groups.get(node.key, ()):
+            o = self.nodes[i]
+            if o.id != node.id and o.state in VISIBLE_SOURCE and not o.spot:
+                yield o
+
+    def _awaits_proof(self, node: Node) -> bool:
+        """Drained ``node`` needs an offload, but other copies of its version are vouched for by
+        held pulses only: probe their processes (once; the first ``_PROBES_MAX`` by id: one proof
+        is enough, and a fleet of idle holders is not woken at every unpublish) and wait until
+        ``proof_until``, so that an idle, living fleet does not cost an offload per unpublish.
+        True: keep waiting (``tick``, or the proving request, :meth:`_proved`, looks again);
+        False: offload now (no doubted copy, or no proof in time). A datacenter copy to keep
+        offloads at once."""
+        doubted = heapq.nsmallest(_PROBES_MAX, {o.owner if o.host else o.id for o in self._other_copies(node)
+                                                if self._attended_only(o)})
+        if not doubted or self._keeps_dc_copy(node):
+            self._end_proof_wait(node)
+            return False
+        if node.proof_until is None:
+            node.proof_until = self._now + 2.5 * self.config.heartbeat_interval_s
+            for gone in [c for c in self._probing if c not in self.nodes]:
+                del self._probing[gone]  # removed without a word since it was probed
+            for cid in doubted:
+                self._probing.setdefault(cid, set()).add(node.id)
+                self._deliver(cid, m.Probe())
+            log.info("model=%s version=%d shard=%d %s: other copies are held by %s, whose pulses are held: "
+                     "probing before the offload is skipped", node.model, node.version, node.shard, node.id, doubted)
+            return True
+        if self._now < node.proof_until:
+            return True
+        log.info("model=%s version=%d shard=%d %s: no proof from %s: offload", node.model, node.version,
+                 node.shard, node.id, doubted)
+        self._end_proof_wait(node)
+        return False
+
+    def _end_proof_wait(self, node: Node) -> None:
+        if node.proof_until is None:
+            return
+        node.proof_until = None
+        for cid in [c for c, waiting in self._probing.items() if node.id in waiting]:
+            self._probing[cid].discard(node.id)
+            if not self._probing[cid]:
+                del self._probing[cid]
+
+    def _proved(self, client_id: str) -> None:
+        """``client_id``'s process sent a request of its own: the drains that probed it look again."""
+        for nid in sorted(self._probing.pop(client_id, ())):
+            node = self.nodes.get(nid)
+            if node is not None and node.proof_until is not None and node.state is S.DRAINING and not node.readers:
+                self._finish_drain(node)
 
     def _last_copies(self, node: Node) -> list[int]:
         """Retained versions of which ``node`` (or a host copy it serves) is the last live non-spot
@@ -121,27 +211,36 @@ class Retention:
         for n in mine:
             if n.spot or n.version not in retained or n.state not in COMPLETE:
                 continue
-            if not self._other_live_copy(n, owner=node.id):
+            # A held pulse counts here: a leave cannot wait for a probe, and refusing it whenever
+            # the other holders are idle would keep every close() open.
+            if not self._other_live_copy(n, owner=node.id, attended=True):
                 held.add(n.version)
         return sorted(held)
 
-    def _other_live_copy(self, node: Node, owner: str = "") -> bool:
+    def _other_live_copy(self, node: Node, owner: str = "", attended: bool = False) -> bool:
         """Another live non-spot complete copy of ``node``'s version and shard exists (not
-        ``node``, nor a host copy served by ``owner``)."""
+        ``node``, nor a host copy served by ``owner``); ``attended``: a held pulse counts as alive
+        (see :meth:`_heard_lately`)."""
         for oid in self.groups.get(node.key, ()):
             o = self.nodes[oid]
             if (oid != node.id and o.state in COMPLETE and not o.spot and (not owner or o.owner != owner)
-                    and self._heard_lately(o)):
+                    and self._heard_lately(o, attended)):
                 return True
         return False
 
-    def _heard_lately(self, node: Node) -> bool:
-        """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: heard
-        from within ``2.5 * heartbeat_interval_s``, not reported failed, not unreachable. A holder
-        that died recently is still in the table until its lease runs out; counting it would let
-        the last live copy go (the version is lost when the ghost expires). A false "silent"
-        costs one extra host copy, which is dropped as excess later."""
+    def _heard_lately(self, node: Node, attended: bool = False) -> bool:
+        """Whether ``node`` (a host copy: its owner) counts as a live copy for retention: its
+        process sent a request of its own within ``2.5 * heartbeat_interval_s`` (``attended``:
+        or its pulse is held), not reported failed, not unreachable. A holder that died recently
+        is still in the table until its lease runs out, and a held pulse keeps that lease for a
+        process that died without Ray knowing yet; counting either would let the last live copy
+        go (the version is lost when the ghost expires). A false "silent" costs one extra host
+        copy, which is dropped as excess later."""
         owner = self.nodes.get(node.owner) if node.host else node
         if owner is None or owner.unreachable or owner.suspected_at is not None:
             return False
-        return self._now - owner.last_seen <= 2.5 * self.config.heartbeat_interval_s
+        return self._now - (owner.last_seen if attended else owner.heard_at) <= 2.5 * self.config.heartbeat_interval_s
+
+    def _attended_only(self, node: Node) -> bool:
+        """``node``'s process is vouched for by a held pulse only (no request of its own lately)."""
+        return self._heard_lately(node, attended=True) and not self._heard_lately(node)

@@ -72,6 +72,11 @@ class Node:
     order: int
     """Registration order: the last tie-breaker, so decisions are deterministic."""
     last_seen: float = 0.0
+    """Heard from at this time, for its lease: a request of its own, or a held pulse (``touch``)."""
+    heard_at: float = 0.0
+    """Its process's last request of its own: proof it was alive then. A held pulse proves
+    nothing (a process that died without Ray knowing yet is held the same), so retention's
+    "another live copy" counts this, not ``last_seen``."""
     host: bool = False
     owner: Optional[str] = None
     """For a host copy: the client that serves it (it lives and dies with that client)."""
@@ -110,6 +115,10 @@ class Node:
     """Announced after a restart as reading from this source, which has not announced yet."""
     pending_read: Optional[tuple[int, int]] = None
     """update(): (version, resume_units) to read once the drain of the old version ends."""
+    proof_until: Optional[float] = None
+    """A drained holder waits until then for the holders of its version's other copies, whose
+    pulses are held, to prove they are alive (``Probe``) before it skips the offload; then it
+    offloads."""
     indexed: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
     """What the core's index (``tensorhub.core.index``) last recorded for this node."""
 

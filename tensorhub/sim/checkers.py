@@ -28,6 +28,9 @@ would), every physical memory write of a client, every finished operation, and t
 (g) ``cross_dc``   without faults, one cross-datacenter copy per (version, shard, dc): no
                    reader crosses while its datacenter already has a usable (complete, or
                    partial and at least as far) copy of that shard.
+(i) ``ghost``      an unpublish that skips the offload of a retained version leaves a copy on a
+                   live process: not only copies on processes that crashed and had sent nothing
+                   of their own for ``2.5 * heartbeat_interval_s`` (:class:`GhostCopyChecker`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Checker:
         self.source_failed_versions: set[int] = set()
         self.bound_s = 0.0
         self.fault_end_s = 0.0
+        self.ghosts = GhostCopyChecker(world, self.violate)
 
     def violate(self, kind: str, msg: str) -> None:
         now = self.world.sim.now
@@ -65,6 +69,7 @@ class Checker:
     # ------------------------------------------------------------------ server tap
 
     def on_server(self, cid, req, reply, effects, epoch: int) -> None:
+        self.ghosts.on_server(cid, req, reply, effects)
         if isinstance(req, (m.Publish, m.ReplicateDone, m.Announce)) and isinstance(reply, m.Ok):
             # Every commit, as it happens (a status sample could miss one lost soon after).
             mod = self.world.server.core.models.get(self.world.params.model)
@@ -261,3 +266,61 @@ class Checker:
         if not w.faults_injected:
             for msg in self.cross_extra:
                 self.violate("cross_dc", msg)
+
+
+class GhostCopyChecker:
+    """(i) ``ghost``: the last-copy rule must rest on proof of life. When a non-spot holder of a
+    retained version stops holding it (an unpublish, or the drain of an update) and keeps no
+    host copy of it (the offload skipped), the server counted another copy as live. If every
+    other copy it still lists is served by a process that has crashed and had sent no request
+    of its own for ``2.5 * heartbeat_interval_s`` before that moment, the server had no proof
+    that any lived (a held pulse is none: a process dead without Ray knowing is held the same),
+    and the version rests on ghosts: lost once their leases run out. A copy that crashed within
+    that window is the protocol's accepted blind spot (silence that short proves nothing
+    either), not flagged; nor is a holder the server removed (declared dead, or left)."""
+
+    def __init__(self, world, violate) -> None:
+        self.world = world
+        self.violate = violate
+        self.last_request: dict[str, float] = {}
+        """Client -> when the server last got a request of its own process (a pulse's arrival
+        included; the time it was held, not)."""
+        self.held: dict[str, int] = {}
+        """Client -> the version the server last listed it as a complete holder of."""
+        self.core = None
+
+    def on_server(self, cid, req, reply, effects) -> None:
+        now = self.world.sim.now
+        if isinstance(req, m.Pulse):
+            for b in req.beats:
+                self.last_request[b.client_id] = now
+        elif req is not None and cid is not None:
+            self.last_request[cid] = now
+        core = self.world.server.core
+        if core is not self.core:  # a restarted server: a new table
+            self.core, self.held = core, {}
+        held = {}
+        for n in core.nodes.values():
+            if not n.host and not n.spot and n.state.value in ("published", "draining", "offloading"):
+                held[n.id] = n.version
+        for holder, version in self.held.items():
+            if held.get(holder) != version and holder in core.nodes:
+                self._check(core, holder, version, now)
+        self.held = held
+
+    def _check(self, core, holder: str, version: int, now: float) -> None:
+        node = core.nodes[holder]
+        if version not in core.retained(node.model) or f"{holder}#host{version}" in core.nodes:
+            return
+        others = [core.nodes[i] for i in sorted(core.groups.get((node.model, version, node.shard), ()))]
+        owners = sorted({o.owner if o.host else o.id for o in others
+                         if o.id != holder and o.owner != holder and o.state.value == "published" and not o.spot})
+        if not owners:
+            return  # no other copy counted: not a skip this checker judges
+        window = 2.5 * self.world.config.heartbeat_interval_s
+        for cid in owners:
+            c = self.world.clients.get(cid)
+            if c is None or c.alive or now - self.last_request.get(cid, float("-inf")) <= window:
+                return
+        self.violate("ghost", f"{holder} let go of version {version} shard {node.shard} without an offload while "
+                              f"its only other copies were on crashed processes {owners}, silent for over {window:.1f}s")

@@ -249,7 +249,16 @@ class World:
 
     def quiet(self) -> bool:
         return (self.server.up and not any(d.busy for d in self.drivers())
-                and all(c.op is None for c in self.clients.values() if c.alive))
+                and all(c.op is None for c in self.clients.values() if c.alive)
+                and self._all_announced())
+
+    def _all_announced(self) -> bool:
+        """Every live registered client is known to the (current) server: after a restart an idle
+        holder re-announces on its next pulse, which may come seconds later (a failed pulse waits
+        ``detect_delay_s`` plus an interval). Until then the server cannot list what it holds, so
+        the end checks wait for it (and a client that never comes back is a ``hang``)."""
+        nodes = self.server.core.nodes
+        return all(c.cid in nodes for c in self.clients.values() if c.alive and c.registered)
 
     def _watch(self) -> None:
         if self.sim.now >= max(self.active_end, self.checker.fault_end_s) and self.quiet():
