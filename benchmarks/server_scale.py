@@ -41,6 +41,18 @@ import time
 OPS = ("Register", "Replicate", "ReplicateDone", "Heartbeat+tick")
 
 
+def _signed(req) -> bytes:
+    """``req`` encoded as a Hub's port sends it, with the capability of every client it acts for
+    (README, "Security"): drawn from the client id, so every process of the benchmark agrees."""
+    import hashlib
+
+    from tensorhub.auth import acts_for
+    from tensorhub.core import messages as m
+
+    caps = {cid: hashlib.sha256(b"bench\0" + cid.encode()).digest() for cid in acts_for(req)}
+    return m.encode(m.Signed(request=req, caps=caps))
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -249,12 +261,12 @@ def ray_part(args) -> dict:
 
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
     for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t"), m.Publish("trainer", 1)):
-        assert not isinstance(m.decode_reply(ray.get(server.call.remote(m.encode(req)))), m.ErrorReply)
+        assert not isinstance(m.decode_reply(ray.get(server.call.remote(_signed(req)))), m.ErrorReply)
     stop = threading.Event()
 
     def trainer_alive() -> None:  # the trainer heartbeats as a Hub would (it roots the pipeline)
         while not stop.wait(config.heartbeat_interval_s):
-            server.call.remote(m.encode(m.Heartbeat("trainer")))
+            server.call.remote(_signed(m.Heartbeat("trainer")))
 
     threading.Thread(target=trainer_alive, daemon=True).start()
     t0 = time.time()
@@ -293,7 +305,7 @@ def isolation_part(args) -> dict:
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
 
     def timed(server, count: int) -> list[float]:
-        data = m.encode(m.Heartbeat("small-0"))
+        data = _signed(m.Heartbeat("small-0"))
         out = []
         for _ in range(count):
             t0 = time.perf_counter()
@@ -309,7 +321,7 @@ def isolation_part(args) -> dict:
     for mode, per_model in (("per_model", True), ("shared", False)):
         config = Config(server_name=f"tensorhub-bench-iso-{mode}", namespace=ns, server_per_model=per_model)
         big, small = server_handle(config, "big"), server_handle(config, "small")
-        reply = m.decode_reply(ray.get(small.call.remote(m.encode(m.Register("small-0", "small", "small-0", 0, 1, layout, b"s")))))
+        reply = m.decode_reply(ray.get(small.call.remote(_signed(m.Register("small-0", "small", "small-0", 0, 1, layout, b"s")))))
         assert not isinstance(reply, m.ErrorReply), reply
         idle = timed(small, 200)
         gens = [LoadGen.remote(config.server_actor_name("big"), ns, [f"c{i}"]) for i in range(args.generators)]
@@ -357,13 +369,13 @@ def _load_gen_class():
             return m.Heartbeat(cid)
 
         async def burst(self, kind: str, count: int) -> int:
-            data = self.m.encode(self._req(kind, "c0"))
+            data = _signed(self._req(kind, "c0"))
             await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(count)])
             return count
 
         async def hammer(self, duration_s: float, in_flight: int = 200) -> int:
             """Pipelined heartbeats, ``in_flight`` at a time, for ``duration_s``; calls answered."""
-            data = self.m.encode(self._req("Heartbeat", "c0"))
+            data = _signed(self._req("Heartbeat", "c0"))
             end, done = time.monotonic() + duration_s, 0
             while time.monotonic() < end:
                 await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(in_flight)])
@@ -373,7 +385,7 @@ def _load_gen_class():
         async def send_all(self, kind: str) -> tuple[float, float, int, list]:
             """Every client sends one ``kind`` at once; (first send, last reply, assignments, the
             first few error replies)."""
-            msgs = [self.m.encode(self._req(kind, cid)) for cid in self.ids]
+            msgs = [_signed(self._req(kind, cid)) for cid in self.ids]
             t0 = time.time()
             replies = await asyncio.gather(*[self.server.call.remote(d, 0.0) for d in msgs])
             end = time.time()
@@ -391,7 +403,7 @@ def _load_gen_class():
             ``warm_s`` (a held fleet's first round of pulses is all sent at the start)."""
             m = self.m
             groups = [self.ids[i:i + per_process] for i in range(0, len(self.ids), per_process)]
-            pulses = [m.encode(m.Pulse(beats=tuple(m.Beat(cid) for cid in g))) for g in groups]
+            pulses = [_signed(m.Pulse(beats=tuple(m.Beat(cid) for cid in g))) for g in groups]
             start = time.monotonic()
             t_from, t_to = start + warm_s, start + warm_s + duration_s
             counted = late = 0
@@ -418,7 +430,7 @@ def _load_gen_class():
                         # a lease ran out between two pulses: announce again, as a Hub would
                         expired.update(rep.unknown)
                         for cid in rep.unknown:
-                            await self.server.call.remote(m.encode(self._req("Register", cid)), 0.0)
+                            await self.server.call.remote(_signed(self._req("Register", cid)), 0.0)
                     spent = time.monotonic() - sent
                     if not hold_s and spent > interval_s:
                         late += 1

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Optional, Protocol
 
+from tensorhub.auth import Gate, Keyring
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
@@ -288,6 +289,10 @@ class LocalPort:
         self.holds = PulseHolds()
         """Pulses held here (``pulse_hold_s``), with the actor's rules."""
         self._held = threading.Condition(self._lock)
+        self.gate = Gate(self.config.model_secret)
+        """The server's check of each request (:mod:`tensorhub.auth`), as in the actor."""
+        self.keys = Keyring()
+        """The client side: the capabilities of the handles on this port."""
 
     def _apply(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -311,12 +316,20 @@ class LocalPort:
             self._tick()
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
+        """Sign ``request`` with its handles' capabilities (a :class:`~m.Signed` one goes as it
+        is), then serve it as the actor does: the gate first, a refusal changes nothing."""
+        signed = self.keys.sign(request, self.config.model_secret)
         with self._lock:
+            request, refused = self.gate.admit(self.core, signed)
+            if refused is not None:
+                return refused
             client_id = getattr(request, "client_id", None)
             if self.holds.releases(request):
                 self._held.notify_all()
             self._tick()
             reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
+            reply = self.gate.answered(self.core, signed, reply)
+            self.keys.answered(signed, reply, self.config.model_secret)
             self._wake(woken)
             hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
             if hold_s:
@@ -360,7 +373,9 @@ class LocalPort:
         return self.holds.answer(hold, self.core, self.mail)
 
     def notes(self, client_id: str) -> list:
+        """The client's background events; Unauthorized without its capability."""
         with self._lock:
+            self.gate.check_notes(self.core, client_id, self.keys.cap(client_id))
             return self.mail.pop_background(client_id)
 
     def pulse_key(self) -> tuple:
@@ -378,6 +393,7 @@ class LocalPort:
         every client is unknown until it re-announces."""
         with self._lock:
             self.core = ReferenceCore(self.config)
+            self.gate = Gate(self.config.model_secret)
             self.mail = Mailboxes()
             self.holds = PulseHolds()
             self._held.notify_all()
