@@ -210,8 +210,11 @@ class Leave(_Msg, frozen=True):
 
 
 class Query(_Msg, frozen=True):
-    """Ask for the server's table (:class:`Status`). ``layouts``: include each model's shard
-    layouts (:attr:`ModelView.layouts`), e.g. for a reader that allocates its buffer from them."""
+    """Ask for what a reader needs of a model (:class:`Status`): its shard count, available and
+    retained versions and, with ``layouts``, its shard layouts (:attr:`ModelView.layouts`, e.g.
+    for a reader that allocates its buffer from them). A server answers it without holders (no
+    client id: README, "Security"); the whole table is its operator view (the actor's
+    ``status()``, :func:`tensorhub.auth.Gate.operator_view`)."""
 
     model: str = ""
     layouts: bool = False
