@@ -52,6 +52,18 @@ import time
 OPS = ("Register", "Replicate", "ReplicateDone", "Heartbeat+tick")
 
 
+def _signed(req) -> bytes:
+    """``req`` encoded as a Hub's port sends it, with the capability of every client it acts for
+    (README, "Security"): drawn from the client id, so every process of the benchmark agrees."""
+    import hashlib
+
+    from tensorhub.auth import acts_for
+    from tensorhub.core import messages as m
+
+    caps = {cid: hashlib.sha256(b"bench\0" + cid.encode()).digest() for cid in acts_for(req)}
+    return m.encode(m.Signed(request=req, caps=caps))
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -375,12 +387,12 @@ def ray_part(args) -> dict:
 
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
     for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t"), m.Publish("trainer", 1)):
-        assert not isinstance(m.decode_reply(ray.get(server.call.remote(m.encode(req)))), m.ErrorReply)
+        assert not isinstance(m.decode_reply(ray.get(server.call.remote(_signed(req)))), m.ErrorReply)
     stop = threading.Event()
 
     def trainer_alive() -> None:  # the trainer heartbeats as a Hub would (it roots the pipeline)
         while not stop.wait(config.heartbeat_interval_s):
-            server.call.remote(m.encode(m.Heartbeat("trainer")))
+            server.call.remote(_signed(m.Heartbeat("trainer")))
 
     threading.Thread(target=trainer_alive, daemon=True).start()
     t0 = time.time()
@@ -438,7 +450,7 @@ def death_wave_part(args) -> dict:
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
 
     def call(req):
-        return m.decode_reply(ray.get(server.call.remote(m.encode(req), 0.0)))
+        return m.decode_reply(ray.get(server.call.remote(_signed(req), 0.0)))
 
     for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t", datacenter="a"), m.Publish("trainer", 1)):
         assert not isinstance(call(req), m.ErrorReply)
@@ -446,7 +458,7 @@ def death_wave_part(args) -> dict:
     regs = [m.Register(f"c{i}", "pol", f"c{i}", 0, 1, layout, b"c", datacenter="ab"[i % 2], spot=i < wave,
                        process=processes[i % procs] if i < wave else m.ProcessId()) for i in range(n)]
     for lo in range(0, n, 1000):
-        replies = ray.get([server.call.remote(m.encode(r), 0.0) for r in regs[lo:lo + 1000]])
+        replies = ray.get([server.call.remote(_signed(r), 0.0) for r in regs[lo:lo + 1000]])
         assert not any(isinstance(m.decode_reply(r), m.ErrorReply) for r in replies)
     say(f"death wave: {n} clients registered in {time.perf_counter() - t0:.1f} s; killing {procs} processes "
         f"hosting {wave} of them")
@@ -497,7 +509,7 @@ def isolation_part(args) -> dict:
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
 
     def timed(server, count: int) -> list[float]:
-        data = m.encode(m.Heartbeat("small-0"))
+        data = _signed(m.Heartbeat("small-0"))
         out = []
         for _ in range(count):
             t0 = time.perf_counter()
@@ -513,7 +525,7 @@ def isolation_part(args) -> dict:
     for mode, per_model in (("per_model", True), ("shared", False)):
         config = Config(server_name=f"tensorhub-bench-iso-{mode}", namespace=ns, server_per_model=per_model)
         big, small = server_handle(config, "big"), server_handle(config, "small")
-        reply = m.decode_reply(ray.get(small.call.remote(m.encode(m.Register("small-0", "small", "small-0", 0, 1, layout, b"s")))))
+        reply = m.decode_reply(ray.get(small.call.remote(_signed(m.Register("small-0", "small", "small-0", 0, 1, layout, b"s")))))
         assert not isinstance(reply, m.ErrorReply), reply
         idle = timed(small, 200)
         gens = [LoadGen.remote(config.server_actor_name("big"), ns, [f"c{i}"]) for i in range(args.generators)]
@@ -561,13 +573,13 @@ def _load_gen_class():
             return m.Heartbeat(cid)
 
         async def burst(self, kind: str, count: int) -> int:
-            data = self.m.encode(self._req(kind, "c0"))
+            data = _signed(self._req(kind, "c0"))
             await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(count)])
             return count
 
         async def hammer(self, duration_s: float, in_flight: int = 200) -> int:
             """Pipelined heartbeats, ``in_flight`` at a time, for ``duration_s``; calls answered."""
-            data = self.m.encode(self._req("Heartbeat", "c0"))
+            data = _signed(self._req("Heartbeat", "c0"))
             end, done = time.monotonic() + duration_s, 0
             while time.monotonic() < end:
                 await asyncio.gather(*[self.server.call.remote(data, 0.0) for _ in range(in_flight)])
@@ -577,7 +589,7 @@ def _load_gen_class():
         async def send_all(self, kind: str) -> tuple[float, float, int, list]:
             """Every client sends one ``kind`` at once; (first send, last reply, assignments, the
             first few error replies)."""
-            msgs = [self.m.encode(self._req(kind, cid)) for cid in self.ids]
+            msgs = [_signed(self._req(kind, cid)) for cid in self.ids]
             t0 = time.time()
             replies = await asyncio.gather(*[self.server.call.remote(d, 0.0) for d in msgs])
             end = time.time()
@@ -606,11 +618,11 @@ def _load_gen_class():
             m, stats = self.m, self._stats
             errs = []
             for cid in cids:
-                rep = m.decode_reply(await self.server.call.remote(m.encode(self._req("Register", cid)), 0.0))
+                rep = m.decode_reply(await self.server.call.remote(_signed(self._req("Register", cid)), 0.0))
                 if isinstance(rep, m.ErrorReply):
                     errs.append(rep.code)
             registered.set_result(errs)
-            data = m.encode(m.Pulse(beats=tuple(m.Beat(cid) for cid in cids)))
+            data = _signed(m.Pulse(beats=tuple(m.Beat(cid) for cid in cids)))
             wait = max(hold_s * (i + 1) / processes, interval_s) if hold_s else 0.0
             last = time.monotonic()
             while True:
@@ -625,7 +637,7 @@ def _load_gen_class():
                     # a lease ran out between two pulses: announce again, as a Hub would
                     stats["expired"].update(rep.unknown)
                     for cid in rep.unknown:
-                        await self.server.call.remote(m.encode(self._req("Register", cid)), 0.0)
+                        await self.server.call.remote(_signed(self._req("Register", cid)), 0.0)
                 if not hold_s and time.monotonic() - sent > interval_s:
                     stats["late"] += 1
 

@@ -36,6 +36,7 @@ import torch
 
 from tensorhub import errors, metrics, pulse
 from tensorhub.config import Config
+from tensorhub.core import bounds
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.host_copies import HostCopies
@@ -118,6 +119,12 @@ class Hub(HostCopies):
             raise errors.ConfigError(f"shard {shard!r} of {num_shards!r} is out of range")
         if num_shards > 1 and not replica:
             raise errors.ConfigError("a sharded replica needs replica=<name shared by its shards>")
+        bounds.check_name("model", model)  # OutOfBounds (tensorhub.core.bounds), as the server would
+        bounds.check_int("num_shards", num_shards, 1, bounds.SHARDS_MAX)
+        if replica:
+            bounds.check_name("replica", replica, max_chars=bounds.NAME_CHARS_MAX - bounds.REPLICA_SUFFIX_CHARS)
+        if datacenter:
+            bounds.check_name("datacenter", datacenter)
         self.model = model
         self.shard = shard
         self.num_shards = num_shards
@@ -230,6 +237,7 @@ class Hub(HostCopies):
                 self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
             items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
             layout = Layout.for_config(items, self.config)
+            bounds.check_layout(_layout_info(layout, self.config.checksums))
             spare = None
             if double_buffer is not None:
                 spare = self._like(double_buffer, layout, "double_buffer")
@@ -250,6 +258,7 @@ class Hub(HostCopies):
             self._layout, self._tensors, self._region = layout, ts, region
             self._machine.unit_count = layout.unit_count
             try:
+                bounds.check_endpoint("endpoint", msg.endpoint)
                 self._run(hm.RegisterOp(msg))
             except BaseException as exc:
                 self._layout, self._tensors, self._region = None, [], None
@@ -273,6 +282,7 @@ class Hub(HostCopies):
         with self._lock:
             if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                 raise errors.BadVersionSpec(f"publish() needs an int version >= 0, got {version!r}")
+            bounds.check_version("version", version)
             if self._machine.phase in (HubState.IDLE, HubState.PUBLISHED) and self._machine.published is None:
                 _sync_devices(self._tensors)
                 need_sums = self.config.checksums or self.config.verify_mutability

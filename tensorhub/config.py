@@ -135,6 +135,14 @@ class Config:
     server sits in its datacenter. False: wherever Ray's scheduler puts a zero-CPU actor (in
     practice any node: across datacenters, a remote reader's every call may cross two slow
     links)."""
+    model_secret: str = dataclasses.field(default="", repr=False)
+    """A secret shared by the jobs of one model (through their runtime environment:
+    ``TENSORHUB_MODEL_SECRET``). A model's server created with one refuses every ``Register``
+    and ``Announce`` that does not prove it (``Unauthorized``) and shows its operator view
+    (``tensorhub status``) only to those who hold it; a client holding one refuses a server that
+    cannot prove it. "" (default): the model is open to every job of the Ray cluster (each
+    client still acts only for itself). Never logged, never in a repr, metrics or status output;
+    README, "Security"."""
     server_tick_s: float = 0.5
     liveness_check_s: float = 1.0
     """How often the server asks Ray which clients' processes are gone (a job that ended takes its
@@ -183,6 +191,8 @@ class Config:
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
         need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
         need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
+        need(isinstance(self.model_secret, str) and len(self.model_secret) <= 4096,
+             "model_secret must be a str of at most 4096 characters")
 
     def server_actor_name(self, model: str) -> str:
         """The name of the reference server actor that serves ``model`` (in ``namespace``).

@@ -125,6 +125,26 @@ class MutabilityViolation(TensorHubError):
     """A published tensor was written before unpublish() returned (detected by checksum)."""
 
 
+class Unauthorized(TensorHubError, PermissionError):
+    """A request acts for a client without that client's capability (the secret its handle
+    presented at its first registration), registers with a model whose server requires a model
+    secret without proving it (``Config.model_secret``), asks for a server's operator view without
+    it, or the server of a model with a secret could not prove it knows the secret (another job
+    created a server under that name). The server changed nothing. See README, "Security"."""
+
+
+class OutOfBounds(TensorHubError, ValueError):
+    """A name, count, version number or layout in a request is outside its documented bound
+    (:mod:`tensorhub.core.bounds`). Checked by the client before it sends and by the server
+    before the request reaches its table; nothing was changed."""
+
+
+class WrongModel(OutOfBounds):
+    """The request names a model that its server does not serve (each model has its own server,
+    ``Config.server_per_model``), or a shared server already serves ``bounds.MODELS_MAX``
+    models. Nothing was changed."""
+
+
 class ClusterError(TensorHubError):
     """The emulated cluster cannot be built, reached or torn down: not root, ``ip``/``tc``
     missing, a name or subnet collides with something that is not ours, a namespace or link

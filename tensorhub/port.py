@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Optional, Protocol
 
+from tensorhub.auth import Gate, Keyring
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
@@ -399,6 +400,10 @@ class LocalPort:
         self._held = threading.Condition(self._lock)
         self.backlog = Backlog(self.config.lease_stretch_max_s, time.monotonic())
         """Callers waiting for the lock, by arrival: leases stretch while they wait."""
+        self.gate = Gate(self.config.model_secret)
+        """The server's check of each request (:mod:`tensorhub.auth`), as in the actor."""
+        self.keys = Keyring()
+        """The client side: the capabilities of the handles on this port."""
 
     def _apply(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -422,23 +427,31 @@ class LocalPort:
             self._tick()
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
+        """Sign ``request`` with its handles' capabilities (a :class:`~m.Signed` one goes as it
+        is), then serve it as the actor does: the gate first, a refusal changes nothing."""
+        signed = self.keys.sign(request, self.config.model_secret)
         # Arrived now, read once applied: while it waits for the lock, no lease runs out for
         # what it (or any other waiting caller) carries.
         token = self.backlog.arrived(time.monotonic())
         try:
             with self._lock:
-                return self._call(request, wait_s, token)
+                return self._call(signed, wait_s, token)
         finally:
             self.backlog.read(token)
 
-    def _call(self, request: m.Request, wait_s: float, token: int) -> object:
+    def _call(self, signed: object, wait_s: float, token: int) -> object:
         """:meth:`call` under the lock."""
+        request, refused = self.gate.admit(self.core, signed)
+        if refused is not None:
+            return refused
         client_id = getattr(request, "client_id", None)
         if self.holds.releases(request):
             self._held.notify_all()
         self._tick()
         reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
         self.backlog.read(token)
+        reply = self.gate.answered(self.core, signed, reply)
+        self.keys.answered(signed, reply, self.config.model_secret)
         self._wake(woken)
         hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
         if hold_s:
@@ -484,7 +497,9 @@ class LocalPort:
         return self.holds.answer(hold, self.core, self.mail)
 
     def notes(self, client_id: str) -> list:
+        """The client's background events; Unauthorized without its capability."""
         with self._lock:
+            self.gate.check_notes(self.core, client_id, self.keys.cap(client_id))
             return self.mail.pop_background(client_id)
 
     def pulse_key(self) -> tuple:
@@ -502,6 +517,7 @@ class LocalPort:
         every client is unknown until it re-announces."""
         with self._lock:
             self.core = ReferenceCore(self.config)
+            self.gate = Gate(self.config.model_secret)
             self.mail = Mailboxes()
             self.holds = PulseHolds()
             self._held.notify_all()

@@ -47,34 +47,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help="server actor namespace (default: config's)")
 
 
-def snapshot(server, model: str = "") -> dict[str, Any]:
+def _proof(model_secret: str, model: str) -> bytes:
+    from tensorhub.auth import operator_proof
+
+    return operator_proof(model_secret, model) if model_secret else b""
+
+
+def snapshot(server, model: str = "", model_secret: str = "") -> dict[str, Any]:
     """One sample of one server as plain data: ``{"time", "models": [{model, num_shards,
     available, retained, host_copies, holders, transfers, waiting}]}``. Blocks on one actor call
-    (30 s at most)."""
+    (30 s at most). A server created with a model secret answers only with ``model_secret``
+    (its proof goes, not the secret); else raises Unauthorized."""
     import ray
 
     from tensorhub.core import messages as m
+    from tensorhub.errors import from_code
 
-    status = m.decode_reply(ray.get(server.status.remote(model), timeout=30))
+    status = m.decode_reply(ray.get(server.status.remote(model, _proof(model_secret, model)), timeout=30))
+    if isinstance(status, m.ErrorReply):
+        raise from_code(status.code, status.message)
     return {"time": time.time(), "models": _model_rows(status)}
 
 
-def snapshot_all(servers: dict[str, Any], model: str = "") -> dict[str, Any]:
+def snapshot_all(servers: dict[str, Any], model: str = "", model_secret: str = "") -> dict[str, Any]:
     """One sample across ``servers`` (``{actor name: handle}``, as :func:`find_servers` returns):
     the models of every server that answered, sorted by name, each with a ``"server"`` key (its
     actor's name), plus ``"unreachable"``: the servers that did not answer (killed between the
-    listing and the call, or 30 s without a reply; ``{name: error}``). Asks them all at once."""
+    listing and the call, or 30 s without a reply; ``{name: error}``; ``Unauthorized``: the
+    server has a model secret and ``model_secret`` is not it). Asks them all at once."""
     import ray
 
     from tensorhub.core import messages as m
 
-    refs = {name: h.status.remote(model) for name, h in servers.items()}
+    proof = _proof(model_secret, model)
+    refs = {name: h.status.remote(model, proof) for name, h in servers.items()}
     models, unreachable = [], {}
     for name, ref in refs.items():
         try:
             status = m.decode_reply(ray.get(ref, timeout=30))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             unreachable[name] = type(e).__name__
+            continue
+        if isinstance(status, m.ErrorReply):
+            unreachable[name] = f"{status.code} (set TENSORHUB_MODEL_SECRET to the model's secret)"
             continue
         models += [{**row, "server": name} for row in _model_rows(status)]
     return {"time": time.time(), "models": sorted(models, key=lambda r: r["model"]), "unreachable": unreachable}
@@ -222,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
 
     def sample() -> dict:
         # Listed anew each time: a model's server may appear, die or be recreated between samples.
-        return snapshot_all(find_servers(cfg, args.model), args.model)
+        return snapshot_all(find_servers(cfg, args.model), args.model, cfg.model_secret)
 
     servers = find_servers(cfg, args.model)
     if not servers:
@@ -230,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"no TensorHub server '{cfg.server_name}' {what}in namespace '{cfg.namespace}' on this cluster",
               file=sys.stderr)
         return 1
-    first = snapshot_all(servers, args.model)
+    first = snapshot_all(servers, args.model, cfg.model_secret)
     for name, why in first["unreachable"].items():
         print(f"server '{name}' did not answer ({why})", file=sys.stderr)
 

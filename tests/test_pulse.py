@@ -244,14 +244,16 @@ def test_the_server_answers_a_held_pulse_at_once_with_its_seed_and_on_a_new_hand
     pulse comes back at once carrying the SeedAhead; held again, a registration from the same
     process brings it back at once (empty) so the new handle joins the next pulse."""
     from tensorhub.actors.server import server_handle
+    from tensorhub.auth import Keyring
     from tensorhub.config import Config
 
     ray = ray_cluster
     cfg = Config(pulse_hold_s=30.0, server_name=f"tensorhub-hold-{uuid.uuid4().hex[:6]}")
     server = server_handle(cfg, model_name)
+    keys = Keyring()  # the capabilities of this test's raw clients, as a Hub's port keeps them
 
     def call(req, wait_s=0.0):
-        return server.call.remote(m.encode(req), wait_s)
+        return server.call.remote(m.encode(keys.sign(req)), wait_s)
 
     def reg(cid, dc, proc):
         return _reg(cid, dc, proc, model=model_name)

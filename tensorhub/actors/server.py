@@ -25,10 +25,12 @@ from typing import Optional
 import ray
 
 from tensorhub.actors.liveness import DeathWatch, RayLiveness, current_process
+from tensorhub.auth import Gate, keyring_for, operator_proof
 from tensorhub.config import Config
+from tensorhub.core import bounds
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.errors import ServerUnavailable
+from tensorhub.errors import ServerUnavailable, from_code
 from tensorhub.logs import configure_from_env
 from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable
 
@@ -78,12 +80,25 @@ class ReferenceServer:
         self._probes: set[asyncio.Task] = set()
         self._me = None
         """This actor's own handle (its probes go through it)."""
+        self._gate = Gate(self.config.model_secret, model)
+        """Capabilities, the model secret, bounds, one model (:mod:`tensorhub.auth`)."""
+        self._refusals_unlogged = 0
+        self._refusal_logged_at = float("-inf")
 
     async def call(self, data: bytes, wait_s: float = 0.0) -> bytes:
+        """Serve one request (bare or :class:`~tensorhub.core.messages.Signed`). The gate
+        comes first: a refused request releases no hold, starts no sweep, changes nothing."""
         self._start()
-        req = m.decode_request(data)
+        if not isinstance(data, bytes) or len(data) > bounds.REQUEST_BYTES_MAX:
+            return m.encode(m.ErrorReply(code="OutOfBounds", message=f"a request is bytes of at most "
+                                                                     f"{bounds.REQUEST_BYTES_MAX}"))
+        signed = m.decode_request(data)
+        req, refused = self._gate.admit(self.core, signed)
         kind = type(req).__name__
         self._counts[kind] = self._counts.get(kind, 0) + 1
+        if refused is not None:
+            self._refused(kind, refused)
+            return m.encode(refused)
         client_id = getattr(req, "client_id", None)
         for hold in self._holds.releases(req):
             hold.waker.set()
@@ -94,6 +109,7 @@ class ReferenceServer:
             await self._sweep()
         # The core runs between two awaits: one event loop, no lock needed.
         reply, woken = apply_request(self.core, self.mail, req, time.monotonic())
+        reply = self._gate.answered(self.core, signed, reply)
         self._wake(woken)
         self._metrics.request(type(req).__name__, reply)
         if isinstance(req, (m.Publish, m.ReplicateDone)):
@@ -108,6 +124,17 @@ class ReferenceServer:
             reply = await self._hold(req, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
                                                     self.config.request_timeout_s))
         return m.encode(reply)
+
+    def _refused(self, kind: str, refusal: m.ErrorReply) -> None:
+        """Count a refused request; log them at most once per 10 s (a foreign job that
+        hammers the server must not flood its log). Never logs the request's contents."""
+        self._metrics.request(kind, refusal)
+        self._refusals_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= 10.0:
+            log.warning("model=%s refused %d request(s) since the last line, the last a %s: %s",
+                        self.model or "*", self._refusals_unlogged, kind, refusal.code)
+            self._refusals_unlogged, self._refusal_logged_at = 0, now
 
     async def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
         """Keep an idle process's pulse until an event for it, a release or ``hold_s``
@@ -169,13 +196,18 @@ class ReferenceServer:
             for hold in self._holds.held(client_ids, self.mail):
                 hold.waker.set()
 
-    async def notes(self, client_id: str) -> list[bytes]:
+    async def notes(self, client_id: str, cap: bytes = b"") -> list[bytes]:
+        """Pop ``client_id``'s background events; raises Unauthorized without its capability."""
         self._start()
         self._counts["notes"] = self._counts.get("notes", 0) + 1
+        self._gate.check_notes(self.core, client_id, cap)
         return [m.encode(e) for e in self.mail.pop_background(client_id)]
 
-    async def status(self, model: str = "") -> bytes:
-        return m.encode(self.core.status(model))
+    async def status(self, model: str = "", proof: bytes = b"") -> bytes:
+        """The operator view (every holder): an encoded ``Status``, or an ``ErrorReply``
+        (Unauthorized) on a server with a model secret unless ``proof`` is
+        :func:`tensorhub.auth.operator_proof` of it for ``model``."""
+        return m.encode(self._gate.operator_view(self.core, model, proof))
 
     async def counts(self) -> dict[str, int]:
         """Calls served so far, by request type (``Pulse``, ``Replicate``, ...) and ``notes``;
@@ -337,20 +369,29 @@ class RayPort:
         self.handle = handle
         self.config = config
         self.model = model
+        self.keys = keyring_for(self.pulse_key())
+        """The capabilities of this process's handles on this server (shared by its ports)."""
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
-        ref = self.handle.call.remote(m.encode(request), float(wait_s))
+        """Send ``request`` signed with its handles' capabilities (and the model secret's
+        proof on a registration) and return the reply. Raises Unauthorized if the server
+        cannot prove the model secret this port's config holds."""
+        signed = self.keys.sign(request, self.config.model_secret)
+        ref = self.handle.call.remote(m.encode(signed), float(wait_s))
         try:
             data = ray.get(ref, timeout=wait_s + self.config.request_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            raise ServerUnavailable(f"reference server did not answer {type(request).__name__}") from e
+            raise ServerUnavailable(f"reference server did not answer {type(signed.request).__name__}") from e
         except ray.exceptions.RayActorError as e:
             raise ServerUnavailable(f"reference server is gone: {e}") from e
-        return m.decode_reply(data)
+        reply = m.decode_reply(data)
+        self.keys.answered(signed, reply, self.config.model_secret)
+        return reply
 
     def notes(self, client_id: str) -> list:
         try:
-            return [m.decode_reply(b) for b in ray.get(self.handle.notes.remote(client_id), timeout=self.config.request_timeout_s)]
+            ref = self.handle.notes.remote(client_id, self.keys.cap(client_id))
+            return [m.decode_reply(b) for b in ray.get(ref, timeout=self.config.request_timeout_s)]
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
             raise ServerUnavailable(str(e)) from e
 
@@ -377,7 +418,13 @@ class RayPort:
                 delay = min(delay * 2, 2.0)
 
     def status(self, model: str = "") -> m.Status:
-        return m.decode_reply(ray.get(self.handle.status.remote(model)))
+        """The operator view (every holder), proving the model secret if the config has one;
+        raises Unauthorized where the server refuses it."""
+        proof = operator_proof(self.config.model_secret, model) if self.config.model_secret else b""
+        reply = m.decode_reply(ray.get(self.handle.status.remote(model, proof), timeout=self.config.request_timeout_s))
+        if isinstance(reply, m.ErrorReply):
+            raise from_code(reply.code, reply.message)
+        return reply
 
 
 _MAX_CONCURRENCY = 1_000_000

@@ -210,8 +210,11 @@ class Leave(_Msg, frozen=True):
 
 
 class Query(_Msg, frozen=True):
-    """Ask for the server's table (:class:`Status`). ``layouts``: include each model's shard
-    layouts (:attr:`ModelView.layouts`), e.g. for a reader that allocates its buffer from them."""
+    """Ask for what a reader needs of a model (:class:`Status`): its shard count, available and
+    retained versions and, with ``layouts``, its shard layouts (:attr:`ModelView.layouts`, e.g.
+    for a reader that allocates its buffer from them). A server answers it without holders (no
+    client id: README, "Security"); the whole table is its operator view (the actor's
+    ``status()``, :func:`tensorhub.auth.Gate.operator_view`)."""
 
     model: str = ""
     layouts: bool = False
@@ -221,6 +224,25 @@ Request = Union[
     Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
     ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap, Pulse,
 ]
+
+
+class Signed(_Msg, frozen=True):
+    """A request with the credentials of the clients it acts for (README, "Security";
+    :mod:`tensorhub.auth`). The client's port wraps every request in one; the server checks it
+    and hands only ``request`` on, so the core never sees a secret.
+
+    ``caps``: client id -> capability, for every client the request acts for (its
+    ``client_id``; a ``Register``'s ``stage_for``; a ``Swap``'s ``stage_id``; each beat of a
+    ``Pulse``). ``model_proof``: for a ``Register`` or ``Announce`` to a server created with a
+    model secret, ``HMAC-SHA256(secret, "tensorhub register" | client id | capability)``
+    (:func:`tensorhub.auth.register_proof`). The repr shows neither."""
+
+    request: Request
+    caps: dict[str, bytes] = {}
+    model_proof: bytes = b""
+
+    def __repr__(self) -> str:
+        return f"Signed({self.request!r}, caps=<{len(self.caps)} hidden>)"
 
 
 # --------------------------------------------------------------------------- replies and events
@@ -235,6 +257,10 @@ class Registered(_Msg, frozen=True):
     server knows (a restarted shard continues its siblings' count from there)."""
 
     round_seq: int = 0
+    proof: bytes = b""
+    """From a server created with a model secret: ``HMAC-SHA256(secret, "tensorhub server" |
+    client id | capability)``, so the client knows the server it registered with holds the
+    model's secret (:func:`tensorhub.auth.server_proof`); empty without one."""
 
 
 class ErrorReply(_Msg, frozen=True):
@@ -394,7 +420,7 @@ class Deliver(msgspec.Struct, frozen=True):
     event: Event
 
 
-_REQ_DECODER = msgspec.msgpack.Decoder(Request)
+_REQ_DECODER = msgspec.msgpack.Decoder(Union[Request, Signed])
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
     DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, PulseReply,
@@ -406,7 +432,8 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _ENCODER.encode(msg)
 
 
-def decode_request(data: bytes) -> Request:
+def decode_request(data: bytes) -> Union[Request, Signed]:
+    """Decode a request, bare or :class:`Signed`."""
     return _REQ_DECODER.decode(data)
 
 

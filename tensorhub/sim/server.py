@@ -13,12 +13,19 @@ A crash loses all state and every message in flight to or from it (the epoch cha
 call that had not been answered fails with ``Unavailable`` after the cluster's detection delay
 (Ray raises ``RayActorError``), and so does a call sent while the server is down. A restart is a
 fresh core.
+
+Every request goes through the server's gate (:class:`tensorhub.auth.Gate`) first, as in the
+actor: the simulated clients sign their requests with their capabilities (:attr:`SimServer.keys`,
+the client side, drawn from the client id so a seed replays) and a request the gate refuses
+changes nothing. A restarted server has a fresh gate; the clients keep their keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Optional
 
+from tensorhub.auth import Gate, Keyring
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
@@ -29,11 +36,18 @@ CoreFactory = Callable[[Config], ReferenceCore]
 NAME = "server"
 
 
-class Call:
-    __slots__ = ("client", "req", "wait", "token", "on_reply", "epoch")
+def _sim_capability(client_id: str) -> bytes:
+    """A simulated client's capability: fixed by its id (no draw from the seeded streams)."""
+    return hashlib.sha256(b"tensorhub sim capability\0" + client_id.encode()).digest()
 
-    def __init__(self, client, req, wait: bool, token: Optional[int], on_reply, epoch: int) -> None:
+
+class Call:
+    __slots__ = ("client", "req", "wait", "token", "on_reply", "epoch", "signed")
+
+    def __init__(self, client, req, wait: bool, token: Optional[int], on_reply, epoch: int, signed=None) -> None:
         self.client, self.req, self.wait, self.token, self.on_reply, self.epoch = client, req, wait, token, on_reply, epoch
+        self.signed = signed
+        """``req`` as it goes over the wire: with its clients' capabilities."""
 
 
 class SimServer:
@@ -52,6 +66,9 @@ class SimServer:
         """Idle processes' pulses held here (``pulse_hold_s``), with the actor's rules."""
         self.holds_answered = 0
         self.requests = 0
+        self.gate = Gate(world.config.model_secret)
+        self.keys = Keyring(token=_sim_capability)
+        """The clients' side: every simulated client's capability (they outlive a crash)."""
         world.sim.after(world.config.server_tick_s, self._tick)
 
     # ------------------------------------------------------------------ faults
@@ -73,6 +90,7 @@ class SimServer:
         self.up = True
         self.epoch += 1
         self.core = self.core_factory(self.world.config)
+        self.gate = Gate(self.world.config.model_secret)
 
     def declare_dead(self, cid: str) -> None:
         """The cluster manager (Ray, in production) reports client ``cid``'s process gone."""
@@ -87,7 +105,7 @@ class SimServer:
     def call(self, client, req: m.Request, wait: bool, token: Optional[int], on_reply=None) -> None:
         """Client -> server. The answer goes to ``on_reply(reply)`` if given, else to
         ``client.on_reply(token, reply)`` / ``client.on_unavailable(token)``."""
-        c = Call(client, req, wait, token, on_reply, self.epoch)
+        c = Call(client, req, wait, token, on_reply, self.epoch, self.keys.sign(req, self.world.config.model_secret))
         if not self.up:
             self._unavailable(c)
             return
@@ -97,7 +115,8 @@ class SimServer:
     def notes(self, client, on_notes) -> None:
         """The client's background-event poll (``ServerPort.notes``); lost if the server is down."""
         if self.up:
-            self.world.net.send(client.cid, NAME, self._notes, client, on_notes, self.epoch)
+            cap = self.keys.cap(client.cid)
+            self.world.net.send(client.cid, NAME, self._notes, client, on_notes, self.epoch, cap)
 
     def _unavailable(self, c: Call) -> None:
         w = self.world
@@ -111,8 +130,12 @@ class SimServer:
         if not self.up or epoch != self.epoch:
             return
         self.requests += 1
-        req = c.req
+        req, refused = self.gate.admit(self.core, c.signed)
         cid = c.client.cid
+        if refused is not None:
+            sim.trace(f"srv {cid} {req!r} REFUSED {refused!r}")
+            self._answer(c, refused)
+            return
 
         def tap(reply, effects):
             sim.trace(f"srv {cid} {req!r} -> {reply!r}")
@@ -122,6 +145,7 @@ class SimServer:
 
         released = self.holds.releases(req)  # as the actor: before the request is applied
         reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
+        reply = self.gate.answered(self.core, c.signed, reply)
         for hold in released:
             self._answer_hold(hold)
         hold_s = holdable(req, reply, self.world.config.pulse_hold_s if c.wait else 0.0, self.world.config.pulse_hold_s)
@@ -172,14 +196,16 @@ class SimServer:
         self.calls.discard(c)
         if not c.client.alive:
             return
+        self.keys.answered(c.signed, reply, self.world.config.model_secret)
         if c.on_reply is not None:
             c.on_reply(reply)
         else:
             c.client.on_reply(c.token, reply)
 
-    def _notes(self, client, on_notes, epoch: int) -> None:
+    def _notes(self, client, on_notes, epoch: int, cap: bytes) -> None:
         if not self.up or epoch != self.epoch:
             return
+        self.gate.check_notes(self.core, client.cid, cap)  # an honest client's: an error is a bug here
         notes = self.mail.pop_background(client.cid)
         self.world.net.send(NAME, client.cid, self._notes_reply, client, on_notes, notes, self.epoch)
 
