@@ -54,8 +54,9 @@ class CoreObserver:
         """The largest extra message delay in force so far (``msg_delay``)."""
         self.lost: set[int] = set()
         """Versions the server dropped from retention as lost (no holder of some shard left)."""
-        self.crashes: dict[str, tuple[float, int, set[int]]] = {}
-        """Crashed non-spot clients: cid -> (when, shard, versions it held whole then)."""
+        self.crashes: dict[str, tuple[float, int, set[int], bool, str, int]] = {}
+        """Crashed clients: cid -> (when, shard, versions it held whole then (memory or host
+        copy), spot, replica, shards): the server may list what they held until it learns."""
 
     def path(self, name: str) -> None:
         self.paths[name] += 1
@@ -194,6 +195,10 @@ class CoreObserver:
             if c.mem == want or (c.alive and c.host_copies.get(v) == want):
                 by_replica.setdefault(c.replica_id, set()).add(c.shard)
                 num[c.replica_id] = c.num_shards
+        for _, shard, held, _, replica, shards in self.crashes.values():
+            if v in held:  # a crashed holder the server may not know about yet
+                by_replica.setdefault(replica, set()).add(shard)
+                num[replica] = shards
         whole = [r for r, shards in by_replica.items() if len(shards) == num[r]]
         if not whole:
             from tensorhub.sim.checkers import KNOWN_OPEN
@@ -206,14 +211,12 @@ class CoreObserver:
     # ------------------------------------------------------------------ (n)
 
     def note_crash(self, c) -> None:
-        if c.spot:
-            return
         held = {v for v, copy in c.host_copies.items() if copy == [(v, c.shard, k) for k in range(c.units)]}
         if c.mem and c.mem[0] is not None and c.mem[0][0] not in ("dirty", "freed", "torn"):
             v = c.mem[0][0]
             if c.mem == [(v, c.shard, k) for k in range(c.units)]:
                 held.add(v)
-        self.crashes[c.cid] = (self.world.sim.now, c.shard, held)
+        self.crashes[c.cid] = (self.world.sim.now, c.shard, held, c.spot, c.replica_id, c.num_shards)
 
     def _check_released(self, core, req, reply, pre: dict, retained: list[int]) -> None:
         released = []
@@ -244,8 +247,8 @@ class CoreObserver:
         # The server's liveness rule (heard from within 2.5 heartbeats), plus the longest a message
         # sent before the crash may have taken to arrive.
         allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
-        return any(sh == shard and v in held and w.sim.now - t <= allow_s
-                   for t, sh, held in self.crashes.values())
+        return any(sh == shard and v in held and not spot and w.sim.now - t <= allow_s
+                   for t, sh, held, spot, _, _ in self.crashes.values())
 
 
 def _known_last_copy(checker) -> str:
