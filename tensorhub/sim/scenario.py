@@ -131,6 +131,9 @@ class World:
         """Elastic: a non-spot replica leaves too (its close may meet ``LastCopyHeld``)."""
         if params is None and self.params.workload == "crossdc" and var.random() < 0.3:
             self.params = dataclasses.replace(self.params, num_shards=2)  # sharded seeding across datacenters
+        self.pinned_retry = var.random() < 0.5
+        """After an interrupted round, each shard of a sharded replica asks again for the version it
+        was reading while its siblings ask "latest" (a round of mixed specs: TransactionMismatch)."""
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
@@ -339,7 +342,7 @@ def build_workload(w: World, rng: random.Random) -> None:
     elif wl == "crossdc":
         for dc in w.dcs:
             for i in range(rng.randint(2, 3)):
-                rollout(f"r{dc}-{i}", [w.add_host(dc)], dc)
+                rollout(f"r{dc}-{i}", [w.add_host(dc) for _ in range(S)], dc)
     elif wl == "sharded":
         for i in range(rng.randint(1, max(1, min(3, (p.max_clients - S) // S)))):
             rollout(f"r{i}", [w.add_host("dc0") for _ in range(S)], "dc0")

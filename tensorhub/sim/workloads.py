@@ -235,7 +235,7 @@ class RolloutDriver(ReplicaDriver):
                 w.checker.observer.path("default_rounds")
             # After an interrupted call a one-shard replica asks again for the version it was
             # reading (a user retrying the call), which resumes on its partial units.
-            spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 else "latest"
+            spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 or w.pinned_retry else "latest"
             self.ensure_registered(c, lambda: c.replicate(spec, True, replicated, round=rnd), done)
 
         self.each(one, lambda: self._round_done(results), w.params.shard_skew_s)
