@@ -368,7 +368,7 @@ def _plant_no_recheck(monkeypatch):
 @pytest.mark.parametrize("plant, seeds, kind", [
     (_plant_no_recheck, (734, 998), {"torn"}),  # the user's writes end up in a "finished" replica
     (_plant_no_abort, (10, 41, 66), {"mutate", "hang"}),  # a phantom reader: a drain that never ends
-    (_plant_fresh_round, (169, 170), {"txn"}),  # re-found when heartbeats became pulses (timings moved)
+    (_plant_fresh_round, (36, 185), {"txn"}),  # re-found when the simulator gained fault kinds and variants
 ])
 def test_the_simulator_catches_bugs_planted_in_the_shipped_machine(monkeypatch, plant, seeds, kind):
     """The simulator drives HandleMachine itself: a bug planted there shows as a violation (these

@@ -232,7 +232,7 @@ class _HeldPulseTrusted(ReferenceCore):
         return super()._heard_lately(node, attended=True)
 
 
-@pytest.mark.parametrize("seed", [28, 442])
+@pytest.mark.parametrize("seed", [1, 26])
 def test_ghost_checker_flags_an_offload_skipped_for_copies_on_crashed_held_processes(seed):
     """The simulator's ``ghost`` checker: with the old rule an unpublish skipped the offload
     while its only other copies were on processes dead for seconds, kept 'heard from' by their

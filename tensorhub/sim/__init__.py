@@ -13,6 +13,8 @@ so that the same seed provably gives the same run.
 - :mod:`tensorhub.sim.workloads` trainers, rollout fleets, spot churn
 - :mod:`tensorhub.sim.faults`    named fault kinds and their bounded knobs
 - :mod:`tensorhub.sim.checkers`  invariants (observers only)
+- :mod:`tensorhub.sim.observer`  invariants that compare the core's table before and after a step
+                                  with the world's ground truth; rare-path counts
 - :mod:`tensorhub.sim.scenario`  one seeded scenario end to end: :func:`run_scenario`
 - :mod:`tensorhub.sim.whatif`    benchmark-scale what-if runs (pipeline vs no pipeline)
 - :mod:`tensorhub.sim.cli`       ``tensorhub simulate``

@@ -6,7 +6,10 @@
 
 With ``--json`` the last stdout line is one JSON object: ``runs``, ``faults`` (injections per
 kind), ``violations`` (count; must be 0), ``violation_kinds``, ``requests`` (``completed`` and
-``failed`` per error code), ``seconds`` (wall time), ``digest`` (of all trace digests).
+``failed`` per error code), ``known_open`` (violations of open defects of the shipped code, by
+kind: :data:`tensorhub.sim.checkers.KNOWN_OPEN`; they do not fail the run), ``paths`` (across how
+many seeds each rare path was taken: :data:`tensorhub.sim.observer.PATHS`), ``seconds`` (wall
+time), ``seconds_per_seed`` (mean, max), ``digest`` (of all trace digests).
 A failing seed prints the command that replays it on stderr. Exit code 1 on any violation.
 
 ``--whatif paper`` runs :mod:`tensorhub.sim.whatif_paper` instead (``paper-small``: its fast
@@ -24,6 +27,7 @@ import sys
 import time
 
 from tensorhub.sim.faults import FAULT_KINDS
+from tensorhub.sim.observer import PATHS
 from tensorhub.sim.scenario import WORKLOADS, run_scenario
 
 
@@ -71,11 +75,23 @@ def run(args: argparse.Namespace) -> int:
     failed: dict[str, int] = {}
     kinds: dict[str, int] = {}
     completed = violations = 0
+    known: dict[str, int] = {}
+    paths = {p: 0 for p in PATHS}
+    per_seed_s: list[float] = []
     digest = hashlib.blake2b(digest_size=16)
     for seed in seeds:
+        t_seed = time.monotonic()
         res = run_scenario(seed, args.workload, keep_trace=args.verbose_trace, interrupts=not args.no_interrupts,
                            shared_processes=args.shared_processes)
+        per_seed_s.append(time.monotonic() - t_seed)
         digest.update(res.digest.encode())
+        for p, n in (res.paths or {}).items():
+            if n:
+                paths[p] = paths.get(p, 0) + 1
+        for kind, t, msg in res.known_open:
+            known[kind] = known.get(kind, 0) + 1
+            if args.seed is not None:
+                print(f"seed {seed} ({res.workload}) t={t:.3f}s KNOWN {kind}: {msg}", file=sys.stderr)
         if res.lines is not None:
             for line in res.lines:
                 print(line, file=sys.stderr)
@@ -99,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
         "violations": violations,
         "violation_kinds": kinds,
         "requests": {"completed": completed, "failed": dict(sorted(failed.items()))},
+        "known_open": known,
+        "paths": paths,
         "seconds": round(time.monotonic() - t0, 3),
+        "seconds_per_seed": {"mean": round(sum(per_seed_s) / max(1, len(per_seed_s)), 4),
+                             "max": round(max(per_seed_s, default=0.0), 4)},
         "digest": digest.hexdigest(),
     }
     if args.json:

@@ -15,6 +15,15 @@ parameters; every injection is traced and counted.
 - ``trainer_replaced`` the trainer job restarts under a new replica id on new hosts while its
                        predecessor's processes hang (no death report: their leases still run);
                        versions go on from where it was.
+- ``msg_loss``         while the server is up, a call's request or reply is lost with chance
+                       ``p`` for a while (the caller sees the server unavailable and retries).
+- ``msg_dup``          while the server is up, a request is delivered twice with chance ``p``.
+- ``holders_hang``     every non-spot rollout process holding the trainer's newest published
+                       version hangs at once (no death report; they restart fresh later): the
+                       trainer's next unpublish must not count them as live copies.
+- ``restart_mid_read`` armed at its time: the server restarts (after ``down_s``) as soon as the
+                       trainer begins to unpublish while readers copy from it; their reads span
+                       the restart and the trainer's unpublish reaches the fresh server first.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from __future__ import annotations
 import random
 
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
-               "interrupt", "trainer_replaced")
+               "interrupt", "trainer_replaced", "msg_loss", "msg_dup", "holders_hang", "restart_mid_read")
+"""The kinds a seed may plan, in the order it draws them (new kinds go last: a seed's draws for the
+earlier kinds stay as they were)."""
 
 BOUNDS = {
     "server_restart.down_s": (0.2, 3.0),
@@ -31,6 +42,10 @@ BOUNDS = {
     "msg_delay.max_s": (0.05, 0.8),
     "msg_delay.duration_s": (1.0, 8.0),
     "spot_preemption.max_nodes": (1, 3),
+    "msg_loss.p": (0.02, 0.2),
+    "msg_loss.duration_s": (1.0, 6.0),
+    "msg_dup.p": (0.05, 0.3),
+    "msg_dup.duration_s": (1.0, 6.0),
 }
 
 
@@ -49,7 +64,7 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
         for _ in range(1 if rng.random() < 0.7 else 2):
             t = rng.uniform(lo, hi)
             knobs: dict = {}
-            if kind == "server_restart":
+            if kind in ("server_restart", "restart_mid_read"):
                 knobs["down_s"] = rng.uniform(*BOUNDS["server_restart.down_s"])
             elif kind == "slow_link":
                 knobs["factor"] = rng.uniform(*BOUNDS["slow_link.factor"])
@@ -60,6 +75,9 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
                 knobs["duration_s"] = rng.uniform(*BOUNDS["msg_delay.duration_s"])
             elif kind == "spot_preemption":
                 knobs["nodes"] = rng.randint(*BOUNDS["spot_preemption.max_nodes"])
+            elif kind in ("msg_loss", "msg_dup"):
+                knobs["p"] = rng.uniform(*BOUNDS[f"{kind}.p"])
+                knobs["duration_s"] = rng.uniform(*BOUNDS[f"{kind}.duration_s"])
             knobs["pick"] = knobs.get("pick", rng.random())
             plan.append((t, kind, knobs))
     plan.sort(key=lambda x: (x[0], x[1]))
@@ -74,7 +92,9 @@ def fault_end(plan: list[tuple[float, str, dict]], world) -> float:
     p = world.params
     for t, kind, knobs in plan:
         e = t + knobs.get("duration_s", 0.0) + knobs.get("down_s", 0.0)
-        if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced"):
+        if kind == "restart_mid_read":
+            e += world.params.hold_s[1] + world.params.train_s[1]  # when it fires: the next unpublish
+        if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced", "holders_hang"):
             e += p.restart_delay_s + world.config.lease_timeout_s
         end = max(end, e)
     return end
@@ -107,7 +127,7 @@ def inject(world, kind: str, knobs: dict) -> None:
         if world.server.up:
             world.server.crash()
             world.checker.note_loss("server restart")
-            sim.after(knobs["down_s"], world.server.restart)
+            sim.after(knobs["down_s"], _restart, world)
             done = True
     elif kind == "spot_preemption":
         spots = [c for c in world.clients_alive() if c.spot]
@@ -137,14 +157,54 @@ def inject(world, kind: str, knobs: dict) -> None:
         done = world.replace_trainer()
         if done:
             world.checker.note_loss("trainer replaced")
+    elif kind == "msg_loss":
+        world.net.loss_p = knobs["p"]
+        sim.after(knobs["duration_s"], setattr, world.net, "loss_p", 0.0)
+        done = True
+    elif kind == "msg_dup":
+        world.net.dup_p = knobs["p"]
+        sim.after(knobs["duration_s"], setattr, world.net, "dup_p", 0.0)
+        done = True
+    elif kind == "restart_mid_read":
+        world.restart_armed = knobs["down_s"]
+        sim.trace("fault restart_mid_read armed")
+        return
+    elif kind == "holders_hang":
+        newest = max((c.published for d in world.trainers for c in d.members
+                      if c.alive and c.published is not None), default=None)
+        hang = [c for c in world.clients_alive() if c.role == "rollout" and not c.spot and newest is not None
+                and c.published == newest]
+        for c in hang:
+            world.crash(c, restart=True, report=False)
+        done = bool(hang)
     elif kind == "msg_delay":
         world.net.extra_delay_max_s = knobs["max_s"]
+        world.checker.observer.max_delay_s = max(world.checker.observer.max_delay_s, knobs["max_s"])
         sim.after(knobs["duration_s"], _undelay, world)
         done = True
     if done:
         world.faults[kind] = world.faults.get(kind, 0) + 1
         world.faults_injected = True
         sim.trace(f"fault {kind} {sorted(knobs.items())}")
+
+
+def restart_mid_read(world, source_cid: str) -> None:
+    """The armed ``restart_mid_read``: called as the trainer begins to unpublish."""
+    down_s = getattr(world, "restart_armed", None)
+    if down_s is None or not world.server.up or not world.net.reads_from(source_cid):
+        return
+    world.restart_armed = None
+    world.server.crash()
+    world.checker.note_loss("server restart")
+    world.sim.after(down_s, _restart, world)
+    world.faults["restart_mid_read"] = world.faults.get("restart_mid_read", 0) + 1
+    world.faults_injected = True
+    world.sim.trace(f"fault restart_mid_read (unpublish of {source_cid}) down {down_s:.2f}s")
+
+
+def _restart(world) -> None:
+    world.server.restart()
+    world.checker.note_restart()
 
 
 def _unslow(target, factor: float) -> None:

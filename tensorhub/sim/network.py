@@ -8,7 +8,10 @@ clients on the same host use the host's local copy engine instead of the NIC.
 
 Control messages (client <-> server) travel on FIFO channels (one per direction and peer, like
 a TCP connection) with a small latency. The ``msg_delay`` fault adds a random extra delay per
-message, which reorders messages across channels (never within one).
+message, which reorders messages across channels (never within one). While the server is up,
+``msg_loss`` loses a call's request or its reply (the caller's transport then fails, as a broken
+connection does: the call sees the server unavailable) and ``msg_dup`` delivers a request twice,
+back to back on its channel (the second reply is dropped: one answer per call).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class Read:
     Physically in flight from ``t0`` (posted) to ``end``; ``dead`` reads deliver nothing to the
     reader's bookkeeping."""
 
-    __slots__ = ("rid", "reader", "source", "version", "unit", "t0", "end", "epoch", "assign_no", "dead", "cancelled")
+    __slots__ = ("rid", "reader", "source", "version", "unit", "t0", "end", "epoch", "assign_no", "dead", "cancelled",
+                 "pull_epoch")
 
     def __init__(self, rid, reader, source, version, unit, t0, end, epoch, assign_no) -> None:
         self.rid, self.reader, self.source, self.version, self.unit = rid, reader, source, version, unit
@@ -40,6 +44,8 @@ class Read:
         self.dead = False
         self.cancelled = False
         """Cancelled by the reader: it may still land (junk) until ``end``."""
+        self.pull_epoch = epoch
+        """The server epoch in which the reader got the assignment this read serves."""
 
 
 class Host:
@@ -61,6 +67,13 @@ class Network:
         self.ctrl_jitter_s = ctrl_jitter_s
         self.nic_latency_s = nic_latency_s
         self.extra_delay_max_s = 0.0
+        self.loss_p = 0.0
+        """``msg_loss`` fault: the chance that a call's request or reply is lost (server up)."""
+        self.dup_p = 0.0
+        """``msg_dup`` fault: the chance that a request is delivered twice (server up)."""
+        self.fault_rng = random.Random(f"{sim.seed}/net-faults")
+        """Its own stream: the jitter draws of a seed stay as they were."""
+        self.lost = self.duplicated = 0
         self.hosts: dict[str, Host] = {}
         self.links: dict[tuple[str, str], tuple[Resource, float]] = {}
         self.reads_by_source: dict[str, dict[int, Read]] = {}
@@ -125,6 +138,20 @@ class Network:
         t = max(self.sim.now + delay, self._chan_last.get(key, 0.0))
         self._chan_last[key] = t
         self.sim.at(t, fn, *args)
+
+    def lose(self) -> bool:
+        """Whether the message about to be sent is lost (``msg_loss``)."""
+        if self.loss_p > 0 and self.fault_rng.random() < self.loss_p:
+            self.lost += 1
+            return True
+        return False
+
+    def duplicate(self) -> bool:
+        """Whether the request about to be sent is delivered twice (``msg_dup``)."""
+        if self.dup_p > 0 and self.fault_rng.random() < self.dup_p:
+            self.duplicated += 1
+            return True
+        return False
 
     def host(self, name: str) -> Optional[Host]:
         return self.hosts.get(name)

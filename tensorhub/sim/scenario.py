@@ -18,12 +18,15 @@ from tensorhub.sim.checkers import Checker
 from tensorhub.sim.client import FREED, TORN, SimClient
 from tensorhub.sim.loop import Sim
 from tensorhub.sim.network import Network
+from tensorhub.core.reference import ReferenceCore
 from tensorhub.sim.server import CoreFactory, SimServer
 from tensorhub.sim.seeding import SeedingClient
 from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
 GiB = 1 << 30
+QUIET_GRACE_BEATS = 3
+"""The world ends after this many heartbeat intervals of quiet (the end checks run then)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,10 @@ class ScenarioResult:
     lines: Optional[list] = None
     process_crashes: int = 0
     """Crashes that took a shared process's handles together (``shared_processes``)."""
+    known_open: list = dataclasses.field(default_factory=list)
+    """Violations of open defects of the shipped code (``checkers.KNOWN_OPEN``), kept apart."""
+    paths: Optional[dict] = None
+    """Rare paths taken in this run, with how often (:data:`tensorhub.sim.observer.PATHS`)."""
 
     @property
     def ok(self) -> bool:
@@ -114,6 +121,19 @@ class World:
         rng = self.sim.rng("scenario")
         self.params = params or make_params(rng, workload)
         self.config = config or make_config(rng)
+        # Variants draw from a stream of their own: the other draws of a seed stay as they were.
+        var = self.sim.rng("variants")
+        self.default_rounds = var.random() < 0.3
+        """Sharded rollouts let their handles count rounds (no ``round=``): the default."""
+        if config is None and var.random() < 0.08:
+            self.config = dataclasses.replace(self.config, request_timeout_s=var.uniform(3.0, 8.0))
+        self.scale_down = var.random() < 0.5
+        """Elastic: a non-spot replica leaves too (its close may meet ``LastCopyHeld``)."""
+        if params is None and self.params.workload == "crossdc" and var.random() < 0.3:
+            self.params = dataclasses.replace(self.params, num_shards=2)  # sharded seeding across datacenters
+        self.pinned_retry = var.random() < 0.5
+        """After an interrupted round, each shard of a sharded replica asks again for the version it
+        was reading while its siblings ask "latest" (a round of mixed specs: TransactionMismatch)."""
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
@@ -127,12 +147,14 @@ class World:
         self.dcs: list[str] = ["dc0"]
         self.faults: dict[str, int] = {}
         self.faults_injected = False
+        self.restart_armed: Optional[float] = None
+        """The ``restart_mid_read`` fault is armed: the server's down time when it fires."""
         self.active_end = self.params.active_s
         self.stats_recoveries = self.stats_stalls = self.stats_bad_units = self.stats_scribbles = 0
         self._layouts: dict[int, m.LayoutInfo] = {}
         self._hosts = 0
         self.checker = Checker(self)
-        self.server = SimServer(self, core_factory)
+        self.server = SimServer(self, self.checker.observer.factory(core_factory or ReferenceCore))
         self.sim.trace(f"scenario {self.params!r} {self.config!r}")
         if self.params.workload != "whatif":
             build_workload(self, self.sim.rng("workload"))
@@ -225,6 +247,7 @@ class World:
             return
         self.sim.trace(f"crash {c.cid}")
         self.checker.note_loss("crash")
+        self.checker.observer.note_crash(c)
         keys = set(c.serves())
         c.die()
         for k in sorted(keys):
@@ -262,19 +285,27 @@ class World:
 
     def _watch(self) -> None:
         if self.sim.now >= max(self.active_end, self.checker.fault_end_s) and self.quiet():
-            self.quiesced = True
-            self.sim.stopped = True
-            return
+            # Quiet for a grace of a few heartbeats: background notes (DropHostCopy) land.
+            if self._quiet_since is None:
+                self._quiet_since = self.sim.now
+            if self.sim.now - self._quiet_since >= QUIET_GRACE_BEATS * self.config.heartbeat_interval_s:
+                self.quiesced = True
+                self.sim.stopped = True
+                return
+        else:
+            self._quiet_since = None
         self.sim.after(1.0, self._watch)
 
     def run(self) -> None:
         self.quiesced = False
+        self._quiet_since: Optional[float] = None
         for d in self.trainers:
             d.start()
         for d in self.rollouts:
             d.start()
         self.sim.at(self.active_end, self._watch)
-        deadline = max(self.active_end, self.checker.fault_end_s) + self.checker.bound_s + 5.0
+        deadline = (max(self.active_end, self.checker.fault_end_s) + self.checker.bound_s + 5.0
+                    + QUIET_GRACE_BEATS * self.config.heartbeat_interval_s)
         self.sim.run(deadline)
         self.checker.final(self.quiesced)
 
@@ -312,10 +343,15 @@ def build_workload(w: World, rng: random.Random) -> None:
         for i in range(rng.randint(2, 5)):
             rollout(f"spot{i}", [w.add_host("dc0")], "dc0", spot=True)
         SpotChurn(w, w.sim.rng("churn"), rng.randint(2, 6))
+        if w.scale_down:
+            fixed = [d for d in w.rollouts if not d.spot]
+            down = w.sim.rng("scale-down")
+            d = fixed[down.randrange(len(fixed))]
+            w.sim.at(down.uniform(4.0, max(5.0, w.active_end - 2.0)), setattr, d, "leaving", True)
     elif wl == "crossdc":
         for dc in w.dcs:
             for i in range(rng.randint(2, 3)):
-                rollout(f"r{dc}-{i}", [w.add_host(dc)], dc)
+                rollout(f"r{dc}-{i}", [w.add_host(dc) for _ in range(S)], dc)
     elif wl == "sharded":
         for i in range(rng.randint(1, max(1, min(3, (p.max_clients - S) // S)))):
             rollout(f"r{i}", [w.add_host("dc0") for _ in range(S)], "dc0")
@@ -337,4 +373,5 @@ def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Opt
         seed=seed, workload=w.params.workload, digest=w.sim.digest(), violations=list(w.checker.violations),
         faults=dict(w.faults), completed=w.checker.completed, failed=dict(w.checker.failed),
         events=w.sim.events, sim_seconds=w.sim.now, lines=w.sim.lines, process_crashes=w.stats_process_crashes,
+        paths=dict(w.checker.observer.paths), known_open=list(w.checker.known_open),
     )

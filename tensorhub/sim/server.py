@@ -110,7 +110,23 @@ class SimServer:
             self._unavailable(c)
             return
         self.calls.add(c)
-        self.world.net.send(client.cid, NAME, self._arrive, c, self.epoch)
+        net = self.world.net
+        if net.lose():
+            self._lost(c, "request")
+            return
+        net.send(client.cid, NAME, self._arrive, c, self.epoch)
+        if token is not None and not isinstance(req, m.Pulse) and net.duplicate():
+            self.world.sim.trace(f"duplicate {client.cid} {req!r}")
+            self.world.checker.observer.path("msg_duplicated")
+            net.send(client.cid, NAME, self._arrive, c, self.epoch)
+
+    def _lost(self, c: Call, what: str) -> None:
+        """The ``msg_loss`` fault: the call's request or reply is lost; its caller sees the
+        server unavailable after the detection delay (and retries, as over a broken connection)."""
+        self.world.sim.trace(f"lost {what} of {c.client.cid} {c.req!r}")
+        self.world.checker.observer.path("msg_lost")
+        self.calls.discard(c)
+        self._unavailable(c)
 
     def notes(self, client, on_notes) -> None:
         """The client's background-event poll (``ServerPort.notes``); lost if the server is down."""
@@ -188,11 +204,18 @@ class SimServer:
                 self._answer_hold(hold)
 
     def _answer(self, c: Call, reply) -> None:
+        if c not in self.calls:
+            return  # answered already (a duplicated request), or its reply was lost
+        if self.world.net.lose():
+            self._lost(c, "reply")
+            return
         self.world.net.send(NAME, c.client.cid, self._reply, c, reply, self.epoch)
 
     def _reply(self, c: Call, reply, epoch: int) -> None:
         if epoch != self.epoch:
             return  # the crash already failed this call
+        if c not in self.calls:
+            return  # a duplicated request's second reply: one answer per call
         self.calls.discard(c)
         if not c.client.alive:
             return

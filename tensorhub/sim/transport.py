@@ -46,6 +46,8 @@ class Pulling:
         self.dead_pending = False
         self.ends_at = 0.0
         """Stopped: when its last posted read ends."""
+        self.epoch = 0
+        """The server epoch in which the pull started (its assignment's)."""
 
     @property
     def progress(self) -> int:
@@ -73,6 +75,7 @@ class SimTransport:
                        stall_timeout_s=w.config.source_stall_timeout_s, now=w.sim.now, source=a.source_id)
         st.pacer.on_rtt(2 * w.net.ctrl_latency_s)
         rs = Pulling(a, st, token)
+        rs.epoch = w.server.epoch
         self.current = rs
         if st.finished:
             self._done(rs)
@@ -174,6 +177,7 @@ class SimTransport:
             if rs.source != src.cid:  # a host-memory copy: slower than GPU memory
                 end += nbytes / w.params.host_bw
             rd = w.net.post(c.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
+            rd.pull_epoch = rs.epoch
             rs.inflight[k] = rd
             st.posted(k, nbytes, w.sim.now)
             w.sim.at(end, self._read_end, rd, rs)

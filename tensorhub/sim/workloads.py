@@ -14,6 +14,7 @@ import random
 from typing import Callable, Optional
 
 from tensorhub.sim.client import SimClient
+from tensorhub.sim.faults import restart_mid_read
 
 
 class Barrier:
@@ -165,8 +166,13 @@ class TrainerDriver(ReplicaDriver):
 
     def _unpublish(self, c: SimClient, then) -> None:
         def unpublished(code: str, _v: int) -> None:
-            if code in ("ok", "Evicted"):
+            if code in ("ok", "Evicted", "UnknownClient"):
                 c.mutate()
+            elif code == "ServerUnavailable" and c.alive and c.published is not None:
+                # The server may still list the version: the tensors stay as they are until an
+                # unpublish succeeds (a user must not write a published version).
+                self.world.sim.after(1.0, lambda: self._unpublish(c, then) if c.alive and c.op is None else then())
+                return
             then()
         c.unpublish(unpublished)
 
@@ -177,6 +183,7 @@ class TrainerDriver(ReplicaDriver):
     def _unpublish_all(self) -> None:
         def one(c: SimClient, done) -> None:
             if c.registered and c.published is not None:
+                restart_mid_read(self.world, c.cid)
                 self._unpublish(c, done)
             else:
                 done()
@@ -223,10 +230,12 @@ class RolloutDriver(ReplicaDriver):
                 done()
             # A sharded replica names its rounds (the recommended use: its shards restart
             # independently); a one-shard replica lets the handle count them.
-            rnd = seq if self.num_shards > 1 else None
+            rnd = seq if self.num_shards > 1 and not w.default_rounds else None
+            if self.num_shards > 1 and rnd is None:
+                w.checker.observer.path("default_rounds")
             # After an interrupted call a one-shard replica asks again for the version it was
             # reading (a user retrying the call), which resumes on its partial units.
-            spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 else "latest"
+            spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 or w.pinned_retry else "latest"
             self.ensure_registered(c, lambda: c.replicate(spec, True, replicated, round=rnd), done)
 
         self.each(one, lambda: self._round_done(results), w.params.shard_skew_s)
@@ -250,13 +259,18 @@ class RolloutDriver(ReplicaDriver):
         a failed read's partial units are then stale, and the next read must not resume on them."""
         rng = self.world.sim.rng(f"{self.replica_id}-scribble-{self.seq}")
         for c in self.members:
-            kept = c.machine.region_progress  # units a later call may resume on
+            # Units a later call may resume on, or that the control block still advertises (a
+            # region that was not hidden: followers would read what the user writes).
+            kept = max(c.machine.region_progress, c.region_progress if c.region_version >= 0 else 0)
             if c.alive and c.op is None and c.published is None and kept > 0:
                 c.scribble(rng.randrange(kept))
 
     def _leave(self) -> None:
         def one(c: SimClient, done) -> None:
             def left(code: str, _v: int) -> None:
+                if code == "LastCopyHeld" and c.alive:
+                    done()  # refused: the handle stays open and serves the last copy of a version
+                    return
                 c.retire()
                 done()
 
@@ -265,7 +279,9 @@ class RolloutDriver(ReplicaDriver):
                     c.leave(left)
                 else:
                     left(code, _v)
-            if c.registered:
+            if c.alive and c.op is not None:  # a restarted member still registering: leave after it
+                self.world.sim.after(0.2, one, c, done)
+            elif c.registered:
                 c.unpublish(unpublished)
             else:
                 left("ok", -1)

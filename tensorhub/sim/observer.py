@@ -1,0 +1,277 @@
+"""Invariants that need the core's table just before a step as well as just after it, checked
+against the simulated world's ground truth. Observers only: they never steer the system.
+
+:meth:`CoreObserver.factory` wraps a core factory: every core it makes (the first one and each
+one after a restart) has its ``handle``, ``tick`` and ``declare_dead`` observed. Pulses'
+heartbeats and progress reports are not (they change no version, holder or round).
+
+(j) ``fresh``          a ``"latest"`` replicate that resolves a new read (not a retry of the read
+                       it already has, not a later shard of a round another shard resolved) gets
+                       the newest available version, unless the server says it skipped
+                       (smart skipping: ``in_flight >= 0``), checked by (k).
+(k) ``skip``           a smart skip answers no version older than the newest one complete in the
+                       reader's datacenter below the skipped one (or the reader's own, if newer),
+                       and skips only to a newer version.
+(l) ``atomic``         a version commits only when every shard of one replica holds it whole
+                       (the world's memory or a host copy of that replica), never earlier: checked
+                       at each commit as it happens (the core's ``_commit``; a premature commit
+                       may be undone later in the same step, after it pushed older versions out).
+(m) ``over_retention`` the server never retains more than ``versions_retained`` versions.
+(n) ``last_copy``      a holder of a retained version that the server lets go without an
+                       offload (its drain ends, or it leaves serving a host copy) leaves another
+                       copy of that version and shard that is alive in truth: a non-spot process
+                       that holds it whole in memory or in a host copy, or that crashed so
+                       recently that the server cannot know yet (``2.5 * heartbeat_interval_s``
+                       plus the largest message delay).
+
+Rare paths are counted as they are taken (:data:`PATHS`): the simulator's JSON reports across
+how many seeds each was taken.
+"""
+
+from __future__ import annotations
+
+import collections
+from tensorhub.core import messages as m
+from tensorhub.core.state import COMPLETE, S
+
+PATHS = ("reply_retry", "swap", "prefetch", "sharded_seeding", "default_rounds", "checksums_off",
+         "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
+         "msg_lost", "msg_duplicated")
+"""Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""
+
+ERROR_PATHS = frozenset({"LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable"})
+
+_UNOBSERVED = (m.Heartbeat, m.Progress, m.Query)
+_RELEASING = (S.DRAINING, S.OFFLOADING)
+
+
+class CoreObserver:
+    def __init__(self, checker) -> None:
+        self.checker = checker
+        self.world = checker.world
+        self.paths: collections.Counter = collections.Counter()
+        self.max_delay_s = 0.0
+        """The largest extra message delay in force so far (``msg_delay``)."""
+        self.lost: set[int] = set()
+        """Versions the server dropped from retention as lost (no holder of some shard left)."""
+        self.crashes: dict[str, tuple[float, int, set[int], bool, str, int]] = {}
+        """Crashed clients: cid -> (when, shard, versions it held whole then (memory or host
+        copy), spot, replica, shards): the server may list what they held until it learns."""
+
+    def path(self, name: str) -> None:
+        self.paths[name] += 1
+
+    # ------------------------------------------------------------------ wrapping the core
+
+    def factory(self, inner):
+        def make(config):
+            core = inner(config)
+            handle, tick, declare_dead = core.handle, core.tick, core.declare_dead
+
+            def observed_handle(req, now):
+                if isinstance(req, _UNOBSERVED):
+                    return handle(req, now)
+                pre = self._before(core, req)
+                reply, effects = handle(req, now)
+                self._after(core, req, reply, effects, pre)
+                return reply, effects
+
+            def observed_tick(now):
+                pre = self._before(core, None)
+                effects = tick(now)
+                self._after(core, None, None, effects, pre)
+                return effects
+
+            def observed_declare_dead(client_ids, now, reason):
+                pre = self._before(core, None)
+                effects = declare_dead(client_ids, now, reason)
+                self._after(core, None, None, effects, pre)
+                return effects
+
+            commit = core._commit
+
+            def observed_commit(model, v, by):
+                # (l) as it happens: a premature commit may be undone within the same step (the
+                # version counts as lost), after it forgot the older versions.
+                if model == self.world.params.model:
+                    self._check_atomic(v)
+                return commit(model, v, by)
+
+            core.handle, core.tick, core.declare_dead = observed_handle, observed_tick, observed_declare_dead
+            core._commit = observed_commit
+            return core
+        return make
+
+    def _before(self, core, req) -> dict:
+        model = self.world.params.model
+        mod = core.models.get(model)
+        pre = {
+            "committed": tuple(mod.committed) if mod is not None else (),
+            "releasing": {n.id: (n.version, n.shard) for n in core.nodes.values()
+                          if n.state in _RELEASING and not n.host and not n.spot},
+        }
+        if isinstance(req, m.Leave):
+            pre["hosts"] = [(n.version, n.shard) for n in core.nodes.values()
+                            if n.host and n.owner == req.client_id and n.state in COMPLETE]
+        if isinstance(req, m.Replicate):
+            node = core.nodes.get(req.client_id)
+            if node is not None and not node.host:
+                pre["node"] = (node.state, node.version, node.round_seq, node.pending_read)
+                pre["in_txn"] = node.num_shards > 1 and (node.model, node.replica_id, req.seq) in core.txns
+                avail = core.available(node.model) if node.model in core.models else []
+                pre["avail"] = avail
+                pre["complete_here"] = {v for v in avail if _complete_in(core, node.model, v, node.datacenter)}
+                if node.num_shards > 1:
+                    sib = [n.round_seq for n in core.nodes.values() if not n.host and n.model == node.model
+                           and n.replica_id == node.replica_id and n.id != node.id and n.round_seq > 0]
+                    if sib and req.seq > 0 and max(abs(req.seq - s) for s in sib) > 1:
+                        self.path("rounds_apart")
+        return pre
+
+    def _after(self, core, req, reply, effects, pre: dict) -> None:
+        if isinstance(reply, m.ErrorReply) and reply.code in ERROR_PATHS:
+            self.path(reply.code)
+        if isinstance(req, m.Swap) and isinstance(reply, m.Ok):
+            self.path("swap")
+        for eff in effects:
+            if isinstance(eff.event, m.SeedAhead):
+                target = core.nodes.get(eff.client_id)
+                if target is not None and target.num_shards > 1:
+                    self.path("sharded_seeding")
+        model = self.world.params.model
+        mod = core.models.get(model)
+        if mod is None:
+            return
+        retained = core.retained(model)
+        if len(retained) > self.world.config.versions_retained:
+            self.checker.violate("over_retention", f"the server retains versions {retained}, more than "
+                                                   f"versions_retained={self.world.config.versions_retained}")
+        self.lost.update(v for v in pre["committed"] if v not in mod.committed and v >= mod.forgotten_below)
+        self._check_released(core, req, reply, pre, retained)
+        if isinstance(req, m.Replicate) and "node" in pre and not isinstance(reply, m.ErrorReply):
+            self._check_fresh(core, req, reply, pre)
+
+    # ------------------------------------------------------------------ (j) and (k)
+
+    def _check_fresh(self, core, req: m.Replicate, reply, pre: dict) -> None:
+        state, version, seq, pending = pre["node"]
+        if req.seq > 0 and req.seq == seq and (state in (S.READING, S.WAITING) or pending is not None):
+            self.path("reply_retry")  # the same request again: it keeps the read it has
+            return
+        if req.spec != "latest" or pre["in_txn"] or not pre["avail"]:
+            return
+        node = core.nodes.get(req.client_id)
+        if node is None:
+            return
+        if isinstance(reply, (m.Waiting, m.Assignment, m.NoChange)):
+            got = reply.version
+        elif node.pending_read is not None:
+            got = node.pending_read[0]
+        else:
+            return
+        newest = max(pre["avail"])
+        if got >= newest:
+            return
+        skipped = reply.in_flight if isinstance(reply, m.NoChange) else node.in_flight
+        if skipped < 0:
+            self.checker.violate("fresh", f"{req.client_id} asked 'latest' and got version {got} while {newest} "
+                                          f"was available (available {pre['avail']})")
+            return
+        own = version if state is S.PUBLISHED and version < skipped else -1
+        local = max([v for v in pre["complete_here"] if v < skipped] + [own])
+        if got < local or skipped <= got:
+            self.checker.violate("skip", f"{req.client_id} asked 'latest' and skipped version {skipped} to {got}; "
+                                         f"the rule allows {local} (complete in its datacenter: "
+                                         f"{sorted(pre['complete_here'])}, its own {own})")
+
+    # ------------------------------------------------------------------ (l)
+
+    def _check_atomic(self, v: int) -> None:
+        w = self.world
+        by_replica: dict[str, set[int]] = {}
+        num: dict[str, int] = {}
+        for c in w.clients.values():
+            want = [(v, c.shard, k) for k in range(c.units)]
+            if c.mem == want or (c.alive and c.host_copies.get(v) == want):
+                by_replica.setdefault(c.replica_id, set()).add(c.shard)
+                num[c.replica_id] = c.num_shards
+        for _, shard, held, _, replica, shards in self.crashes.values():
+            if v in held:  # a crashed holder the server may not know about yet
+                by_replica.setdefault(replica, set()).add(shard)
+                num[replica] = shards
+        whole = [r for r, shards in by_replica.items() if len(shards) == num[r]]
+        if not whole:
+            from tensorhub.sim.checkers import KNOWN_OPEN
+
+            self.checker.violate("atomic", f"version {v} committed while no replica holds every shard of it "
+                                           f"(shards held per replica: "
+                                           f"{ {r: sorted(s) for r, s in sorted(by_replica.items())} })",
+                                 known=KNOWN_OPEN["split_effect"] if self.checker.split else "")
+
+    # ------------------------------------------------------------------ (n)
+
+    def note_crash(self, c) -> None:
+        held = {v for v, copy in c.host_copies.items() if copy == [(v, c.shard, k) for k in range(c.units)]}
+        if c.mem and c.mem[0] is not None and c.mem[0][0] not in ("dirty", "freed", "torn"):
+            v = c.mem[0][0]
+            if c.mem == [(v, c.shard, k) for k in range(c.units)]:
+                held.add(v)
+        self.crashes[c.cid] = (self.world.sim.now, c.shard, held, c.spot, c.replica_id, c.num_shards)
+
+    def _check_released(self, core, req, reply, pre: dict, retained: list[int]) -> None:
+        released = []
+        for nid, (v, shard) in pre["releasing"].items():
+            n = core.nodes.get(nid)
+            if n is not None and not (n.state in COMPLETE and n.version == v):
+                released.append((nid, v, shard))
+        if isinstance(req, m.Leave) and isinstance(reply, m.Ok) and not req.drop_last_copy:
+            released += [(req.client_id, v, shard) for v, shard in pre.get("hosts", ())]
+        for nid, v, shard in released:
+            if v in retained and not self._live_copy(nid, v, shard, leaving=isinstance(req, m.Leave)):
+                self.checker.violate("last_copy", f"{nid} let go of retained version {v} shard {shard} without "
+                                                  f"an offload while no other live non-spot copy of it exists",
+                                     known=_known_last_copy(self.checker))
+
+    def _live_copy(self, releaser: str, v: int, shard: int, leaving: bool) -> bool:
+        w = self.world
+        want = None
+        for c in w.clients.values():
+            if c.shard != shard or c.spot or not c.alive:
+                continue
+            if want is None:
+                want = [(v, shard, k) for k in range(c.units)]
+            if c.cid != releaser and c.mem == want:
+                return True
+            if (c.cid != releaser or not leaving) and c.host_copies.get(v) == want:
+                return True
+        # The server's liveness rule (heard from within 2.5 heartbeats), plus the longest a message
+        # sent before the crash may have taken to arrive.
+        allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
+        return any(sh == shard and v in held and not spot and w.sim.now - t <= allow_s
+                   for t, sh, held, spot, _, _ in self.crashes.values())
+
+
+def _known_last_copy(checker) -> str:
+    from tensorhub.sim.checkers import KNOWN_OPEN
+
+    if checker.split:
+        return KNOWN_OPEN["split_effect"]
+    return ""
+
+
+def _complete_in(core, model: str, v: int, dc: str) -> bool:
+    """Every shard of ``v`` has a visible (published) holder in datacenter ``dc``."""
+    shards = core.models[model].num_shards
+    here = {n.shard for n in core.nodes.values()
+            if n.model == model and n.version == v and n.datacenter == dc and n.state is S.PUBLISHED}
+    return len(here) == shards
+
+
+def path_seeds(results) -> dict[str, int]:
+    """Across how many of ``results`` each rare path was taken."""
+    out = {p: 0 for p in PATHS}
+    for r in results:
+        for p, n in (r.paths or {}).items():
+            if n:
+                out[p] = out.get(p, 0) + 1
+    return out
