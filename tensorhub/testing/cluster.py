@@ -283,6 +283,28 @@ class EmulatedCluster:
                                                     b_to_a=cluster_net.dev_traffic(link.end_b).sent)
                 for link in self._layout.links}
 
+    # -- link control -------------------------------------------------------------------------
+
+    def set_link(self, d: int, up: bool) -> None:
+        """Takes datacenter d's link to datacenter 0 down (``up=False``) or back up: its dc-0 end
+        goes down, so nothing crosses in either direction (data, Ray's control plane, the
+        driver's calls to actors there); TCP connections stay open and resume when it is up.
+        Idempotent. Raises ClusterError if there is no such link."""
+        link = next((l for l in self._layout.links if l.dc_b == d), None)
+        if link is None:
+            raise ClusterError(f"no link to datacenter {d} (datacenters={self.spec.datacenters})")
+        cluster_net.set_up(link.end_a, up)
+
+    @contextlib.contextmanager
+    def link_cut(self, d: int) -> Iterator[None]:
+        """Datacenter d's link is down inside the block and up again after it, whatever the block
+        raised (see :meth:`set_link`)."""
+        self.set_link(d, False)
+        try:
+            yield
+        finally:
+            self.set_link(d, True)
+
     # -- status and teardown ----------------------------------------------------------------
 
     def nodes(self, *, expect_nodes: int = 0, timeout_s: float = 0.0) -> list[dict]:
