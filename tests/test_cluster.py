@@ -330,8 +330,9 @@ def test_a_node_whose_ray_start_times_out_is_started_again_once_with_a_warning(m
         retry = next(p for p in s["processes"] if p["host"] == node and p["role"] == ("head" if node < 0 else "host"))
         assert "cluster_raystart.py" in Path(f"/proc/{retry['pid']}/cmdline").read_text()
         assert Path(c.state_path.parent, "thtr", "logs", log_name).exists()
-    warned = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
-    assert len(warned) == 1 and f"{who}'s `ray start` timed out" in warned[0], warned
+    # (on a busy machine another node may time out for real, and be retried too)
+    warned = [r.getMessage() for r in caplog.records if f"{who}'s `ray start` timed out" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     wait_s = RETRY_TIMEOUT_FACTOR * ClusterSpec.start_timeout_s
     assert f"waiting up to {wait_s:.0f} s" in warned[0], warned  # Ray's own wait too (cmdline above)
     _assert_nothing_left("thtr")
