@@ -360,7 +360,9 @@ def test_cli_up_status_env_down():
     from tensorhub.testing.cluster_cli import format_status
 
     name, subnet = "thtc", "10.76.64.0/20"
-    p = _cli("up", "--hosts", "1", "--gbit", str(GBIT), "--cpus-per-host", "1", "--name", name, "--subnet", subnet)
+    # a node that times out during startup is started again, with a longer wait (up to ~5 min in all)
+    p = _cli("up", "--hosts", "1", "--gbit", str(GBIT), "--cpus-per-host", "1", "--name", name, "--subnet", subnet,
+             timeout_s=420)
     try:
         assert p.returncode == 0, p.stderr
         assert f"{STATE_DIR}/{name}.json" in p.stdout
