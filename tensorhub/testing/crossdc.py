@@ -249,7 +249,11 @@ def seeder_dies(args) -> dict:
     import os
     import signal
 
-    s = Setup(args, config={"smart_skipping": False})
+    # The product's source_stall_timeout_s (not the 5 s of CONFIG): the seeder is killed, so the
+    # sibling learns of it from NIXL (remote disconnect), not from a stall; and that window is
+    # also how long its reads still in flight to the dead seeder get to end before the read
+    # gives up (ReadsNotTerminal) instead of failing over -- on a busy machine 5 s fell short.
+    s = Setup(args, config={"smart_skipping": False, "source_stall_timeout_s": 10.0})
     server = _server(s)
     ray.get(s.trainer.publish.remote(1))
     first = s.readers[1]
