@@ -419,8 +419,7 @@ class EmulatedCluster:
         """Starts the head and waits for it; one retry after a startup timeout (as a host's, see
         :meth:`_wait_nodes`). Returns its process, record and the deadline, extended if retried."""
         for attempt in (0, 1):
-            head, rec = self._spawn(self._head_argv(attempt),
-                                    self._start_env(self._node_env(self._layout.bridges[0], None), attempt),
+            head, rec = self._spawn(self._head_argv(attempt), self._node_env(self._layout.bridges[0], None),
                                     "head.log" if attempt == 0 else f"head-{attempt}.log", Role.HEAD, -1)
             try:
                 self._wait_log(head, rec, HEAD_READY_LINE, deadline, "Ray head")
@@ -460,14 +459,7 @@ class EmulatedCluster:
 
     def _start_host(self, k: int, attempt: int):
         log_name = f"host-{k}.log" if attempt == 0 else f"host-{k}-{attempt}.log"
-        return self._spawn(self._host_argv(k, attempt), self._start_env(self._node_env("eth0", k), attempt),
-                           log_name, Role.HOST, k)
-
-    def _start_env(self, env: dict[str, str], attempt: int) -> dict[str, str]:
-        """A retried node's raylet also waits longer for its agents (their port files)."""
-        if attempt:
-            env = dict(env, RAY_agent_register_timeout_ms=str(int(self._retry_wait_s() * 1000)))
-        return env
+        return self._spawn(self._host_argv(k, attempt), self._node_env("eth0", k), log_name, Role.HOST, k)
 
     def _retry_host(self, rec: ProcRecord):
         """Starts host ``rec.host`` again after its `ray start` timed out."""

@@ -7,9 +7,10 @@ The emulated cluster starts a node again with this after its plain ``ray start``
 the GCS answers the node's registration after more than the 30 s ``ray._private.node.Node``
 waits (Ray 2.60 hard-codes it). It runs Ray's own CLI, with ``ray._private.services.get_node``
 (what that wait polls; a RuntimeError means "not registered yet") polled on until WAIT_S passed
-since its first call or the node's raylet died. Everything else is plain ``ray start``; the
-caller also passes ``RAY_agent_register_timeout_ms`` (the raylet's wait for its agents, the
-other startup wait a busy machine overruns). Imports Ray, never tensorhub.
+since its first call or the node's raylet died. Everything else is plain ``ray start``. Not
+lengthened: the raylet's own wait for its dashboard agent's port files (about 15 s; on a very
+busy machine the raylet aborts with "Timed out waiting for file .../metrics_agent_port_*", and
+``ray start`` then times out too). Imports Ray, never tensorhub.
 """
 
 from __future__ import annotations
