@@ -11,6 +11,7 @@ session's own local Ray cluster runs beside them):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -282,13 +283,86 @@ def test_head_that_misses_its_start_timeout_raises_with_log_tail_and_cleans_up()
     _assert_nothing_left("thtt")
 
 
+# What `ray start` prints when Ray's own 30 s wait for its raylet to register runs out, after
+# leaving a process behind in the host's namespace (its pid in PIDFILE).
+FAKE_TIMED_OUT_START = ("sleep 300 & echo $! > {pidfile}; echo 'Exception: The current node timed out during "
+                        "startup. This could happen because some of the raylet failed to startup or the GCS has "
+                        "become overloaded.'; exit 1")
+
+
+def _fake_starts(mp, node: int, attempts: set[int], script: str) -> None:
+    """The seam: the `ray start` of node ``node`` (a host index, or -1: the head) of each
+    attempt in ``attempts`` is ``script`` (in the host's namespace) instead; the other nodes
+    and attempts start for real."""
+    from tensorhub.testing.cluster import EmulatedCluster
+
+    real_host, real_head = EmulatedCluster._host_argv, EmulatedCluster._head_argv
+
+    def host_argv(self, k: int, attempt: int) -> list[str]:
+        if k == node and attempt in attempts:
+            return self.host_argv(k, ["sh", "-c", script])
+        return real_host(self, k, attempt)
+
+    def head_argv(self, attempt: int) -> list[str]:
+        argv = real_head(self, attempt)  # picks the ports the hosts then join
+        return ["sh", "-c", script] if node == -1 and attempt in attempts else argv
+
+    mp.setattr(EmulatedCluster, "_host_argv", host_argv)
+    mp.setattr(EmulatedCluster, "_head_argv", head_argv)
+
+
+@_cluster_mark
+@pytest.mark.parametrize("node, who, log_name", [(1, "host 1", "host-1-1.log"), (-1, "the head", "head-1.log")])
+def test_a_node_whose_ray_start_times_out_is_started_again_once_with_a_warning(monkeypatch, caplog, tmp_path,
+                                                                               node, who, log_name):
+    from tensorhub.testing.cluster import RETRY_TIMEOUT_FACTOR, emulated_cluster
+    from tensorhub.testing.cluster_procs import is_running
+
+    pidfile = tmp_path / "leftover.pid"
+    _fake_starts(monkeypatch, node, attempts={0}, script=FAKE_TIMED_OUT_START.format(pidfile=pidfile))
+    with caplog.at_level(logging.WARNING, logger="tensorhub.testing.cluster"), \
+            emulated_cluster(hosts=2, gbit=GBIT, cpus_per_host=1, name="thtr", subnet="10.76.96.0/20") as c:
+        s = c.status()
+        assert s["nodes_alive"] == s["nodes_expected"] == 3
+        assert sorted(p["host"] for p in s["processes"] if p["role"] == "host") == [0, 1]
+        assert all(p["running"] for p in s["processes"])  # the failed attempt is no longer listed
+        assert not is_running(int(pidfile.read_text()))  # what it left behind was killed
+        retry = next(p for p in s["processes"] if p["host"] == node and p["role"] == ("head" if node < 0 else "host"))
+        assert "cluster_raystart.py" in Path(f"/proc/{retry['pid']}/cmdline").read_text()
+        assert Path(c.state_path.parent, "thtr", "logs", log_name).exists()
+    # (on a busy machine another node may time out for real, and be retried too)
+    warned = [r.getMessage() for r in caplog.records if f"{who}'s `ray start` timed out" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    wait_s = RETRY_TIMEOUT_FACTOR * ClusterSpec.start_timeout_s
+    assert f"waiting up to {wait_s:.0f} s" in warned[0], warned  # Ray's own wait too (cmdline above)
+    _assert_nothing_left("thtr")
+
+
+@_cluster_mark
+@pytest.mark.parametrize("attempts, script, fragment", [
+    ({0, 1}, FAKE_TIMED_OUT_START, "retried once after a startup timeout"),  # only once
+    ({0}, "echo 'some other failure'; exit 1", r"Ray host 0 exited \(rc=1\) during startup;"),  # not a timeout
+])
+def test_a_host_start_that_fails_again_or_not_by_timeout_raises_with_its_log_and_cleans_up(
+        monkeypatch, tmp_path, attempts, script, fragment):
+    from tensorhub.testing.cluster import start_cluster
+
+    _fake_starts(monkeypatch, 0, attempts=attempts, script=script.format(pidfile=tmp_path / "pid"))
+    with pytest.raises(ClusterError, match=fragment) as e:
+        start_cluster(ClusterSpec(hosts=1, cpus_per_host=1, name="thtq", subnet="10.76.112.0/20"))
+    assert ("timed out during startup" if len(attempts) == 2 else "some other failure") in str(e.value)
+    _assert_nothing_left("thtq")
+
+
 @_cluster_mark
 def test_cli_up_status_env_down():
     from tensorhub.testing.cluster import teardown
     from tensorhub.testing.cluster_cli import format_status
 
     name, subnet = "thtc", "10.76.64.0/20"
-    p = _cli("up", "--hosts", "1", "--gbit", str(GBIT), "--cpus-per-host", "1", "--name", name, "--subnet", subnet)
+    # a node that times out during startup is started again, with a longer wait (up to ~5 min in all)
+    p = _cli("up", "--hosts", "1", "--gbit", str(GBIT), "--cpus-per-host", "1", "--name", name, "--subnet", subnet,
+             timeout_s=420)
     try:
         assert p.returncode == 0, p.stderr
         assert f"{STATE_DIR}/{name}.json" in p.stdout

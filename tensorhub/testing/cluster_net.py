@@ -154,6 +154,11 @@ def destroy(namespaces: Iterable[str], interfaces: Iterable[str]) -> list[str]:
     return failed
 
 
+def set_up(dev: str, up: bool) -> None:
+    """Sets root-namespace interface ``dev`` up or down (a cut link). Idempotent."""
+    run(["ip", "link", "set", "dev", dev, "up" if up else "down"])
+
+
 def netns_pids(ns: str) -> set[int]:
     """Processes inside namespace ``ns`` (empty if it does not exist)."""
     p = run(["ip", "netns", "pids", ns], check=False)

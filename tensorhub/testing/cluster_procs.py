@@ -79,11 +79,11 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, role: 
     return proc, ProcRecord(role=role, host=host, pid=proc.pid, start_ticks=ticks or 0, log_path=str(log_path))
 
 
-def owned_pids(marker: str, namespaces: Iterable[str], netns_dir: Path = NETNS_DIR) -> set[int]:
-    """Every running process whose environment carries ``MARKER_ENV=marker``, or whose network
-    namespace is one of ``namespaces`` (names under ``netns_dir``, as ``ip netns`` keeps them).
-    One pass over /proc."""
-    needle = f"{MARKER_ENV}={marker}\0".encode()
+def owned_pids(marker: Optional[str], namespaces: Iterable[str], netns_dir: Path = NETNS_DIR) -> set[int]:
+    """Every running process whose environment carries ``MARKER_ENV=marker`` (``None``: no
+    marker matches), or whose network namespace is one of ``namespaces`` (names under
+    ``netns_dir``, as ``ip netns`` keeps them). One pass over /proc."""
+    needle = f"{MARKER_ENV}={marker}\0".encode() if marker is not None else None
     ns_ids = set()
     for ns in namespaces:
         try:
@@ -104,7 +104,7 @@ def owned_pids(marker: str, namespaces: Iterable[str], netns_dir: Path = NETNS_D
             env = Path(entry.path, "environ").read_bytes()
         except OSError:
             continue
-        if (env.startswith(needle) or b"\0" + needle in env) and is_running(pid):
+        if needle is not None and (env.startswith(needle) or b"\0" + needle in env) and is_running(pid):
             found.add(pid)
     return found
 
@@ -129,13 +129,13 @@ def _signal(pids: Iterable[int], sig: int) -> None:
             pass
 
 
-def kill_all(records: Sequence[ProcRecord], marker: str, namespaces: Sequence[str], *, grace_s: float,
-             timeout_s: float) -> set[int]:
+def kill_all(records: Sequence[ProcRecord], marker: Optional[str], namespaces: Sequence[str], *, grace_s: float,
+             timeout_s: float, keep: Iterable[int] = ()) -> set[int]:
     """Stops our processes: SIGTERM to the recorded leaders still running (``ray start
     --block`` then stops its own children), up to ``grace_s`` for them to exit, then SIGKILL
     to every process :func:`owned_pids` finds until none is left or ``timeout_s`` passed.
-    Returns the survivors (empty on success). Idempotent."""
-    protected = _protected()
+    Never signals the pids in ``keep``. Returns the survivors (empty on success). Idempotent."""
+    protected = _protected() | set(keep)
     leaders = {r.pid for r in records if is_same_running(r)} - protected
     _signal(leaders, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -149,6 +149,12 @@ def kill_all(records: Sequence[ProcRecord], marker: str, namespaces: Sequence[st
             return left
         _signal(left, signal.SIGKILL)
         time.sleep(KILL_POLL_S * 2)
+
+
+def kill_namespaces(namespaces: Sequence[str], *, timeout_s: float) -> set[int]:
+    """SIGKILLs every process inside ``namespaces`` (ours: nobody else starts processes in
+    them) until none is left or ``timeout_s`` passed. Returns the survivors (empty on success)."""
+    return kill_all([], None, namespaces, grace_s=0.0, timeout_s=timeout_s)
 
 
 def reap(procs: Iterable[subprocess.Popen]) -> None:

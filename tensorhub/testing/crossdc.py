@@ -16,8 +16,9 @@ Scenarios:
              readers' ``update("latest")`` return 1 with ``skipped_in_flight=2``; afterwards 2 is
              read inside the datacenter.
   seeder_dies  version 2's seeder dies mid-seed (its process: registered tensors and staging
-             copy) while another reader of its datacenter reads behind it: that reader finishes
-             (resuming from its own progress), exact bytes; how many bytes crossed.
+             copy), frozen under a cut link, while another reader of its datacenter reads behind
+             it: that reader fails over and finishes (resuming from its own progress), exact
+             bytes; the server's table and the bytes crossed when the seeder died.
   link_down  the inter-datacenter link goes down mid-seed: readers keep getting the local version
              or a typed error within ``request_timeout_s``; when it comes back they all get the
              new version.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -234,37 +234,86 @@ def skip(args) -> dict:
 
 
 def seeder_dies(args) -> dict:
-    """dc1's seeder dies mid-seed while its sibling reads behind it. To be sure the seed is cut in
-    the middle on any machine, the seeder's process is frozen (SIGSTOP) once its staging copy
-    has some units but not half, the sibling starts reading (behind the frozen partial copy),
-    and then the process is killed (SIGKILL): the sibling must fail over across the link."""
+    """dc1's seeder dies mid-seed while its sibling reads behind it; the cut is made the same way
+    on any machine:
+
+        trainer (dc0) ==slow link==> seeder's staging copy (dc1) -> sibling (dc1)
+
+    Version 2 is published; once the server's table shows the sibling reading from the seeder's
+    staging copy and a quarter of the shard has crossed into dc1 (the link's counter), the link
+    is cut: the seed can go no further. The seeder's process is frozen (SIGSTOP) under the cut,
+    the server's table and the link's counter taken (what the seed held when it died), and the
+    process killed (SIGKILL: registered tensors, staging copy and all). The link comes back: the
+    sibling must fail over across it and finish with exact bytes. Fewer bytes than the shard
+    crossed before the kill, so the seed was partial, whatever the progress reports said."""
     import os
     import signal
 
-    s = Setup(args, config={"smart_skipping": False})
+    # The product's source_stall_timeout_s (not the 5 s of CONFIG): the seeder is killed, so the
+    # sibling learns of it from NIXL (remote disconnect), not from a stall; and that window is
+    # also how long its reads still in flight to the dead seeder get to end before the read
+    # gives up (ReadsNotTerminal) instead of failing over -- on a busy machine 5 s fell short.
+    s = Setup(args, config={"smart_skipping": False, "source_stall_timeout_s": 10.0})
+    server = _server(s)
     ray.get(s.trainer.publish.remote(1))
     first = s.readers[1]
     for a in first:
         _until(lambda: ray.get(a.timed_update.remote("latest")).get("version") == 1, 120, 0.2)
+    time.sleep(1.0)  # background retention copies of version 1 settle
+    before = s.crossed()[1]
     digest2 = ray.get(s.trainer.publish.remote(2))
-    seeder = _until(lambda: next((a for a in first if ray.get(a.stage_reading.remote())[0] == 2), None), 30, 0.02)
-    assert seeder is not None, "no seeder started"
+    stage = _until(lambda: _holder(server, version=2, datacenter="dc1", state="reading", staging=True), 60, 0.02)
+    assert stage is not None, f"no seeder started: {_holders(server)}"
+    by_replica = {f"r{k}": a for k, a in zip(s.cluster.hosts_in_dc(1), first)}
+    seeder_name = stage["replica"].removesuffix("~prefetch")
+    seeder = by_replica[seeder_name]
+    sibling_name, sibling = next((n, a) for n, a in by_replica.items() if n != seeder_name)
     pid = ray.get(seeder.pid.remote())
-    st = _until(lambda: (lambda st: st if st[1] >= 1 else None)(ray.get(seeder.stage_reading.remote())), 60, 0.01)
-    os.kill(pid, signal.SIGSTOP)
-    frozen_at = st[1]  # at least this many units in the staging copy when it froze
-    other = next(a for a in first if a is not seeder)
-    pending = other.timed_update.remote(2)  # reads behind the frozen seed, in its datacenter
-    time.sleep(2.0)
-    os.kill(pid, signal.SIGKILL)  # the seeder's process dies, staging copy and all
+    pending = sibling.timed_update.remote(2)  # reads behind the seed, in its datacenter
+    behind = _until(lambda: _holder(server, version=2, replica=sibling_name, state="reading",
+                                    source=stage["client_id"]), 60, 0.02)
+    assert behind is not None, f"the sibling never read from the seeder's staging copy: {_holders(server)}"
+    _until(lambda: s.crossed()[1] - before >= s.nbytes // 4, 120, 0.01)
+    with s.cluster.link_cut(1):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)  # what the delay wire still held lands; nothing more can cross
+        crossed_at_death = s.crossed()[1] - before
+        at_death = {"seed": _holder(server, client_id=stage["client_id"]),
+                    "sibling": _holder(server, version=2, replica=sibling_name)}
+        os.kill(pid, signal.SIGKILL)  # the seeder's process dies, staging copy and all
+        time.sleep(1.0)  # its sockets close under the cut: the sibling's reads from it fail
     r = ray.get(pending, timeout=300)
-    crossed = s.crossed()
-    out = {"scenario": "seeder_dies", "shard_bytes": s.nbytes, "units_when_frozen": frozen_at,
-           "units": st[2],
-           "reader": {k: r.get(k) for k in ("ok", "error", "version", "sources", "failovers", "wall_s")},
-           "digest_ok": r.get("digest") == digest2, "crossed_total": crossed}
+    out = {"scenario": "seeder_dies", "shard_bytes": s.nbytes, "crossed_at_death": crossed_at_death,
+           "at_death": at_death, "seed_client": stage["client_id"],
+           "reader": {k: r.get(k) for k in ("ok", "error", "version", "sources", "failovers", "wall_s", "message")},
+           "digest_ok": r.get("digest") == digest2, "crossed_total": s.crossed()[1] - before}
     s.close()
     return out
+
+
+def _server(s: Setup):
+    from tensorhub.actors.server import find_server
+    from tensorhub.config import Config
+
+    return find_server(Config(**s.config), MODEL)
+
+
+def _holders(server) -> list[dict]:
+    """The server's table of the model: every holder and reader (``tensorhub status`` rows)."""
+    from tensorhub.status import snapshot
+
+    return [h for mv in snapshot(server, MODEL)["models"] for h in mv["holders"]]
+
+
+def _holder(server, *, staging: Optional[bool] = None, **fields) -> Optional[dict]:
+    """The first row of the server's table with these field values (``staging``: the replica
+    is, or is not, a prefetch staging copy), or None."""
+    for h in _holders(server):
+        if staging is not None and h["replica"].endswith("~prefetch") != staging:
+            continue
+        if all(h.get(k) == v for k, v in fields.items()):
+            return h
+    return None
 
 
 def link_down(args) -> dict:
@@ -272,7 +321,6 @@ def link_down(args) -> dict:
     run their own loops meanwhile (the driver cannot reach them across the cut link either) and
     report afterwards: each update's outcome and how long it blocked."""
     s = Setup(args, config={"request_timeout_s": args.request_timeout_s, "source_stall_timeout_s": 3.0})
-    link = s.cluster._layout.links[0]  # noqa: SLF001 - the test harness owns the devices
     ray.get(s.trainer.publish.remote(1))
     first = s.readers[1]
     _everyone_at(s, 1)
@@ -281,11 +329,8 @@ def link_down(args) -> dict:
     digest2 = ray.get(s.trainer.publish.remote(2))
     time.sleep(1.0)  # the seed is under way
     down_at = time.time()
-    subprocess.run(["ip", "link", "set", "dev", link.end_a, "down"], check=True)
-    try:
+    with s.cluster.link_cut(1):
         time.sleep(args.down_s)
-    finally:
-        subprocess.run(["ip", "link", "set", "dev", link.end_a, "up"], check=True)
     up_at = time.time()
     records = ray.get(loops, timeout=args.down_s + args.recover_s + 4 * args.request_timeout_s + 60)
     final = [ray.get(a.timed_update.remote("latest")) for a in first]
