@@ -1046,8 +1046,9 @@ def test_an_unneeded_background_host_copy_is_given_back(case):
     w.reg("t"); w.reg("s", spot=True)
     w.send(m.Publish("t", 1)); w.send(m.Publish("s", 1))
     cid, version = ("s", 1) if case == "spot" else ("t", 1)
-    if case == "second_copy":
-        w.send(m.HostCopy("t", 1, b"first"))
+    if case == "second_copy":  # another holder's copy keeps version 1 already
+        w.reg("t2"); w.send(m.Publish("t2", 1))
+        w.send(m.HostCopy("t2", 1, b"first"))
     elif case == "not_published":
         version = 7
     elif case == "past_retention":  # t still publishes 1, but 2 and 3 are the retained two
