@@ -614,7 +614,22 @@ class ReferenceCore(CrossDatacenter, Retention):
         return m.Ok()
 
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
+        """The handle gave up its read. An ``update()`` that gives up while its old version is
+        still draining (no byte of the new one written: the read is only ``pending_read``) takes
+        the update back: the node publishes its old version again, as the handle's tensors still
+        hold it (the handle then re-publishes it, rule 3 of :mod:`tensorhub.core.handle`).
+        Refusing the abort instead would leave the server reading for nobody once the drain
+        ends, and the source it reads from could never drain."""
         node = self.nodes[req.client_id]
+        if node.state is S.DRAINING:
+            if node.pending_read is None:
+                raise InvalidState(f"{self._describe(node)}: unpublishing, no read to abort")
+            node.pending_read = None
+            self._end_proof_wait(node)
+            node.state = S.PUBLISHED
+            self.index.mark(node)
+            self._touched.add(node.key)
+            return m.Ok()
         self._stop_reading(node)
         return m.Ok()
 
