@@ -719,7 +719,11 @@ class ReferenceCore(CrossDatacenter, Retention):
     def _maybe_commit(self, node: Node) -> None:
         """Commit ``node``'s version once every shard of its replica holds it complete and visible.
         Host copies count for their owner's replica: only a committed version is ever offloaded,
-        so after a restart they bring its commit back (the replica's GPU copies may have moved on)."""
+        so after a restart they bring its commit back (the replica's GPU copies may have moved on).
+        A draining or offloading shard still holds its version whole and counts too: after a
+        restart a holder re-announces and at once re-sends the unpublish it had in flight, before
+        its siblings announce; left out, the version would never commit again, so its drains
+        would end without the offload that keeps it."""
         mod = self.models[node.model]
         v = node.version
         if v in mod.committed:
@@ -732,7 +736,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         for shard in range(mod.num_shards):  # the holders of v before it commits: a few
             for i in self.groups.get((node.model, v, shard), ()):
                 n = self.nodes[i]
-                if n.state not in VISIBLE_SOURCE:
+                if n.state not in COMPLETE:
                     continue
                 n_owner = self.nodes.get(n.owner) if n.host else n
                 if n_owner is not None and n_owner.replica_id == replica:
