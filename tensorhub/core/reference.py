@@ -146,6 +146,12 @@ class ReferenceCore(CrossDatacenter, Retention):
         if self._born is None:
             self._born = now
         name = type(req).__name__
+        if name == "Replicate" and self._read_superseded(req):
+            # The handle gave that read up (its ReplicateAbort, sent without waiting, was lost):
+            # apply the abort first, then this request.
+            _, aborted = self.handle(m.ReplicateAbort(req.client_id), now)
+            reply, effects = self.handle(req, now)
+            return reply, aborted + effects
         try:
             client_id = None if isinstance(req, m.Register) else getattr(req, "client_id", None)
             if client_id is not None:
@@ -483,6 +489,18 @@ class ReferenceCore(CrossDatacenter, Retention):
             return m.Waiting(version=node.version)
         self._begin_unpublish(node)
         return m.Waiting(version=node.version)
+
+    def _read_superseded(self, req: m.Replicate) -> bool:
+        """Whether ``req`` asks for a later round than the read its node is still doing (or
+        waits to start after an update's drain). A handle runs one operation at a time and
+        ends every read it asked for on the server (rules 1 and 3 of
+        :mod:`tensorhub.core.handle`), so that read was given up: only its ``ReplicateAbort``
+        (sent without waiting for a reply) never arrived. Kept, the read would go on for
+        nobody, and its source could never drain."""
+        node = self.nodes.get(req.client_id)
+        if node is None or node.host or req.seq <= 0 or req.seq <= node.round_seq:
+            return False
+        return node.state in (S.WAITING, S.READING) or (node.state is S.DRAINING and node.pending_read is not None)
 
     def _replicate_retried(self, node: Node) -> Optional[m.Reply]:
         """A ``Replicate`` with the seq of the read this node is already doing is the same
