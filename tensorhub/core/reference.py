@@ -146,6 +146,12 @@ class ReferenceCore(CrossDatacenter, Retention):
         if self._born is None:
             self._born = now
         name = type(req).__name__
+        if name == "Replicate" and self._read_superseded(req):
+            # The handle gave that read up (its ReplicateAbort, sent without waiting, was lost):
+            # apply the abort first, then this request.
+            _, aborted = self.handle(m.ReplicateAbort(req.client_id), now)
+            reply, effects = self.handle(req, now)
+            return reply, aborted + effects
         try:
             client_id = None if isinstance(req, m.Register) else getattr(req, "client_id", None)
             if client_id is not None:
@@ -484,6 +490,18 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._begin_unpublish(node)
         return m.Waiting(version=node.version)
 
+    def _read_superseded(self, req: m.Replicate) -> bool:
+        """Whether ``req`` asks for a later round than the read its node is still doing (or
+        waits to start after an update's drain). A handle runs one operation at a time and
+        ends every read it asked for on the server (rules 1 and 3 of
+        :mod:`tensorhub.core.handle`), so that read was given up: only its ``ReplicateAbort``
+        (sent without waiting for a reply) never arrived. Kept, the read would go on for
+        nobody, and its source could never drain."""
+        node = self.nodes.get(req.client_id)
+        if node is None or node.host or req.seq <= 0 or req.seq <= node.round_seq:
+            return False
+        return node.state in (S.WAITING, S.READING) or (node.state is S.DRAINING and node.pending_read is not None)
+
     def _replicate_retried(self, node: Node) -> Optional[m.Reply]:
         """A ``Replicate`` with the seq of the read this node is already doing is the same
         request again: its reply was lost (a cut link, a slow server) and the client sent it
@@ -614,7 +632,22 @@ class ReferenceCore(CrossDatacenter, Retention):
         return m.Ok()
 
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
+        """The handle gave up its read. An ``update()`` that gives up while its old version is
+        still draining (no byte of the new one written: the read is only ``pending_read``) takes
+        the update back: the node publishes its old version again, as the handle's tensors still
+        hold it (the handle then re-publishes it, rule 3 of :mod:`tensorhub.core.handle`).
+        Refusing the abort instead would leave the server reading for nobody once the drain
+        ends, and the source it reads from could never drain."""
         node = self.nodes[req.client_id]
+        if node.state is S.DRAINING:
+            if node.pending_read is None:
+                raise InvalidState(f"{self._describe(node)}: unpublishing, no read to abort")
+            node.pending_read = None
+            self._end_proof_wait(node)
+            node.state = S.PUBLISHED
+            self.index.mark(node)
+            self._touched.add(node.key)
+            return m.Ok()
         self._stop_reading(node)
         return m.Ok()
 
@@ -704,7 +737,11 @@ class ReferenceCore(CrossDatacenter, Retention):
     def _maybe_commit(self, node: Node) -> None:
         """Commit ``node``'s version once every shard of its replica holds it complete and visible.
         Host copies count for their owner's replica: only a committed version is ever offloaded,
-        so after a restart they bring its commit back (the replica's GPU copies may have moved on)."""
+        so after a restart they bring its commit back (the replica's GPU copies may have moved on).
+        A draining or offloading shard still holds its version whole and counts too: after a
+        restart a holder re-announces and at once re-sends the unpublish it had in flight, before
+        its siblings announce; left out, the version would never commit again, so its drains
+        would end without the offload that keeps it."""
         mod = self.models[node.model]
         v = node.version
         if v in mod.committed:
@@ -717,7 +754,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         for shard in range(mod.num_shards):  # the holders of v before it commits: a few
             for i in self.groups.get((node.model, v, shard), ()):
                 n = self.nodes[i]
-                if n.state not in VISIBLE_SOURCE:
+                if n.state not in COMPLETE:
                     continue
                 n_owner = self.nodes.get(n.owner) if n.host else n
                 if n_owner is not None and n_owner.replica_id == replica:

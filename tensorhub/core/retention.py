@@ -59,7 +59,8 @@ class Retention:
         node = self.nodes[req.client_id]
         if node.version != req.version:
             raise InvalidState(f"{self._describe(node)}: offload reported for version {req.version}")
-        if self._needs_offload(node):
+        # A copy listed already was announced after this report's first try was lost: it is this one.
+        if self._own_host_copy(node, req.version) or self._needs_offload(node):
             self._add_host_copy(node, req.version, req.endpoint)
             if node.stage_for:
                 self._drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
@@ -78,6 +79,8 @@ class Retention:
 
     def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
+        if self._own_host_copy(node, req.version):
+            return m.Ok()  # listed already (announced, or this report came twice): keep it
         wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
                   and req.version in self.retained(node.model)
                   and not self._group(node.key).hosts)
@@ -88,6 +91,13 @@ class Retention:
         else:
             self._deliver(node.id, m.DropHostCopy(version=req.version))
         return m.Ok()
+
+    def _own_host_copy(self, owner: Node, version: int) -> bool:
+        """Whether the server lists ``owner``'s host copy of ``version`` already. A handle keeps
+        one host copy per version, so a report of one (``OffloadDone``, ``HostCopy``) that finds
+        it listed reports that same copy: dropping it as redundant would free the copy the
+        server goes on serving (a retried ``OffloadDone`` after the handle re-announced it)."""
+        return f"{owner.id}#host{version}" in self.nodes
 
     def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
         hid = f"{owner.id}#host{version}"

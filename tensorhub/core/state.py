@@ -49,7 +49,7 @@ LEGAL: dict[str, frozenset[S]] = {
     "SourceFailed": frozenset({S.WAITING, S.READING}),
     "Progress": frozenset({S.WAITING, S.READING}),
     "ReplicateDone": frozenset({S.WAITING, S.READING}),
-    "ReplicateAbort": frozenset({S.WAITING, S.READING}),
+    "ReplicateAbort": frozenset({S.WAITING, S.READING, S.DRAINING}),  # draining: an update's old version
     "OffloadDone": frozenset({S.OFFLOADING}),
     "HostCopy": frozenset(S),
     "Heartbeat": frozenset(S),

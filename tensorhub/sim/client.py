@@ -390,7 +390,14 @@ class SimClient:
         self.machine.host_copies[version] = endpoint
         # Whatever the answer, the copy stays until the server drops it: a call lost to a server
         # restart may already have been overtaken by an announcement that carried the copy.
-        self.world.server.call(self, m.HostCopy(self.cid, version, endpoint), False, None, on_reply=lambda _r: None)
+        self.world.server.call(self, m.HostCopy(self.cid, version, endpoint), False, None,
+                               on_reply=lambda r: self._host_copy_answered(version, r))
+
+    def _host_copy_answered(self, version: int, reply: object) -> None:
+        """As the Hub does (``_host_copy``), a copy whose offer went unanswered stays, unoffered
+        again until an announcement carries it; the checker notes it (a known-open defect)."""
+        if isinstance(reply, m.ErrorReply) and reply.code == "ServerUnavailable":
+            self.world.checker.unoffered.add((self.cid, version))
 
     def _free_host(self, version: int) -> None:
         self.world.checker.on_write(f"{self.cid}#host{version}", None, FREED_VERSION)

@@ -168,9 +168,10 @@ class TrainerDriver(ReplicaDriver):
         def unpublished(code: str, _v: int) -> None:
             if code in ("ok", "Evicted", "UnknownClient"):
                 c.mutate()
-            elif code == "ServerUnavailable" and c.alive and c.published is not None:
-                # The server may still list the version: the tensors stay as they are until an
-                # unpublish succeeds (a user must not write a published version).
+            elif code in ("ServerUnavailable", "RequestTimeout") and c.alive and c.published is not None:
+                # The server may still list the version (a timed-out unpublish is still draining
+                # it): the tensors stay as they are until an unpublish succeeds (a user must not
+                # write a published version).
                 self.world.sim.after(1.0, lambda: self._unpublish(c, then) if c.alive and c.op is None else then())
                 return
             then()
