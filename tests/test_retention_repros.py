@@ -81,7 +81,9 @@ def _held_rollout(alive_s: float = 8.0) -> _Server:
 
 
 def test_a_held_pulse_is_no_proof_that_the_last_other_copy_lives():
-    """trainer -> R (R's process died without Ray knowing; its pulse is held): T's unpublish of
+    """held_pulse_keeps_a_dead_holder_counted.py.
+
+    trainer -> R (R's process died without Ray knowing; its pulse is held): T's unpublish of
     v1 must not trust R's copies; with no proof from R it offloads (before: UnpublishDone at once)."""
     srv = _held_rollout()
     reply = srv.call(m.Unpublish("T"))
@@ -159,7 +161,9 @@ def _drive(cfg: Config):
 
 
 def test_offload_done_keeps_a_holder_drained_while_a_late_announced_reader_still_reads_it():
-    """H (offloading v3 after a restart) -> R (re-announced late as reading from H): OffloadDone
+    """reader_attached_to_an_offloading_holder.py.
+
+    H (offloading v3 after a restart) -> R (re-announced late as reading from H): OffloadDone
     publishes H's host copy, but H may not write while R still reads; it drains until R is done."""
     core, clock, call = _drive(Config(versions_retained=2, lease_timeout_s=10.0, heartbeat_interval_s=1.0))
     call(m.Announce(_reg("H", "trainer"), m.Holding(published=3)))
@@ -181,7 +185,9 @@ def test_offload_done_keeps_a_holder_drained_while_a_late_announced_reader_still
 
 
 def test_a_host_copy_of_a_forgotten_version_announced_after_a_restart_is_dropped():
-    """After a restart the floor of retention is 4 (versions 3, 4, 5 announced; keep 2): R3's host
+    """old_host_copy_announced_after_restart_never_dropped.py.
+
+    After a restart the floor of retention is 4 (versions 3, 4, 5 announced; keep 2): R3's host
     copy of version 2 (its DropHostCopy was lost with the old server) is dropped, not kept."""
     core, clock, call = _drive(Config(versions_retained=2, lease_timeout_s=10.0, heartbeat_interval_s=1.0))
     call(m.Announce(_reg("T", "trainer"), m.Holding(published=5)))
@@ -234,8 +240,8 @@ class _HeldPulseTrusted(ReferenceCore):
 
 @pytest.mark.parametrize("seed", [1, 26])
 def test_ghost_checker_flags_an_offload_skipped_for_copies_on_crashed_held_processes(seed):
-    """The simulator's ``ghost`` checker: with the old rule an unpublish skipped the offload
-    while its only other copies were on processes dead for seconds, kept 'heard from' by their
+    """sim_held_pulse_ghost_holders_unflagged.py: the simulator's ``ghost`` checker. With the
+    old rule an unpublish skipped the offload while its only other copies were on processes dead for seconds, kept 'heard from' by their
     held pulses; with the rule fixed, the same seed is clean."""
     kinds = [k for k, _, _ in run_scenario(seed, core_factory=_HeldPulseTrusted).violations]
     assert "ghost" in kinds
@@ -243,7 +249,9 @@ def test_ghost_checker_flags_an_offload_skipped_for_copies_on_crashed_held_proce
 
 
 def test_a_sharded_seeder_that_skips_a_seed_stays_in_its_siblings_rounds():
-    """Sharded seeder (2 shards, dc1): shard 0 skips seed 2 (busy, seed 3 already asked), shard 1
+    """sharded_seed_rounds_drift.py.
+
+    Sharded seeder (2 shards, dc1): shard 0 skips seed 2 (busy, seed 3 already asked), shard 1
     takes it. Rounds of seeds are named by their version, so seed 4 asked of shard 0 first
     still meets shard 1 in one round (before: shard 0 a round behind, TransactionMismatch)."""
     from tensorhub.testing import inproc
