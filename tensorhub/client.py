@@ -170,7 +170,7 @@ class Hub(HostCopies):
         """Retention buffers this handle allocated (touched and registered), in the background or
         -- when none was ready -- on an offload's critical path (``host_buffers_inline``)."""
         self.host_buffers_inline = 0
-        self._eager: Optional[tuple[threading.Thread, threading.Event]] = None
+        self._eager: Optional[tuple[threading.Thread, threading.Event, threading.Event]] = None
         """The background copy of the version just published, and its cancel flag."""
         self._stage_for = ""
         """Set on a prefetch staging handle: the client id of the handle it stages for."""

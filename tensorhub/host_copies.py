@@ -88,10 +88,10 @@ class HostCopies:
         with self._host_lock:
             if version in self._host:
                 return
-        cancel = threading.Event()
-        t = threading.Thread(target=self._host_copy, args=(version, cancel), daemon=True,
+        cancel, copied = threading.Event(), threading.Event()
+        t = threading.Thread(target=self._host_copy, args=(version, cancel, copied), daemon=True,
                              name=f"tensorhub-hostcopy-{self.client_id}")
-        self._eager = (t, cancel)
+        self._eager = (t, cancel, copied)
         t.start()
 
     def _stop_host_copy(self, cancel_it: bool = True) -> None:
@@ -99,13 +99,16 @@ class HostCopies:
         reads them. A copy still waiting for a ready buffer is cancelled (``cancel_it``); one that
         is copying (memory speed, into a touched buffer) finishes first."""
         if self._eager is not None:
-            t, cancel = self._eager
+            t, cancel, copied = self._eager
             if cancel_it:
                 cancel.set()
+            while t.is_alive() and not copied.wait(0.05):
+                pass
+            cancel.set()  # copied: what is left is offering it again, which stops now
             t.join()
             self._eager = None
 
-    def _host_copy(self, version: int, cancel: threading.Event) -> None:
+    def _host_copy(self, version: int, cancel: threading.Event, copied: threading.Event) -> None:
         t0 = time.perf_counter()
         try:
             # Publishing this version may have pushed an older one out of retention: free its
@@ -129,22 +132,40 @@ class HostCopies:
                         self.shard, exc_info=True)
             self._recycle(entry)
             return
+        finally:
+            copied.set()  # the tensors are not read any more
         with self._host_lock:
             self._host[version] = entry
         with self._mlock:
             self._machine.host_copies[version] = endpoint
-        try:
-            reply = self._port.call(m.HostCopy(self.client_id, version, endpoint))
-            if isinstance(reply, m.ErrorReply):
-                raise errors.from_code(reply.code, reply.message)
-        except Exception:  # noqa: BLE001 - the copy stays until the server drops it
-            # A server that restarted learns of it from the re-announcement (which may already
-            # have carried it): freeing it here could pull it from under a reader.
-            log.info("model=%s version=%d shard=%d: host copy not offered; the next announcement "
-                     "carries it", self.model, version, self.shard, exc_info=True)
+        if not self._offer_host_copy(version, endpoint, cancel):
             return
         log.info("model=%s version=%d shard=%d host copy made in the background in %.3fs",
                  self.model, version, self.shard, time.perf_counter() - t0)
+
+    def _offer_host_copy(self, version: int, endpoint: bytes, stop: threading.Event) -> bool:
+        """Offers the host copy to the server (``HostCopy``), again with a growing pause while
+        the server does not answer (``reconnects_max`` times; the offer is idempotent: a copy
+        the server lists already is kept), until ``stop``. The copy stays whatever the answer,
+        until the server drops it: a server that restarted learns of it from the
+        re-announcement (which may already have carried it), and freeing it here could pull it
+        from under a reader. Returns whether the server took the offer."""
+        for attempt in range(self.config.reconnects_max + 1):
+            try:
+                reply = self._port.call(m.HostCopy(self.client_id, version, endpoint))
+                if isinstance(reply, m.ErrorReply):
+                    raise errors.from_code(reply.code, reply.message)
+                return True
+            except errors.ServerUnavailable:
+                if attempt < self.config.reconnects_max and not stop.wait(min(0.2 * 2 ** attempt, 2.0)):
+                    continue
+                why = "no answer"
+            except Exception:  # noqa: BLE001 - refused (e.g. the server restarted): announced later
+                why = "refused"
+            log.info("model=%s version=%d shard=%d: host copy not offered (%s); the next announcement "
+                     "carries it", self.model, version, self.shard, why, exc_info=True)
+            return False
+        return False
 
     def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a

@@ -370,9 +370,11 @@ def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: floa
         woken |= w
         if isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient":
             unknown.append(beat.client_id)
-        elif isinstance(reply, m.ErrorReply) and beat.reading_units >= 0:
+        elif isinstance(reply, m.ErrorReply) and beat.reading_units >= 0 and core.read_failed(beat.client_id):
             # The read this progress belongs to has failed here: the reader learns it now too,
-            # not only when its read ends (the server may be gone by then).
+            # not only when its read ends (the server may be gone by then). Any other refusal
+            # (InvalidState: the server completed the read and the handle has not heard yet, a
+            # ReplicateDone reply lost) is not a failure of the read.
             failed[beat.client_id] = m.Failed(code=reply.code, message=reply.message)
     notes = {}
     for beat in pulse.beats:

@@ -452,6 +452,34 @@ def test_hub_keeps_a_background_host_copy_whose_offer_failed_and_announces_it():
     assert t.state is tensorhub.HubState.CLOSED
 
 
+def test_hub_offers_a_background_host_copy_again_when_its_offer_got_no_answer():
+    """(was known-open "retention_msg_loss", seed 932) the server is up but the HostCopy call got
+    no answer (lost on its way): offered once, never again, the server never listed the copy and later dropped a
+    version kept whole only by it as lost. Now it is offered again with a growing pause."""
+    port = LocalPort(CFG)
+    t, tt = _hub(port, replica="t")
+    real, lost = port.call, []
+
+    def call(req, wait_s=0.0):
+        if isinstance(req, m.HostCopy) and not lost:
+            lost.append(req)  # lost on the way: the server, up all along, never hears of it
+            raise errors.ServerUnavailable("no answer")
+        return real(req, wait_s)
+
+    port.call = call
+    try:
+        workload.fill_version(tt, 1)
+        t.publish(1)
+        t._start_host_copy(1)  # as on MakeHostCopy
+        deadline = time.monotonic() + 10
+        while f"{t.client_id}#host1" not in port.core.nodes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost and f"{t.client_id}#host1" in port.core.nodes, "offered again"
+    finally:
+        port.call = real
+        t.close(drop_last_copy=True)
+
+
 @pytest.mark.sim
 def test_seed_2160_a_drop_queued_before_a_reannouncement_does_not_free_the_announced_copy():
     """The server refused the trainer's background host copy of version 3 (DropHostCopy queued),
@@ -488,3 +516,85 @@ def test_seed_1882_readers_waiting_for_an_asked_seeder_are_released_when_a_newer
     from tensorhub.sim.scenario import run_scenario
 
     assert not run_scenario(1882).violations
+
+
+# --------------------------------------------------------------------------- the simulator's known-open classes, fixed
+
+
+def test_a_read_the_server_ended_hides_its_partial_region():
+    """(was known-open "control") VersionLost answers the pull's SourceFailed: the server ended
+    the read, so nothing is aborted, but the two units in place must stop being advertised
+    before the user may write the tensors. Before: SetRegion(-1, 0) only while the read was open."""
+    mc = _machine()
+    mc.handle(hm.Start(hm.ReplicateOp(1, False)), 0.0)  # a fixed version: VersionLost is not retried
+    assert mc.handle(hm.Replied(A1), 0.0) == [hm.Pull(A1, 0)]
+    mc.handle(hm.Pulled(2, "stalled"), 0.0)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="gone")), 0.0)
+    assert cmds == [hm.SetRegion(-1, 0), hm.Fail("VersionLost", "gone")]
+    assert (mc.region_version, mc.region_progress) == (1, 2)  # kept for a rechecked resume
+
+
+def test_a_publish_without_a_reply_advertises_nothing():
+    """(was known-open "control_publish") the publish wrote the control block first; after
+    ServerUnavailable the tensors are the user's again."""
+    mc = _machine()
+    assert mc.handle(hm.Start(hm.PublishOp(1)), 0.0)[0] == hm.SetRegion(1, 4, None)
+    mc.handle(hm.Unavailable("down"), 0.0)
+    mc.handle(hm.TimerFired(), 0.0)  # announce
+    cmds = mc.handle(hm.Unavailable("down"), 0.0)
+    assert cmds == [hm.SetRegion(-1, 0), hm.Fail("ServerUnavailable", "down")]
+    assert mc.published is None and mc.region_version == -1
+
+
+def test_evicted_while_draining_is_an_unpublish():
+    """(seed 12) a sibling's process died while this shard's unpublish drained: the server
+    evicted the replica. The handle must not stay published with its control block advertising
+    the version while the user writes the tensors (and then re-announce it)."""
+    mc = _machine()
+    mc.handle(hm.Start(hm.PublishOp(1)), 0.0)
+    mc.handle(hm.Replied(m.Ok()), 0.0)
+    assert mc.handle(hm.Start(hm.UnpublishOp()), 0.0) == [hm.Send(m.Unpublish("c"), wait=True)]
+    cmds = mc.handle(hm.Replied(m.Evicted(reason="process gone")), 0.0)
+    assert cmds == [hm.SetRegion(-1, 0), hm.Done(hm.Outcome(was_published=1))]
+    assert mc.published is None and mc.phase is hm.Phase.IDLE
+
+
+def test_a_completed_read_keeps_offering_its_completion_past_reconnects_max():
+    """(seeds 190, 813) every byte is in place and ReplicateDone got no answer: giving up after
+    ``reconnects_max`` left the server listing a published holder the handle hid. The
+    completion is tried for a request timeout of its own, then fails as before."""
+    mc = _machine()
+    _reading(mc)
+    assert mc.handle(hm.Pulled(4), 1.0) == [hm.Send(m.ReplicateDone("c", 1))]
+    for t in (1.5, 2.0, 3.0):  # reconnects_max is 1: before, the second Unavailable failed the call
+        assert isinstance(mc.handle(hm.Unavailable("lost"), t)[0], hm.Reconnect)
+        assert mc.handle(hm.TimerFired(), t)[0].request == mc.announce_request(m.ReplicateDone("c", 1))
+    assert mc.handle(hm.Replied(m.Ok()), 3.5)[-1].outcome.action == "replicated"
+    assert mc.published == 1
+    mc2 = _machine()
+    _reading(mc2)
+    mc2.handle(hm.Pulled(4), 1.0)
+    mc2.handle(hm.Unavailable("lost"), 1.5)
+    mc2.handle(hm.TimerFired(), 1.5)
+    assert mc2.handle(hm.Unavailable("lost"), 6.5)[-1] == hm.Fail("ServerUnavailable", "lost")  # past 1 + 5 s
+
+
+def test_an_invalid_state_progress_beat_is_not_a_read_failure():
+    """(seed 8) the server completed the read (its ReplicateDone reply was lost) and refuses the
+    next progress beat with InvalidState: the pulse must not hand the handle a Failed note that
+    ends its call while the server lists it published. A read the server failed still is one."""
+    from tensorhub.core.reference import ReferenceCore
+    from tensorhub.port import Mailboxes, apply_request
+
+    core, mail = ReferenceCore(CFG), Mailboxes()
+    lay = m.LayoutInfo("fp", 4, 400)
+    for cid in ("t", "r"):
+        apply_request(core, mail, m.Register(cid, "pol", cid, 0, 1, lay, cid.encode(), "a", False), 0.0)
+    apply_request(core, mail, m.Publish("t", 1), 0.0)
+    assert isinstance(apply_request(core, mail, m.Replicate("r", "latest", seq=1), 0.0)[0], m.Assignment)
+    assert apply_request(core, mail, m.ReplicateDone("r", 1), 0.1)[0] == m.Ok()
+    reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=4),)), 0.2)
+    assert not any(isinstance(e, m.Failed) for e in reply.notes.get("r", ())), reply
+    core.nodes["r"].state, core.nodes["r"].failure = S.IDLE, m.Failed(code="VersionLost", message="gone")
+    reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=2),)), 0.3)
+    assert reply.notes["r"] == [m.Failed(code="VersionLost", message="gone")]

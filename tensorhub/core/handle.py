@@ -314,6 +314,8 @@ class HandleMachine:
         self._req: Optional[m.Request] = None
         self._attempt = 0
         self._deadline = 0.0
+        self._done_by = 0.0
+        """Until when a read's completion (``ReplicateDone``) is tried again."""
         self._read_open = False
         """A Replicate was sent and the read has not ended on the server."""
         self._retried_lost = False
@@ -511,7 +513,7 @@ class HandleMachine:
         if self.step not in (Step.SEND, Step.ANNOUNCE):
             raise AssertionError(f"Unavailable in step {self.step}")
         self._attempt += 1
-        if self._attempt > self.reconnects_max:
+        if self._attempt > self.reconnects_max and not (isinstance(self._req, m.ReplicateDone) and now < self._done_by):
             return self._fail("ServerUnavailable", message or "the reference server is unavailable")
         self.step = Step.RECONNECT
         return [Reconnect(min(0.2 * 2 ** (self._attempt - 1), 2.0))]
@@ -577,6 +579,12 @@ class HandleMachine:
             return self._fail("RequestTimeout",
                               f"{type(req).__name__} did not finish within {self.request_timeout_s}s")
         if isinstance(reply, m.Evicted):
+            if isinstance(req, m.Unpublish) or (isinstance(req, m.OffloadDone) and not isinstance(self.op, ReplicateOp)):
+                # Evicted while draining: the server failed this holder's readers over and forgot
+                # it, so nobody is sent here again; once the control block says "nothing" (their
+                # reads re-check it) the tensors are the user's: that is an unpublish.
+                return self._unpublished(now)
+            self._read_open = False  # the server dropped the read with the handle
             return self._fail("UnknownClient", f"evicted by the server: {reply.reason}")
         return self._replied_to(req, reply, now)
 
@@ -607,7 +615,7 @@ class HandleMachine:
                     self.phase = Phase.PUBLISHED
                     return self._end([Done(Outcome(version=version))])
                 if _is_error(reply):
-                    return [SetRegion(-1, 0)] + self._region_reset() + self._fail_reply(reply)
+                    return self._fail_reply(reply)  # hides the region (_fail)
             case m.Unpublish() | m.OffloadDone() if not isinstance(self.op, ReplicateOp):
                 if isinstance(reply, m.OffloadOrder):
                     return self._offload(reply.version)
@@ -741,6 +749,10 @@ class HandleMachine:
         self.region_progress = ev.progress
         if ev.error is None:
             assert ev.progress >= self.unit_count
+            # Every byte is in place: giving up on the server's answer now could leave it listing
+            # a holder this handle no longer advertises, so the completion is tried again, past
+            # ``reconnects_max``, for a whole request timeout of its own.
+            self._done_by = now + self.request_timeout_s
             return self._send(m.ReplicateDone(self.client_id, a.version), False, now)
         self._failovers += 1
         self._last_error = ev.error
@@ -802,12 +814,18 @@ class HandleMachine:
             # whose unpublish() then waits for a read that never finishes).
             self._read_open = False
             cmds.append(Send(m.ReplicateAbort(self.client_id), fire=True))
-            if self.region_version >= 0 and self.region_version != self.published:
-                # Hide the partial copy from its followers before the user may write the idle
-                # tensors (their reads check the control block); the units and their checksums
-                # stay, for a later call to resume on after a recheck.
-                cmds.append(SetRegion(-1, 0))
         op = self.op
+        if isinstance(op, ReplicateOp) and self.region_version >= 0 and self.region_version != self.published:
+            # Hide the partial copy from its followers before the user may write the idle
+            # tensors (their reads check the control block), whoever ended the read (this
+            # handle, or the server: VersionLost, a refused resume); the units and their
+            # checksums stay, for a later call to resume on after a recheck.
+            cmds.append(SetRegion(-1, 0))
+        if isinstance(op, PublishOp) and self.published != op.version:
+            # A publish that failed (refused, or no reply: ServerUnavailable) advertises nothing:
+            # the user may write the tensors next.
+            cmds.append(SetRegion(-1, 0))
+            self._region_reset()
         if isinstance(op, ReplicateOp) and op.update and self.published is not None and self._drained_old:
             old = self.published
             if self.region_version == old and self.region_progress >= self.unit_count:

@@ -569,6 +569,12 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._wait(node)
         return m.Waiting(version=node.version)
 
+    def read_failed(self, client_id: str) -> bool:
+        """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
+        ReplicateDone of it is answered with that failure)."""
+        node = self.nodes.get(client_id)
+        return node is not None and node.state is S.IDLE and node.failure is not None
+
     def _on_Progress(self, req: m.Progress, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         node.progress = max(node.progress, min(req.units_done, node.units))

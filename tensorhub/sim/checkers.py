@@ -56,25 +56,16 @@ from tensorhub.sim.observer import CoreObserver
 
 
 KNOWN_OPEN = {
-    "control": "a read the server ended (VersionLost, a refused resume) leaves its partial region "
-               "advertised: HandleMachine._fail hides it only while the read is open",
     "restart_host": "the recovery window does not hold host-copy drains (_finish_drain: 'and not node.host'): "
                     "a host copy forgotten while its reader has not re-announced is freed under the read "
                     "(simulate --seed 18 --workload elastic)",
-    "split": "a reply lost while the server is up (msg_loss): the read's progress beat after the server "
-             "completed it gets InvalidState, a Failed note the handle takes as the server failing the read "
-             "(_lost_at_server), so the call fails while the server lists the handle as published "
-             "(simulate --seed 8)",
     "split_effect": "torn or mutated units read from a handle in that state (see 'split')",
-    "host_leak_msg_loss": "a HostCopy call lost while the server is up: the handle keeps the copy "
-                          "(whatever the answer) and the server never learns of it, so never drops it",
-    "retention_msg_loss": "the same lost HostCopy (Hub._host_copy does not offer it again until a "
-                          "re-announcement): the server never lists that copy, so a version kept whole "
-                          "only with it is dropped as lost once its listed holders go (simulate --seed 932)",
-
-
-    "control_publish": "a publish that fails without a reply (ServerUnavailable) leaves its region "
-                       "advertised: HandleMachine._fail resets it only for reads",
+    "host_leak_msg_loss": "background notes are delivered at most once: a DropHostCopy on a held pulse's reply "
+                          "that is lost is gone, and the handle keeps that host copy past retention "
+                          "(simulate --seed 203)",
+    "retention_msg_loss": "a HostCopy offer unanswered reconnects_max + 1 times while the server is up: the "
+                          "server never lists that copy, so a version kept whole only with it is dropped as "
+                          "lost once its listed holders go",
     "txn_default_rounds": "default round counting is a best effort when shards restart independently "
                           "(HandleMachine rule 2)",
     "hang_sharded_stage": "sharded offload seeding: a staging shard's prefetch retries ReplicaIncomplete "
@@ -85,9 +76,6 @@ KNOWN_OPEN = {
 }
 """Open defects of the shipped code that a checker sees; their violations are counted apart
 (``known_open``) until they are fixed. Remove an entry with its fix."""
-
-_CLIENT_ENDED = frozenset({"ok", "Interrupted", "TransferError", "RequestTimeout", "ServerUnavailable"})
-"""Ways a call ends with its read still open on the server: the handle aborts it."""
 
 
 def _sharded_stage(world, cid: str) -> bool:
@@ -232,13 +220,7 @@ class Checker:
             return
         if (unit is None and c.region_progress > 0) or (unit is not None and unit < c.region_progress):
             code, kind = self.last_code.get(key, ("ok", "replicate"))
-            known = ""
-            if key in self.split:
-                known = KNOWN_OPEN["split_effect"]
-            elif kind == "publish" and code != "ok":
-                known = KNOWN_OPEN["control_publish"]
-            elif code not in _CLIENT_ENDED:
-                known = KNOWN_OPEN["control"]
+            known = KNOWN_OPEN["split_effect"] if key in self.split else ""
             self.violate("control", f"{key} writes unit {unit} (version {version}) while its control block "
                                     f"advertises {c.region_progress} units of version {c.region_version} "
                                     f"(its last call, {kind}, ended {code})", known=known)
@@ -347,8 +329,7 @@ class Checker:
             # (q) the handle and the server must agree on what it publishes.
             self.split.add(op.cid)
             self.violate("split", f"{op.cid}'s replicate failed ({code}) while the server lists it as a published "
-                                  f"holder of version {node.version}",
-                         known=KNOWN_OPEN["split"] if self.world.net.lost else "")
+                                  f"holder of version {node.version}")
         if code == "ok":
             self.completed += 1
         else:

@@ -390,14 +390,23 @@ class SimClient:
         self.machine.host_copies[version] = endpoint
         # Whatever the answer, the copy stays until the server drops it: a call lost to a server
         # restart may already have been overtaken by an announcement that carried the copy.
-        self.world.server.call(self, m.HostCopy(self.cid, version, endpoint), False, None,
-                               on_reply=lambda r: self._host_copy_answered(version, r))
+        self._offer_host_copy(version, endpoint, 0, self.copy_gen)
 
-    def _host_copy_answered(self, version: int, reply: object) -> None:
-        """As the Hub does (``_host_copy``), a copy whose offer went unanswered stays, unoffered
-        again until an announcement carries it; the checker notes it (a known-open defect)."""
+    def _offer_host_copy(self, version: int, endpoint: bytes, attempt: int, gen: int) -> None:
+        """``Hub._offer_host_copy``: offered again with a growing pause while the server does
+        not answer, ``reconnects_max`` times, until the handle's next call stops it."""
+        if not self.alive or gen != self.copy_gen or self.op is not None or version not in self.host_copies:
+            return
+        self.world.server.call(self, m.HostCopy(self.cid, version, endpoint), False, None,
+                               on_reply=lambda r: self._host_copy_answered(version, endpoint, attempt, gen, r))
+
+    def _host_copy_answered(self, version: int, endpoint: bytes, attempt: int, gen: int, reply: object) -> None:
         if isinstance(reply, m.ErrorReply) and reply.code == "ServerUnavailable":
-            self.world.checker.unoffered.add((self.cid, version))
+            if attempt < self.world.config.reconnects_max:
+                self.world.sim.after(min(0.2 * 2 ** attempt, 2.0), self._offer_host_copy, version, endpoint,
+                                     attempt + 1, gen)
+            else:
+                self.world.checker.unoffered.add((self.cid, version))
 
     def _free_host(self, version: int) -> None:
         self.world.checker.on_write(f"{self.cid}#host{version}", None, FREED_VERSION)
