@@ -267,6 +267,21 @@ class EmulatedCluster:
         return subprocess.run(list(argv), env=self.driver_env(), capture_output=True, text=True,
                               timeout=timeout_s, check=check, cwd=cwd, input=input)
 
+    def worker_logs(self, pid: int, lines: int = 30) -> str:
+        """The last ``lines`` of each Ray log of worker process ``pid`` on any node of this
+        cluster (``worker-*-<pid>.err|out``, ``python-core-worker-*_<pid>.log``): what a test
+        prints when an actor's worker died, so that the failure says why."""
+        out = []
+        for path in sorted(Path(self._state.workdir).rglob(f"*{pid}*")):
+            if not path.is_file() or not path.name.endswith((f"-{pid}.err", f"-{pid}.out", f"_{pid}.log")):
+                continue
+            try:
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            out.append(f"--- {path}\n" + "\n".join(tail))
+        return "\n".join(out) or f"(no Ray log of worker {pid} under {self._state.workdir})"
+
     def host_argv(self, k: int, argv: Sequence[str]) -> list[str]:
         """``argv`` prefixed to run inside host k's namespace (not a Ray process: it gets no
         cluster environment unless you pass :meth:`host_env`)."""
