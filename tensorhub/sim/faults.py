@@ -24,14 +24,21 @@ parameters; every injection is traced and counted.
 - ``restart_mid_read`` armed at its time: the server restarts (after ``down_s``) as soon as the
                        trainer begins to unpublish while readers copy from it; their reads span
                        the restart and the trainer's unpublish reaches the fresh server first.
+- ``restart_after_failed_read`` armed at its time: the server restarts ``delay_s`` after it fails
+                       a sharded replica's read (VersionLost): the reader may or may not have
+                       taken the Failed note, its ReplicateDone or announcement meets a fresh
+                       server that must still keep the replica's round one version.
 """
 
 from __future__ import annotations
 
 import random
 
+from tensorhub.core import messages as m
+
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
-               "interrupt", "trainer_replaced", "msg_loss", "msg_dup", "holders_hang", "restart_mid_read")
+               "interrupt", "trainer_replaced", "msg_loss", "msg_dup", "holders_hang", "restart_mid_read",
+               "restart_after_failed_read")
 """The kinds a seed may plan, in the order it draws them (new kinds go last: a seed's draws for the
 earlier kinds stay as they were)."""
 
@@ -46,6 +53,7 @@ BOUNDS = {
     "msg_loss.duration_s": (1.0, 6.0),
     "msg_dup.p": (0.05, 0.3),
     "msg_dup.duration_s": (1.0, 6.0),
+    "restart_after_failed_read.delay_s": (0.0, 0.4),
 }
 
 
@@ -64,8 +72,10 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
         for _ in range(1 if rng.random() < 0.7 else 2):
             t = rng.uniform(lo, hi)
             knobs: dict = {}
-            if kind in ("server_restart", "restart_mid_read"):
+            if kind in ("server_restart", "restart_mid_read", "restart_after_failed_read"):
                 knobs["down_s"] = rng.uniform(*BOUNDS["server_restart.down_s"])
+                if kind == "restart_after_failed_read":
+                    knobs["delay_s"] = rng.uniform(*BOUNDS["restart_after_failed_read.delay_s"])
             elif kind == "slow_link":
                 knobs["factor"] = rng.uniform(*BOUNDS["slow_link.factor"])
                 knobs["duration_s"] = rng.uniform(*BOUNDS["slow_link.duration_s"])
@@ -94,6 +104,8 @@ def fault_end(plan: list[tuple[float, str, dict]], world) -> float:
         e = t + knobs.get("duration_s", 0.0) + knobs.get("down_s", 0.0)
         if kind == "restart_mid_read":
             e += world.params.hold_s[1] + world.params.train_s[1]  # when it fires: the next unpublish
+        if kind == "restart_after_failed_read":
+            e = world.active_end + knobs["delay_s"] + knobs["down_s"]  # it may fire any time until then
         if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced", "holders_hang"):
             e += p.restart_delay_s + world.config.lease_timeout_s
         end = max(end, e)
@@ -169,6 +181,10 @@ def inject(world, kind: str, knobs: dict) -> None:
         world.restart_armed = knobs["down_s"]
         sim.trace("fault restart_mid_read armed")
         return
+    elif kind == "restart_after_failed_read":
+        world.restart_after_failed = (knobs["delay_s"], knobs["down_s"])
+        sim.trace("fault restart_after_failed_read armed")
+        return
     elif kind == "holders_hang":
         newest = max((c.published for d in world.trainers for c in d.members
                       if c.alive and c.published is not None), default=None)
@@ -200,6 +216,31 @@ def restart_mid_read(world, source_cid: str) -> None:
     world.faults["restart_mid_read"] = world.faults.get("restart_mid_read", 0) + 1
     world.faults_injected = True
     world.sim.trace(f"fault restart_mid_read (unpublish of {source_cid}) down {down_s:.2f}s")
+
+
+def restart_after_failed_read(world, effects) -> None:
+    """The armed ``restart_after_failed_read``: called with every batch of the server's effects."""
+    armed = getattr(world, "restart_after_failed", None)
+    if armed is None or not world.server.up:
+        return
+    failed = [e.client_id for e in effects if isinstance(e.event, m.Failed)
+              and getattr(world.clients.get(e.client_id), "num_shards", 1) > 1]
+    if not failed:
+        return
+    world.restart_after_failed = None
+    delay_s, down_s = armed
+    epoch = world.server.epoch
+
+    def crash() -> None:
+        if world.server.up and world.server.epoch == epoch:
+            world.server.crash()
+            world.checker.note_loss("server restart")
+            world.sim.after(down_s, _restart, world)
+    world.sim.after(delay_s, crash)
+    world.faults["restart_after_failed_read"] = world.faults.get("restart_after_failed_read", 0) + 1
+    world.faults_injected = True
+    world.sim.trace(f"fault restart_after_failed_read ({failed[0]}'s read failed) in {delay_s:.2f}s, "
+                    f"down {down_s:.2f}s")
 
 
 def _restart(world) -> None:

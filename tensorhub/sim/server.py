@@ -30,6 +30,7 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
+from tensorhub.sim import faults
 
 CoreFactory = Callable[[Config], ReferenceCore]
 
@@ -158,6 +159,7 @@ class SimServer:
             self.world.checker.on_server(cid, req, reply, effects, self.epoch)
             for eff in effects:
                 sim.trace(f"evt {eff.client_id} {eff.event!r}")
+            faults.restart_after_failed_read(self.world, effects)
 
         released = self.holds.releases(req)  # as the actor: before the request is applied
         reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
@@ -242,6 +244,7 @@ class SimServer:
         self.world.checker.on_server(None, None, None, effects, self.epoch)
         for eff in effects:
             self.world.sim.trace(f"evt {eff.client_id} {eff.event!r}")
+        faults.restart_after_failed_read(self.world, effects)
         self.mail.route(effects)
         self._serve_polls()
 
