@@ -170,6 +170,10 @@ class Hub(HostCopies):
         """Retention buffers this handle allocated (touched and registered), in the background or
         -- when none was ready -- on an offload's critical path (``host_buffers_inline``)."""
         self.host_buffers_inline = 0
+        self._notes_acked = 0
+        self._unoffered: set[int] = set()
+        """Host copies whose HostCopy offer got no answer (under ``_host_lock``)."""
+        """The newest background event taken from a pulse (the next beat acknowledges it)."""
         self._eager: Optional[tuple[threading.Thread, threading.Event, threading.Event]] = None
         """The background copy of the version just published, and its cancel flag."""
         self._stage_for = ""
@@ -1088,18 +1092,22 @@ class Hub(HostCopies):
         region = self._region
         if region is None:
             return None
-        return m.Beat(self.client_id, region.progress if reading else -1)
+        return m.Beat(self.client_id, region.progress if reading else -1, acked=self._notes_acked)
 
-    def _after_beat(self, known: bool, notes: list) -> None:
+    def _after_beat(self, known: bool, notes: list, acked: int = -1) -> None:
         """The pulse's answer for this handle: announce again if the server does not know it,
-        then apply the background events it brought."""
+        then apply the background events it brought (numbered up to ``acked``: the next beat
+        acknowledges them; one that comes again, its reply having been lost, is done already)."""
         if self._hb_stop.is_set():
             return
         with self._notes_lock:
             # Events the server sent before it forgot this handle come first (a host copy it
             # dropped must not be announced again).
             self._apply_notes(notes, in_call=False)
+            self._notes_acked = max(self._notes_acked, acked)
             if known:
+                if self._unoffered:
+                    self._reoffer_host_copies()
                 return
             with self._mlock:
                 reading = self._machine.reading

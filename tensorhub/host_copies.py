@@ -32,6 +32,11 @@ log = logging.getLogger("tensorhub.client")
 HubState = hm.Phase
 
 
+_NO_RETRY = threading.Event()
+_NO_RETRY.set()
+"""A stop already set: one offer, no pause and retry (the next answered pulse retries)."""
+
+
 class HostCopies:
     """Host copies and their buffer pool (see the module docstring)."""
 
@@ -159,6 +164,8 @@ class HostCopies:
             except errors.ServerUnavailable:
                 if attempt < self.config.reconnects_max and not stop.wait(min(0.2 * 2 ** attempt, 2.0)):
                     continue
+                with self._host_lock:
+                    self._unoffered.add(version)  # offered again after a pulse the server answers
                 why = "no answer"
             except Exception:  # noqa: BLE001 - refused (e.g. the server restarted): announced later
                 why = "refused"
@@ -166,6 +173,18 @@ class HostCopies:
                      "carries it", self.model, version, self.shard, why, exc_info=True)
             return False
         return False
+
+    def _reoffer_host_copies(self) -> None:
+        """After a pulse the server answered: offer once more each host copy whose offer got no
+        answer (it would stay unlisted, so never dropped, past retention). Pulse thread."""
+        with self._host_lock:
+            pending = sorted(v for v in self._unoffered if v in self._host)
+            self._unoffered.clear()
+        for version in pending:
+            with self._mlock:
+                endpoint = self._machine.host_copies.get(version)
+            if endpoint is not None:
+                self._offer_host_copy(version, endpoint, _NO_RETRY)
 
     def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a

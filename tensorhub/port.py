@@ -57,14 +57,25 @@ class Mailboxes:
     it is evicted (its process died, its lease ran out), after ``evicted_max`` later evictions
     (oldest eviction first) unless it registered again meanwhile (:meth:`revived`). Until then
     its ``Evicted`` waits for it; an evicted client that asks after that learns the same from
-    ``UnknownClient``, and a dead one never asks."""
+    ``UnknownClient``, and a dead one never asks.
 
-    def __init__(self, evicted_max: int = EVICTED_MAILBOXES_MAX) -> None:
+    Background events are delivered at least once to a client whose beats acknowledge them
+    (``Beat.acked`` >= 0): each gets a number, increasing across the server's restarts
+    (``seq_base``: by default the start time in microseconds), and stays until a beat
+    acknowledges it or a later one, so a pulse reply lost on its way loses nothing (the next
+    pulse is answered with the same events; handles treat a repeated event as done). Other
+    clients, and the explicit ``notes`` poll, take them once."""
+
+    def __init__(self, evicted_max: int = EVICTED_MAILBOXES_MAX, seq_base: Optional[int] = None) -> None:
         self.terminal: dict[str, collections.deque] = collections.defaultdict(collections.deque)
-        self.background: dict[str, list] = collections.defaultdict(list)
+        self.background: dict[str, list[tuple[int, object]]] = collections.defaultdict(list)
+        """Per client: (number, event), oldest first."""
         self.evicted_max = evicted_max
         self._evicted: dict[str, None] = {}
         """Evicted clients with a mailbox, oldest eviction first."""
+        self._seq = time.time_ns() // 1000 if seq_base is None else seq_base
+        self._acking: set[str] = set()
+        """Clients whose beats acknowledge their events."""
 
     def route(self, effects: list[m.Deliver]) -> set[str]:
         """Queue each event; returns the client ids that got something."""
@@ -73,7 +84,8 @@ class Mailboxes:
             if isinstance(eff.event, TERMINAL):
                 self.terminal[eff.client_id].append(eff.event)
             if isinstance(eff.event, BACKGROUND):
-                self.background[eff.client_id].append(eff.event)
+                self._seq += 1
+                self.background[eff.client_id].append((self._seq, eff.event))
             if isinstance(eff.event, m.Evicted):
                 self._evicted.pop(eff.client_id, None)
                 self._evicted[eff.client_id] = None
@@ -83,8 +95,32 @@ class Mailboxes:
         return woken
 
     def revived(self, client_id: str) -> None:
-        """``client_id`` registered (or announced) again: its mailbox is a live client's."""
+        """``client_id`` registered (or announced) again: its mailbox is a live client's (an
+        ``Evicted`` of its earlier registration not yet acknowledged no longer applies)."""
         self._evicted.pop(client_id, None)
+        self._keep(client_id, lambda e: not isinstance(e, m.Evicted))
+
+    def ack(self, client_id: str, acked: int) -> None:
+        """A beat of ``client_id`` acknowledged its events up to number ``acked`` (-1: it does
+        not acknowledge)."""
+        if acked < 0:
+            return
+        self._acking.add(client_id)
+        q = self.background.get(client_id)
+        if q and q[0][0] <= acked:
+            q[:] = [(n, e) for n, e in q if n > acked]
+            if not q:
+                del self.background[client_id]
+
+    def take_background(self, client_id: str) -> tuple[list, int]:
+        """``client_id``'s waiting background events and the newest one's number (-1: none).
+        They stay until acknowledged when the client acknowledges, else they are taken."""
+        q = self.background.get(client_id)
+        if not q:
+            return [], -1
+        if client_id not in self._acking:
+            del self.background[client_id]
+        return [e for _, e in q], q[-1][0]
 
     def clear_terminal(self, client_id: str) -> None:
         """A new blocking request supersedes events left from the previous one."""
@@ -100,22 +136,27 @@ class Mailboxes:
         return None
 
     def pop_background(self, client_id: str) -> list:
-        return self.background.pop(client_id, [])
+        """Take ``client_id``'s background events, acknowledged or not (the ``notes`` poll)."""
+        return [e for _, e in self.background.pop(client_id, [])]
+
+    def _keep(self, client_id: str, keep) -> None:
+        q = self.background.get(client_id)
+        if q:
+            q[:] = [(n, e) for n, e in q if keep(e)]
+            if not q:
+                del self.background[client_id]
 
     def drop_superseded(self, client_id: str, host_versions: set[int]) -> None:
         """A (re-)announcement that carries host copies of ``host_versions`` gives the server
         its say on them anew: drops of them queued for the client's earlier registration no
         longer apply (freeing one now would leave the server pointing readers at nothing)."""
-        q = self.background.get(client_id)
-        if q:
-            q[:] = [e for e in q if not (isinstance(e, m.DropHostCopy) and e.version in host_versions)]
-            if not q:
-                del self.background[client_id]
+        self._keep(client_id, lambda e: not (isinstance(e, m.DropHostCopy) and e.version in host_versions))
 
     def forget(self, client_id: str) -> None:
         self.terminal.pop(client_id, None)
         self.background.pop(client_id, None)
         self._evicted.pop(client_id, None)
+        self._acking.discard(client_id)
 
 
 class Hold:
@@ -225,15 +266,17 @@ class PulseHolds:
         """The reply to a hold that is over: each handle's background events, and the handles
         the server no longer knows (declared dead while held: they announce again)."""
         self.end(hold)
-        unknown, notes = [], {}
+        unknown, notes, acks = [], {}, {}
         for cid in hold.client_ids:
             n = core.nodes.get(cid)
             if n is None or n.host:
                 unknown.append(cid)
-            events = mail.pop_background(cid)
+            events, acks[cid] = mail.take_background(cid)
             if events:
                 notes[cid] = events
-        return m.PulseReply(unknown=tuple(unknown), notes=notes)
+            else:
+                del acks[cid]
+        return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks)
 
 
 class Backlog:
@@ -365,6 +408,7 @@ def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: floa
     background events waiting for each handle, in one reply."""
     unknown, woken, failed = [], set(), {}
     for beat in pulse.beats:
+        mail.ack(beat.client_id, beat.acked)
         req = m.Progress(beat.client_id, beat.reading_units) if beat.reading_units >= 0 else m.Heartbeat(beat.client_id)
         reply, w = apply_request(core, mail, req, now, tap)
         woken |= w
@@ -376,14 +420,16 @@ def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: floa
             # (InvalidState: the server completed the read and the handle has not heard yet, a
             # ReplicateDone reply lost) is not a failure of the read.
             failed[beat.client_id] = m.Failed(code=reply.code, message=reply.message)
-    notes = {}
+    notes, acks = {}, {}
     for beat in pulse.beats:
-        events = mail.pop_background(beat.client_id)
+        events, last = mail.take_background(beat.client_id)
+        if events:
+            acks[beat.client_id] = last
         if beat.client_id in failed:
             events = [failed[beat.client_id], *events]
         if events:
             notes[beat.client_id] = events
-    return m.PulseReply(unknown=tuple(unknown), notes=notes), woken
+    return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks), woken
 
 
 class LocalPort:

@@ -49,7 +49,7 @@ class Member(Protocol):
     def _beat(self) -> Optional[m.Beat]:
         """This interval's heartbeat (None: nothing to say yet, e.g. not registered)."""
 
-    def _after_beat(self, known: bool, notes: list) -> None:
+    def _after_beat(self, known: bool, notes: list, acked: int = -1) -> None:
         """The server's answer for this handle: known or not, and its background events."""
 
     def _beat_interval(self) -> float:
@@ -149,7 +149,7 @@ class Pulse:
             if b is None:
                 continue
             if x._pulse_hold() > 0:
-                b = m.Beat(b.client_id)
+                b = m.Beat(b.client_id, acked=b.acked)
             beats.append((x, b))
         if not beats:
             return
@@ -177,7 +177,7 @@ class Pulse:
         unknown = set(reply.unknown) if announce else set()
         for cid, x in by_id.items():
             try:
-                x._after_beat(cid not in unknown, list(reply.notes.get(cid, ())))
+                x._after_beat(cid not in unknown, list(reply.notes.get(cid, ())), reply.acks.get(cid, -1))
             except Exception:  # noqa: BLE001 - one member's trouble is not the others'
                 log.warning("handle %s: handling its pulse failed", cid, exc_info=True)
 

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 import tensorhub
-from tensorhub import pulse
+from tensorhub import errors, pulse
 from tensorhub.core import messages as m
 from tensorhub.port import LocalPort
 from tensorhub.testing import inproc, workload
@@ -229,7 +229,7 @@ def test_held_pulses_are_released_by_their_process_and_answered_by_events():
     assert holds.held(["a"], mail) == [], "no background event for it: still held"
     mail.route([m.Deliver("b", m.SeedAhead(version=4))])
     assert holds.held(["b"], mail) == [h]
-    assert holds.answer(h, core, mail) == m.PulseReply(notes={"b": [m.SeedAhead(version=4)]})
+    assert holds.answer(h, core, mail).notes == {"b": [m.SeedAhead(version=4)]}
 
     h = holds.start(pulse_ab, core, deadline=30.0)
     core.declare_dead(["a"], 26.0, "test")
@@ -324,3 +324,78 @@ def test_death_watch_hands_on_dead_workers_dead_nodes_and_ended_jobs():
     w._jobs([(b"k", NS(job_id=b"\x03\x00", is_dead=True)), (b"k", NS(job_id=b"\x04\x00", is_dead=False))])
     w._nodes([(b"k", NS(node_id=b"\x0c", state=0))], 1)
     assert got == [("dead", {"0102", "ff"}, set()), ("dead", set(), {"0a"}), ("jobs", {"0300"})]
+
+
+def test_background_events_stay_until_a_beat_acknowledges_them():
+    """(was known-open "host_leak_msg_loss", seed 203) a DropHostCopy on a held pulse's reply
+    that was lost was gone: the handle kept that host copy past retention. Now a handle's beats
+    acknowledge the events it took; until then every pulse brings them again. Numbers grow
+    across a server's restarts (``seq_base``), so an old acknowledgement drops nothing new."""
+    from tensorhub.config import Config
+    from tensorhub.core.reference import ReferenceCore
+    from tensorhub.port import Mailboxes, apply_request, holdable
+
+    core, mail = ReferenceCore(Config()), Mailboxes(seq_base=1000)
+    lay = m.LayoutInfo("fp", 4, 400)
+    for cid in ("a", "old"):
+        apply_request(core, mail, m.Register(cid, "pol", cid, 0, 1, lay, cid.encode(), "d", False), 0.0)
+    mail.route([m.Deliver("a", m.DropHostCopy(3)), m.Deliver("old", m.DropHostCopy(3))])
+
+    def pulse(cid, acked):
+        reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat(cid, acked=acked),)), 1.0)
+        return reply
+
+    lost = pulse("a", 0)  # its reply is lost on the way
+    assert lost.notes == {"a": [m.DropHostCopy(3)]} and lost.acks == {"a": 1001}
+    again = pulse("a", 0)
+    assert again.notes == lost.notes and not holdable(m.Pulse(beats=(m.Beat("a", acked=0),)), again, 30.0, 30.0)
+    assert pulse("a", 1001).notes == {}, "acknowledged: gone"
+    assert pulse("old", -1).notes == {"old": [m.DropHostCopy(3)]} and pulse("old", -1).notes == {}, \
+        "a beat without acknowledgements takes its events once"
+    restarted = Mailboxes(seq_base=2000)
+    restarted.route([m.Deliver("a", m.SeedAhead(4))])
+    restarted.ack("a", 1001)  # the old server's number
+    assert restarted.take_background("a") == ([m.SeedAhead(4)], 2001)
+
+
+def test_the_progress_stream_loses_no_event_with_its_reply():
+    """Through the shipped pulse loop: a reading handle's progress pulse (which does not announce
+    again when it fails, unlike the liveness pulse) took a DropHostCopy and its reply was lost;
+    the next progress pulse brings it again, and once taken it is acknowledged and gone."""
+    from tensorhub.config import Config
+    from tensorhub.core.reference import ReferenceCore
+    from tensorhub.port import Mailboxes, apply_request
+
+    core, mail = ReferenceCore(Config()), Mailboxes(seq_base=0)
+    lay = m.LayoutInfo("fp", 4, 400)
+    apply_request(core, mail, m.Register("r", "pol", "r", 0, 1, lay, b"r", "d", False), 0.0)
+    mail.route([m.Deliver("r", m.DropHostCopy(2))])
+
+    class Port:
+        lose = True
+
+        def call(self, req, wait_s=0.0):
+            reply, _ = apply_request(core, mail, req, 1.0)
+            if self.lose and reply.notes:
+                self.lose = False
+                raise errors.ServerUnavailable("reply lost")
+            return reply
+
+    class Reader:
+        client_id, _port, acked, taken = "r", Port(), 0, []
+
+        def _beat(self):
+            return m.Beat("r", 2, acked=self.acked)
+
+        def _after_beat(self, known, notes, acked=-1):
+            self.taken += notes
+            self.acked = max(self.acked, acked)
+
+    x = Reader()
+    p = pulse.Pulse(("test", uuid.uuid4().hex))
+    p._send([(x, x._beat())], 0.0, announce=False)
+    assert x.taken == [] and not x._port.lose, "the reply was lost"
+    p._send([(x, x._beat())], 0.0, announce=False)
+    assert x.taken == [m.DropHostCopy(2)] and x.acked == 1
+    p._send([(x, x._beat())], 0.0, announce=False)
+    assert x.taken == [m.DropHostCopy(2)] and not mail.background.get("r"), "acknowledged: not again"

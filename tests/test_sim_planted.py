@@ -134,7 +134,7 @@ def failed_note_ignored(mp):
 CASES = [
     (latest_answers_older, "fresh", [(0, None)]),
     (commit_before_every_shard, "atomic", [(0, "sharded")]),
-    (no_recovery_window, "restart", [(19, None)]),
+    (no_recovery_window, "restart", [(189, None)]),
     (retains_one_more, "over_retention", [(1, None)]),
     (host_copies_never_dropped, "host_leak", [(3, None)]),
     (dead_holder_counts_as_live, "last_copy", [(14, "standalone")]),

@@ -30,6 +30,8 @@ PINNED = [
     (190, None),  # (split) the completion's requests and announcements lost reconnects_max times in a row
     (813, None),  # (split) the same
     (932, None),  # (retention) a HostCopy whose answer was lost was never offered again
+    (3499, None),  # (mutate) an announcement while the server was up dropped a host copy under its reader
+    (203, None),  # (host_leak) a DropHostCopy on a lost pulse reply: events now stay until acknowledged
 ]
 
 
@@ -63,6 +65,24 @@ def test_offload_done_after_the_copy_was_announced_keeps_that_copy():
     assert "t#host1" in w.core.nodes and w.core.available("pol") == [1]
     a = w.send(m.Replicate("r", 1))
     assert isinstance(a, m.Assignment) and a.source_id == "t#host1"
+
+
+def test_an_announcement_while_the_server_is_up_leaves_a_draining_host_copy_to_its_reader():
+    """Seed 3499: a handle whose liveness pulse got no answer announces again (as after a
+    restart) while the server is up and lists its host copy of version 1, past retention and
+    draining under a reader. Before: the announcement's past-retention rule sent DropHostCopy at
+    once and the handle freed the copy under the read."""
+    w = World()
+    reg = _offloading_holder(w)
+    assert w.send(m.OffloadDone("t", 1, b"h1")) == m.UnpublishDone(version=1)
+    a = w.send(m.Replicate("r", 1))
+    assert isinstance(a, m.Assignment) and a.source_id == "t#host1"
+    w.core.models["pol"].forgotten_below = 2  # version 1 went past retention meanwhile
+    w.core._forget("pol", 1)  # its host copy drains: the read goes on
+    w.pop("t")
+    assert w.send(m.Announce(reg, m.Holding(host_copies=((1, b"h1"),)))) == m.Ok()
+    assert m.DropHostCopy(version=1) not in w.pop("t"), "not freed under the read"
+    assert w.send(m.ReplicateDone("r", 1)) == m.Ok()
 
 
 def test_host_copy_reported_twice_is_kept():

@@ -106,6 +106,10 @@ class Beat(msgspec.Struct, frozen=True, array_like=True):
 
     client_id: str
     reading_units: int = -1
+    acked: int = -1
+    """The newest background event this handle has taken (``PulseReply.acks``); its server keeps
+    every later one until a beat acknowledges it, so a reply lost on the way loses no event. -1:
+    no acknowledgements (events are handed out once)."""
 
 
 class Pulse(_Msg, frozen=True):
@@ -408,6 +412,8 @@ class PulseReply(_Msg, frozen=True):
 
     unknown: tuple[str, ...] = ()
     notes: dict[str, list[Event]] = {}
+    acks: dict[str, int] = {}
+    """Per handle in ``notes``: the number of its newest event there (the next beat's ``acked``)."""
 
 
 Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply]

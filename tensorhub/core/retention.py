@@ -120,7 +120,11 @@ class Retention:
 
     def _announced_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
         """A host copy ``owner`` announced after a restart: kept, unless its version is past
-        retention already (its ``DropHostCopy`` was lost with the old server): then dropped."""
+        retention already (its ``DropHostCopy`` was lost with the old server): then dropped.
+        One the server lists already (an announcement while it is up: the handle's liveness
+        pulse got no answer) is that same copy, maybe draining under a reader: left as it is."""
+        if self._own_host_copy(owner, version):
+            return
         if version < self.models[owner.model].forgotten_below:
             log.info("model=%s version=%d: host copy announced by %s is past retention: dropped",
                      owner.model, version, owner.id)

@@ -60,9 +60,6 @@ KNOWN_OPEN = {
                     "a host copy forgotten while its reader has not re-announced is freed under the read "
                     "(simulate --seed 18 --workload elastic)",
     "split_effect": "torn or mutated units read from a handle in that state (see 'split')",
-    "host_leak_msg_loss": "background notes are delivered at most once: a DropHostCopy on a held pulse's reply "
-                          "that is lost is gone, and the handle keeps that host copy past retention "
-                          "(simulate --seed 203)",
     "retention_msg_loss": "a HostCopy offer unanswered reconnects_max + 1 times while the server is up: the "
                           "server never lists that copy, so a version kept whole only with it is dropped as "
                           "lost once its listed holders go",
@@ -267,8 +264,6 @@ class Checker:
         def known(v: int) -> str:
             if v in lost:
                 return KNOWN_OPEN["host_leak_lost"]
-            if w.net.lost:
-                return KNOWN_OPEN["host_leak_msg_loss"]
             return ""
         for c in w.clients_alive():
             for v in sorted(c.host_copies):

@@ -86,7 +86,7 @@ class SimProcess:
         w = self.world
         readers = [c for c in self.members if c.alive and c.registered and c.machine.reading]
         if readers:
-            beats = tuple(m.Beat(c.cid, c.region_progress) for c in readers)
+            beats = tuple(m.Beat(c.cid, c.region_progress, acked=c.notes_acked) for c in readers)
             w.server.call(readers[0], m.Pulse(beats=beats), False, None,
                           on_reply=lambda reply: [c._pulse_answer(reply, announce=False) for c in readers if c.alive])
         w.sim.after(w.config.heartbeat_interval_s, self._progress)
@@ -126,6 +126,10 @@ class SimClient:
         """The region's control block: which version it holds and how many units are final."""
         self.host_copies: dict[int, list] = {}
         self.copy_gen = 0
+        self.notes_acked = 0
+        self.unoffered: set[int] = set()
+        """Host copies whose offer got no answer (``Hub._unoffered``)."""
+        """The newest background event taken (``Hub._notes_acked``)."""
         """The background host copy of a published version (Hub._host_copy); a new one, or an
         operation that may change the tensors, cancels the one in progress."""
         self.alive = True
@@ -394,8 +398,12 @@ class SimClient:
 
     def _offer_host_copy(self, version: int, endpoint: bytes, attempt: int, gen: int) -> None:
         """``Hub._offer_host_copy``: offered again with a growing pause while the server does
-        not answer, ``reconnects_max`` times, until the handle's next call stops it."""
-        if not self.alive or gen != self.copy_gen or self.op is not None or version not in self.host_copies:
+        not answer, ``reconnects_max`` times, until the handle's next call stops it; then once
+        after each pulse the server answers (``Hub._reoffer_host_copies``)."""
+        if not self.alive or version not in self.host_copies:
+            return
+        if gen != self.copy_gen or self.op is not None:
+            self.unoffered.add(version)
             return
         self.world.server.call(self, m.HostCopy(self.cid, version, endpoint), False, None,
                                on_reply=lambda r: self._host_copy_answered(version, endpoint, attempt, gen, r))
@@ -406,6 +414,7 @@ class SimClient:
                 self.world.sim.after(min(0.2 * 2 ** attempt, 2.0), self._offer_host_copy, version, endpoint,
                                      attempt + 1, gen)
             else:
+                self.unoffered.add(version)
                 self.world.checker.unoffered.add((self.cid, version))
 
     def _free_host(self, version: int) -> None:
@@ -431,8 +440,8 @@ class SimClient:
 
     def _liveness_beat(self) -> m.Beat:
         if self.world.config.pulse_hold_s > 0 or not self.machine.reading:
-            return m.Beat(self.cid)
-        return m.Beat(self.cid, self.region_progress)
+            return m.Beat(self.cid, acked=self.notes_acked)
+        return m.Beat(self.cid, self.region_progress, acked=self.notes_acked)
 
     def _progress(self) -> None:
         """The unheld progress pulse while reading (``Pulse._progress_loop``)."""
@@ -440,7 +449,8 @@ class SimClient:
             return
         w = self.world
         if self.registered and self.machine.reading:
-            w.server.call(self, m.Pulse(beats=(m.Beat(self.cid, self.region_progress),)), False, None,
+            w.server.call(self, m.Pulse(beats=(m.Beat(self.cid, self.region_progress, acked=self.notes_acked),)),
+                          False, None,
                           on_reply=lambda reply: self.alive and self._pulse_answer(reply, announce=False))
         w.sim.after(w.config.heartbeat_interval_s, self._progress)
 
@@ -452,9 +462,20 @@ class SimClient:
     def _pulse_answer(self, reply, announce: bool = True) -> None:
         """This handle's share of a pulse's reply (``Hub._after_beat``; ``announce`` False: the
         progress stream's reply, ``Pulse._send``)."""
-        if isinstance(reply, m.ErrorReply):  # the server is down: the next pulse tries again
-            return
+        if isinstance(reply, m.ErrorReply):
+            if not (announce and reply.code == "ServerUnavailable"):
+                return  # the progress stream: the next pulse tries again
+            # Pulse._send: a liveness pulse that got no answer reconnects and announces every
+            # handle, as if the server did not know them (it may have restarted).
+            reply = m.PulseReply(unknown=(self.cid,))
         self._notes(list(reply.notes.get(self.cid, ())))  # Hub: notes first, then announce
+        self.notes_acked = max(self.notes_acked, reply.acks.get(self.cid, -1))
+        if self.cid not in reply.unknown and self.unoffered:
+            pending, self.unoffered = sorted(self.unoffered), set()
+            for v in pending:
+                endpoint = self.machine.host_copies.get(v)
+                if endpoint is not None:
+                    self._offer_host_copy(v, endpoint, self.world.config.reconnects_max, self.copy_gen)
         if announce and self.cid in reply.unknown:
             # A reader announces its edge at once; an idle handle only when no operation is in
             # flight (that operation re-announces itself).

@@ -58,7 +58,7 @@ class SimServer:
         self.epoch = 0
         self.up = True
         self.core: Optional[ReferenceCore] = self.core_factory(world.config)
-        self.mail = Mailboxes()
+        self.mail = self._mailboxes()
         self.calls: set[Call] = set()
         """Calls sent and not answered yet (a crash fails them)."""
         self.polls: dict[str, Call] = {}
@@ -72,6 +72,10 @@ class SimServer:
         """The clients' side: every simulated client's capability (they outlive a crash)."""
         world.sim.after(world.config.server_tick_s, self._tick)
 
+    def _mailboxes(self) -> Mailboxes:
+        """Event numbers grow across restarts, as the actor's (its start time) do."""
+        return Mailboxes(seq_base=self.epoch << 32)
+
     # ------------------------------------------------------------------ faults
 
     def crash(self) -> None:
@@ -79,7 +83,7 @@ class SimServer:
         self.up = False
         self.core = None
         self.epoch += 1
-        self.mail = Mailboxes()
+        self.mail = self._mailboxes()
         self.polls = {}
         self.holds = PulseHolds()
         calls, self.calls = self.calls, set()
