@@ -480,6 +480,38 @@ def test_hub_offers_a_background_host_copy_again_when_its_offer_got_no_answer():
         t.close(drop_last_copy=True)
 
 
+def test_hub_offers_an_unanswered_host_copy_again_after_a_pulse_the_server_answers():
+    """(seed 2941) every retry of the offer got no answer (or the next call stopped them): the
+    copy stayed unlisted, so never dropped past retention. It is offered once more after each
+    pulse the server answers, until the server takes (or refuses) it."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, reconnects_max=1, pulse_hold_s=0.0)
+    port = LocalPort(cfg)
+    t, tt = _hub(port, replica="t", config=cfg)
+    real, lost = port.call, []
+
+    def call(req, wait_s=0.0):
+        if isinstance(req, m.HostCopy) and len(lost) < 2:
+            lost.append(req)  # the first offer and its one retry
+            raise errors.ServerUnavailable("no answer")
+        return real(req, wait_s)
+
+    port.call = call
+    try:
+        workload.fill_version(tt, 1)
+        t.publish(1)
+        t._start_host_copy(1)
+        t._stop_host_copy(cancel_it=False)
+        deadline = time.monotonic() + 10
+        while f"{t.client_id}#host1" not in port.core.nodes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lost) == 2 and f"{t.client_id}#host1" in port.core.nodes and not t._unoffered
+    finally:
+        port.call = real
+        t.close(drop_last_copy=True)
+
+
 @pytest.mark.sim
 def test_seed_2160_a_drop_queued_before_a_reannouncement_does_not_free_the_announced_copy():
     """The server refused the trainer's background host copy of version 3 (DropHostCopy queued),
