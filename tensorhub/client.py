@@ -563,6 +563,7 @@ class Hub(HostCopies):
                     replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
                     config=self.config)
         stage._stage_for = self.client_id
+        stage._machine.incomplete_wait_s = self.config.lease_timeout_s
         if buffer is None:  # touched here, in the background, not in the update that reads it
             buffer = [(meta.name, c) for meta, c in zip(self._layout.metas, self._host_like(touch=True))]
         stage.register(buffer)

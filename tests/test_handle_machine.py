@@ -630,3 +630,17 @@ def test_an_invalid_state_progress_beat_is_not_a_read_failure():
     core.nodes["r"].state, core.nodes["r"].failure = S.IDLE, m.Failed(code="VersionLost", message="gone")
     reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=2),)), 0.3)
     assert reply.notes["r"] == [m.Failed(code="VersionLost", message="gone")]
+
+
+def test_a_staging_copy_waits_one_lease_for_its_siblings():
+    """(was known-open "hang_sharded_stage", seeds 63, 111, 369) a staging shard whose sibling
+    staging copy was lost with its process retried ReplicaIncomplete for the whole request
+    timeout (300 s by default). With ``incomplete_wait_s`` (one lease, set by the drivers of a
+    staging copy) it fails with ReplicaIncomplete after that."""
+    mc = _machine()
+    mc.incomplete_wait_s = 1.0
+    mc.handle(hm.Start(hm.ReplicateOp(2, True)), 0.0)
+    busy = m.ErrorReply(code="ReplicaIncomplete", message="only 1 of 2")
+    assert mc.handle(hm.Replied(busy), 0.5) == [hm.Sleep(hm.RETRY_PAUSE_S)]
+    mc.handle(hm.TimerFired(), 0.6)
+    assert mc.handle(hm.Replied(busy), 1.2) == [hm.Fail("ReplicaIncomplete", "only 1 of 2")]

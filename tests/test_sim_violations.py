@@ -31,6 +31,9 @@ PINNED = [
     (813, None),  # (split) the same
     (932, None),  # (retention) a HostCopy whose answer was lost was never offered again
     (3499, None),  # (mutate) an announcement while the server was up dropped a host copy under its reader
+    (18, "elastic"),  # (restart) a host copy's drain completed inside the recovery window, under a read
+    (63, None),  # (hang) a staging shard waited 300 s for a sibling staging copy lost with its process
+    (369, None),  # (hang) the same
     (203, None),  # (host_leak) a DropHostCopy on a lost pulse reply: events now stay until acknowledged
 ]
 
@@ -83,6 +86,24 @@ def test_an_announcement_while_the_server_is_up_leaves_a_draining_host_copy_to_i
     assert w.send(m.Announce(reg, m.Holding(host_copies=((1, b"h1"),)))) == m.Ok()
     assert m.DropHostCopy(version=1) not in w.pop("t"), "not freed under the read"
     assert w.send(m.ReplicateDone("r", 1)) == m.Ok()
+
+
+def test_the_recovery_window_holds_a_host_copy_drain_too():
+    """Seed 18 (elastic): after a restart, a host copy whose version fell out of retention
+    drained with no reader listed yet and was freed at once, while a reader that had been
+    copying from it under the old server had not announced that edge. Drains of host copies
+    now wait for the window's end, as those of tensors did."""
+    w = World(lease_timeout_s=5.0, versions_retained=1)
+    reg = m.Register("t", "pol", "t", 0, 1, LAYOUT, b"t", "a", False)
+    assert w.send(m.Announce(reg, m.Holding(host_copies=((1, b"h1"),)))) == m.Ok()  # opens the window
+    w.reg("u")
+    w.send(m.Publish("u", 2))  # version 1 goes out of retention: its host copy drains
+    assert m.DropHostCopy(version=1) not in w.pop("t"), "not freed inside the recovery window"
+    for _ in range(3):  # past the window (one lease after the first announcement), leases kept
+        w.tick(2.0)
+        w.send(m.Heartbeat("t")); w.send(m.Heartbeat("u"))
+    w.tick(0.1)
+    assert m.DropHostCopy(version=1) in w.pop("t") and "t#host1" not in w.core.nodes
 
 
 def test_host_copy_reported_twice_is_kept():

@@ -314,6 +314,12 @@ class HandleMachine:
         self._req: Optional[m.Request] = None
         self._attempt = 0
         self._deadline = 0.0
+        self.incomplete_wait_s: Optional[float] = None
+        """How long a read waits for its replica's siblings to register (``ReplicaIncomplete``);
+        None: ``request_timeout_s``. A staging copy's is one lease (its driver sets it): a sibling
+        staging copy lost with its process is opened again only when that process is asked to
+        seed, so waiting the whole request timeout only holds a seed that will not come."""
+        self._incomplete_by = 0.0
         self._done_by = 0.0
         """Until when a read's completion (``ReplicateDone``) is tried again."""
         self._read_open = False
@@ -470,6 +476,8 @@ class HandleMachine:
             case ReplicateOp(round=round_no):
                 self.seq = round_no if round_no is not None else self.seq + 1
                 self._deadline = now + self.request_timeout_s
+                wait = self.request_timeout_s if self.incomplete_wait_s is None else self.incomplete_wait_s
+                self._incomplete_by = now + min(self.request_timeout_s, wait)
                 self._reset_read()
                 if self.published is None and self.region_version >= 0 and self.region_progress > 0:
                     self.step = Step.RECHECK
@@ -651,7 +659,8 @@ class HandleMachine:
         op = self.op
         assert isinstance(op, ReplicateOp)
         if isinstance(reply, m.ErrorReply):
-            if reply.code in ("ReplicaIncomplete", "ServerRecovering") and now < self._deadline:
+            by = self._incomplete_by if reply.code == "ReplicaIncomplete" else self._deadline
+            if reply.code in ("ReplicaIncomplete", "ServerRecovering") and now < by:
                 self._read_open = False
                 self.step = Step.RETRY_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]

@@ -882,8 +882,10 @@ class ReferenceCore(CrossDatacenter, Retention):
             self._finish_drain(node)
 
     def _finish_drain(self, node: Node) -> None:
-        if self._now < self._recovering_until and not node.host:
-            return  # completed by tick() once the recovery window is over
+        if self._now < self._recovering_until:
+            # Completed by tick() once the recovery window is over: a reader still copying from
+            # this holder (a host copy too) under the old server may not have announced yet.
+            return
         self._finish_drain_now(node)
 
     def _finish_drain_now(self, node: Node) -> None:

@@ -56,10 +56,8 @@ from tensorhub.sim.observer import CoreObserver
 
 
 KNOWN_OPEN = {
-    "restart_host": "the recovery window does not hold host-copy drains (_finish_drain: 'and not node.host'): "
-                    "a host copy forgotten while its reader has not re-announced is freed under the read "
-                    "(simulate --seed 18 --workload elastic)",
-    "split_effect": "torn or mutated units read from a handle in that state (see 'split')",
+    "split_effect": "torn or mutated units read from a handle the server and the handle disagree on: the "
+                    "effect of a 'split' violation, counted there",
     "retention_msg_loss": "a HostCopy offer unanswered reconnects_max + 1 times while the server is up: the "
                           "server never lists that copy, so a version kept whole only with it is dropped as "
                           "lost once its listed holders go",
@@ -67,19 +65,9 @@ KNOWN_OPEN = {
                           "new process cannot know which round its siblings are in (HandleMachine rule 2; "
                           "exact with replicate(round=)); a replica none of whose shards restarted must "
                           "stay in step",
-    "hang_sharded_stage": "sharded offload seeding: a staging shard's prefetch retries ReplicaIncomplete "
-                          "up to request_timeout_s (300 s) while a sibling staging copy is never opened "
-                          "(simulate --seed 111 --workload crossdc)",
-    "host_leak_lost": "a version dropped as lost (_drop_lost_versions) is never forgotten: the host copies "
-                      "of its other shards stay past retention (simulate --seed 393)",
 }
 """Open defects of the shipped code that a checker sees; their violations are counted apart
 (``known_open``) until they are fixed. Remove an entry with its fix."""
-
-
-def _sharded_stage(world, cid: str) -> bool:
-    c = world.clients.get(cid)
-    return c is not None and getattr(c, "stage_for", "") != "" and c.num_shards > 1
 
 
 class Checker:
@@ -242,8 +230,7 @@ class Checker:
             if attached or in_window:
                 self.violate("restart", f"{key} writes unit {unit} (version {version}) while {rd.reader} reads unit "
                                         f"{rd.unit} of version {rd.version} from it under a read that spans the "
-                                        f"server restart at {self.restarted_at:.3f}s",
-                             known=KNOWN_OPEN["restart_host"] if "#host" in key and not attached else "")
+                                        f"server restart at {self.restarted_at:.3f}s")
                 return
 
     def note_restart(self) -> None:
@@ -389,13 +376,10 @@ class Checker:
 
     def final(self, quiesced: bool) -> None:
         w = self.world
-        staged = [op for op in self.open_ops.values() if _sharded_stage(w, op.cid)]
         for op in self.open_ops.values():
-            self.violate("hang", f"{op.cid} {op.kind} (started {op.start:.1f}s) never finished",
-                         known=KNOWN_OPEN["hang_sharded_stage"] if op in staged else "")
+            self.violate("hang", f"{op.cid} {op.kind} (started {op.start:.1f}s) never finished")
         if not quiesced:
-            self.violate("hang", "the workload did not quiesce before the deadline",
-                         known=KNOWN_OPEN["hang_sharded_stage"] if staged else "")
+            self.violate("hang", "the workload did not quiesce before the deadline")
         self.check_retention("end")
         if quiesced:
             self.check_retention_truth()

@@ -25,6 +25,7 @@ class StagingClient(SimClient):
     def __init__(self, world, cid: str, *, stage_for: str, **kw) -> None:
         self.stage_for = stage_for
         super().__init__(world, cid, **kw)
+        self.machine.incomplete_wait_s = world.config.lease_timeout_s  # Hub._open_stage
 
     def registration(self) -> m.Register:
         return msgspec.structs.replace(super().registration(), stage_for=self.stage_for)
