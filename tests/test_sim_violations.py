@@ -34,6 +34,8 @@ PINNED = [
     (18, "elastic"),  # (restart) a host copy's drain completed inside the recovery window, under a read
     (63, None),  # (hang) a staging shard waited 300 s for a sibling staging copy lost with its process
     (369, None),  # (hang) the same
+    (9037, None),  # (restart) a host copy below retention announced in the window was freed under a reader
+    (6525, None),  # (host_leak, checker) a copy past retention still draining under a dead, unexpired reader
     (203, None),  # (host_leak) a DropHostCopy on a lost pulse reply: events now stay until acknowledged
 ]
 

@@ -120,10 +120,18 @@ class Retention:
 
     def _announced_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
         """A host copy ``owner`` announced after a restart: kept, unless its version is past
-        retention already (its ``DropHostCopy`` was lost with the old server): then dropped.
+        retention already (its ``DropHostCopy`` was lost with the old server): then dropped, at
+        the end of the recovery window if the announcement came inside it (until then it drains,
+        hidden from new readers, so a reader copying from it under the old server can announce).
         One the server lists already (an announcement while it is up: the handle's liveness
         pulse got no answer) is that same copy, maybe draining under a reader: left as it is."""
         if self._own_host_copy(owner, version):
+            return
+        if version < self.models[owner.model].forgotten_below and self._now < self._recovering_until:
+            # Listed, hidden from new readers and freed when the recovery window ends: a reader
+            # still copying from it under the old server may not have announced that edge yet.
+            self._add_host_copy(owner, version, endpoint)
+            self._drain(self.nodes[f"{owner.id}#host{version}"])
             return
         if version < self.models[owner.model].forgotten_below:
             log.info("model=%s version=%d: host copy announced by %s is past retention: dropped",
