@@ -9,7 +9,8 @@ This module only carries out its commands in the simulated world:
 - ``Pull``: the simulated transport (:mod:`tensorhub.sim.transport`). Memory is a list of
   per-unit content tags ``(version, shard, unit)``.
 - ``Offload``/``DropHost``: host copies (tags), ``Recheck``: the leading units that still hold
-  their version, ``Sleep``/``Reconnect``: virtual timers.
+  their version (none with ``Config.checksums`` off, as the Hub), ``Sleep``/``Reconnect``:
+  virtual timers.
 
 Heartbeats carry progress while reading and poll background notes; ``UnknownClient`` on a
 heartbeat re-announces (at once while reading: the holder's drain waits for the edge).
@@ -361,6 +362,11 @@ class SimClient:
             self.world.sim.after(0.1, self._reconnect, token, deadline)
 
     def _recheck(self, version: int, units: int) -> int:
+        """``Hub._recheck``: the leading units that still hold ``version``; none without
+        checksums (nothing could tell whether the user wrote them), so the read starts over."""
+        if not self.world.config.checksums:
+            self.world.checker.observer.path("checksums_off")
+            return 0
         keep = 0
         while keep < units and self.mem[keep] == (version, self.shard, keep):
             keep += 1

@@ -25,6 +25,8 @@ from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
 GiB = 1 << 30
+CHECKSUMS_OFF_SHARE = 0.15
+"""Of the seeds, about this share run without checksums (readers check by seqlock instead)."""
 QUIET_GRACE_BEATS = 3
 """The world ends after this many heartbeat intervals of quiet (the end checks run then)."""
 
@@ -134,6 +136,9 @@ class World:
         self.pinned_retry = var.random() < 0.5
         """After an interrupted round, each shard of a sharded replica asks again for the version it
         was reading while its siblings ask "latest" (a round of mixed specs: TransactionMismatch)."""
+        # Drawn last, so that every earlier draw of a seed stays as it was.
+        if var.random() < CHECKSUMS_OFF_SHARE and config is None:  # a forced config keeps its own
+            self.config = dataclasses.replace(self.config, checksums=False)
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
