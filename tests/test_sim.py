@@ -205,3 +205,22 @@ def test_some_seeds_run_without_checksums_and_their_readers_check_by_seqlock():
     w = World(off[0].seed)
     assert not w.config.checksums
     assert all(World(s).config.checksums for s in range(40) if s not in {r.seed for r in off})
+
+
+def test_some_standalone_rollouts_prefetch_and_their_updates_copy_from_the_staging_copy():
+    """A share of the standalone seeds call ``prefetch("latest")`` while they generate (the
+    offload-seeding staging copy, asked by the user): the next update is assigned its own
+    staging copy (path ``prefetch``, the Hub's ``ReadStats.prefetched``) and every invariant
+    holds."""
+    from tensorhub.sim.scenario import World
+
+    taken = asked = 0
+    for seed in range(60):
+        w = World(seed, "standalone")
+        if not w.user_prefetch:
+            continue
+        w.run()
+        assert not w.checker.violations, (seed, w.checker.violations[:2])
+        asked += sum(getattr(c, "user_prefetches", 0) for c in w.clients.values())
+        taken += bool(w.checker.observer.paths.get("prefetch"))
+    assert asked >= 50 and taken >= 5, (asked, taken)

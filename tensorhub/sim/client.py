@@ -297,7 +297,7 @@ class SimClient:
                 case hm.Done(outcome):
                     if self.op is not None and self.op.kind == "replicate":
                         w.checker.on_replicated(self, outcome.version)
-                    self._finish("ok", outcome.version)
+                    self._finish("ok", outcome.version, prefetched=self._from_own_stage(outcome))
                 case hm.Fail(code, _message):
                     self._finish(code)
                 case hm.SetRegion(version, progress):
@@ -334,14 +334,22 @@ class SimClient:
                 case _:
                     raise AssertionError(f"unknown command {cmd!r}")
 
-    def _finish(self, code: str, version: int = -1) -> None:
+    def _from_own_stage(self, outcome: hm.Outcome) -> bool:
+        """Hub's ``ReadStats.prefetched``: the read came first from this handle's staging copy."""
+        stage = getattr(self, "stage", None)
+        return bool(stage is not None and outcome.action == "replicated" and outcome.sources
+                    and outcome.sources[0] == stage.cid)
+
+    def _finish(self, code: str, version: int = -1, prefetched: bool = False) -> None:
         op = self.op
         if op is None:
             return
         self.op = None
         self.world.checker.op_end(op, code)
-        if op.kind == "replicate" and code == "ok" and self.alive:
-            self.world.server.notes(self, self._notes)  # Hub: notes taken before the call returns
+        if op.kind == "replicate" and code == "ok" and self.alive and not prefetched:
+            # Hub: notes taken before the call returns, unless the read was prefetched (the
+            # staging copy, first to finish the version, was asked for its retention copy).
+            self.world.server.notes(self, self._notes)
         if op.cb is not None:
             self.world.sim.after(0.0, op.cb, code, version)
 
