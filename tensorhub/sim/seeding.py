@@ -23,6 +23,13 @@ from tensorhub.core import messages as m
 from tensorhub.sim.client import SimClient
 
 
+def seed_round(version: int) -> int:
+    """``tensorhub.client._seed_round``: a seed of ``version`` is the staging copy's round
+    ``version + 1``, whichever seeds each shard skipped (a count would put the shards of a
+    replica in different rounds for good); a user prefetch lets the staging copy count."""
+    return version + 1
+
+
 class StagingClient(SimClient):
     """A prefetch staging handle (``Hub._open_stage``): a holder of its own in host memory on
     its owner's host; the owner reads from it first."""
@@ -63,6 +70,8 @@ class SeedingClient(SimClient):
         st = self.stage
         if st is not None and st.published is not None and st.published >= version:
             return
+        if st is not None and st.machine.seq >= seed_round(version):
+            return  # Hub: the staging copy's rounds are past this seed's (prefetch() counted ahead)
         self.seeding = version
         if st is not None and st.op is not None:
             self.seed_next = version  # Hub: prefetches run one after the other
@@ -114,4 +123,4 @@ class SeedingClient(SimClient):
             nxt, self.seed_next = self.seed_next, None
             if nxt is not None and nxt > version:
                 self._prefetch(nxt)
-        self.stage.replicate(spec, True, done)
+        self.stage.replicate(spec, True, done, round=seed_round(spec) if isinstance(spec, int) else None)
