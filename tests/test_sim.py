@@ -190,3 +190,37 @@ def test_across_datacenters_rollouts_seed_into_staging_copies_that_share_their_f
                     assert c.alive or not c.stage.alive, "a staging copy outlived its process"
     assert seeds >= 100 and staged >= 40, (seeds, staged)
     assert crashed_together >= 3, crashed_together
+
+
+def test_some_seeds_run_without_checksums_and_their_readers_check_by_seqlock():
+    """About 15% of the seeds run with ``Config.checksums=False`` (drawn last, so the other
+    seeds keep their trajectories): readers accept a unit once the source's control block still
+    shows their version after its bytes arrived, and a resumed read starts over (nothing can
+    recheck the units). Within the first 300 seeds the path is taken and every invariant holds."""
+    from tensorhub.sim.scenario import World
+
+    off = [r for r in (run_scenario(s) for s in range(300)) if r.paths.get("checksums_off")]
+    assert len(off) >= 20, len(off)
+    assert not _violations(off), [(r.seed, r.violations[:2]) for r in off if r.violations]
+    w = World(off[0].seed)
+    assert not w.config.checksums
+    assert all(World(s).config.checksums for s in range(40) if s not in {r.seed for r in off})
+
+
+def test_some_standalone_rollouts_prefetch_and_their_updates_copy_from_the_staging_copy():
+    """A share of the standalone seeds call ``prefetch("latest")`` while they generate (the
+    offload-seeding staging copy, asked by the user): the next update is assigned its own
+    staging copy (path ``prefetch``, the Hub's ``ReadStats.prefetched``) and every invariant
+    holds."""
+    from tensorhub.sim.scenario import World
+
+    taken = asked = 0
+    for seed in range(60):
+        w = World(seed, "standalone")
+        if not w.user_prefetch:
+            continue
+        w.run()
+        assert not w.checker.violations, (seed, w.checker.violations[:2])
+        asked += sum(getattr(c, "user_prefetches", 0) for c in w.clients.values())
+        taken += bool(w.checker.observer.paths.get("prefetch"))
+    assert asked >= 50 and taken >= 5, (asked, taken)

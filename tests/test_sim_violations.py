@@ -210,3 +210,40 @@ def test_the_same_rounds_replicate_still_gets_its_read_again():
     a = w.send(m.Replicate("r", 1, seq=3))
     assert w.send(m.Replicate("r", 1, seq=3)) == a
     assert w.state("r") == ("reading", 1)
+
+
+# --------------------------------------------------------------------------- an announced host copy under a reader
+
+_ANNOUNCE_DROPS = ("open: ReferenceCore._announced_host_copy drops a re-announced host copy below retention "
+                   "even when the server lists it already, DRAINING under a reader (it lacks the "
+                   "_own_host_copy check that OffloadDone and HostCopy have)")
+
+
+@pytest.mark.xfail(strict=True, reason=_ANNOUNCE_DROPS)
+def test_reannounced_host_copy_that_a_reader_reads_is_not_dropped():
+    """A holder re-announces (its Unpublish was lost, no server restart) listing its host copy of
+    a version past retention that the server still lists, draining under a reader: the server
+    must not tell the holder to free that copy while the reader copies from it."""
+    w = World(versions_retained=1)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1))
+    assert w.send(m.Unpublish("t")) == m.OffloadOrder(version=1)
+    w.send(m.OffloadDone("t", 1, b"h1"))
+    assert w.send(m.Replicate("r", 1)).source_id == "t#host1"
+    w.send(m.Publish("t", 2))
+    assert w.state("t#host1") == ("draining", 1) and w.core.models["pol"].forgotten_below == 2
+    w.pop("t")
+    reg = m.Register("t", "pol", "t", 0, 1, w.core.nodes["t"].layout, b"t", "a", False)
+    assert w.send(m.Announce(reg, m.Holding(published=2, host_copies=((1, b"h1"),)))) == m.Ok()
+    assert m.DropHostCopy(version=1) not in w.pop("t")
+
+
+@pytest.mark.xfail(strict=True, reason=_ANNOUNCE_DROPS)
+def test_seed_860_without_checksums_frees_no_host_copy_under_a_reader(monkeypatch):
+    """Found by running 2,000 seeds all with checksums off: at seed 860 the trainer's Unpublish
+    is lost, its re-announcement lists host copy 3, and the server has it freed under r0/s0."""
+    from tensorhub.sim import scenario
+
+    monkeypatch.setattr(scenario, "CHECKSUMS_OFF_SHARE", 1.0)
+    r = run_scenario(860)
+    assert not r.violations, r.violations[:3]

@@ -9,7 +9,8 @@ This module only carries out its commands in the simulated world:
 - ``Pull``: the simulated transport (:mod:`tensorhub.sim.transport`). Memory is a list of
   per-unit content tags ``(version, shard, unit)``.
 - ``Offload``/``DropHost``: host copies (tags), ``Recheck``: the leading units that still hold
-  their version, ``Sleep``/``Reconnect``: virtual timers.
+  their version (none with ``Config.checksums`` off, as the Hub), ``Sleep``/``Reconnect``:
+  virtual timers.
 
 Heartbeats carry progress while reading and poll background notes; ``UnknownClient`` on a
 heartbeat re-announces (at once while reading: the holder's drain waits for the edge).
@@ -300,7 +301,7 @@ class SimClient:
                 case hm.Done(outcome):
                     if self.op is not None and self.op.kind == "replicate":
                         w.checker.on_replicated(self, outcome.version)
-                    self._finish("ok", outcome.version)
+                    self._finish("ok", outcome.version, prefetched=self._from_own_stage(outcome))
                 case hm.Fail(code, _message):
                     self._finish(code)
                 case hm.SetRegion(version, progress):
@@ -337,14 +338,22 @@ class SimClient:
                 case _:
                     raise AssertionError(f"unknown command {cmd!r}")
 
-    def _finish(self, code: str, version: int = -1) -> None:
+    def _from_own_stage(self, outcome: hm.Outcome) -> bool:
+        """Hub's ``ReadStats.prefetched``: the read came first from this handle's staging copy."""
+        stage = getattr(self, "stage", None)
+        return bool(stage is not None and outcome.action == "replicated" and outcome.sources
+                    and outcome.sources[0] == stage.cid)
+
+    def _finish(self, code: str, version: int = -1, prefetched: bool = False) -> None:
         op = self.op
         if op is None:
             return
         self.op = None
         self.world.checker.op_end(op, code)
-        if op.kind == "replicate" and code == "ok" and self.alive:
-            self.world.server.notes(self, self._notes)  # Hub: notes taken before the call returns
+        if op.kind == "replicate" and code == "ok" and self.alive and not prefetched:
+            # Hub: notes taken before the call returns, unless the read was prefetched (the
+            # staging copy, first to finish the version, was asked for its retention copy).
+            self.world.server.notes(self, self._notes)
         if op.cb is not None:
             self.world.sim.after(0.0, op.cb, code, version)
 
@@ -365,6 +374,11 @@ class SimClient:
             self.world.sim.after(0.1, self._reconnect, token, deadline)
 
     def _recheck(self, version: int, units: int) -> int:
+        """``Hub._recheck``: the leading units that still hold ``version``; none without
+        checksums (nothing could tell whether the user wrote them), so the read starts over."""
+        if not self.world.config.checksums:
+            self.world.checker.observer.path("checksums_off")
+            return 0
         keep = 0
         while keep < units and self.mem[keep] == (version, self.shard, keep):
             keep += 1

@@ -133,6 +133,7 @@ class CoreObserver:
             self.path(reply.code)
         if isinstance(req, m.Swap) and isinstance(reply, m.Ok):
             self.path("swap")
+        self._note_prefetched(core, req, reply, effects)
         for eff in effects:
             if isinstance(eff.event, m.SeedAhead):
                 target = core.nodes.get(eff.client_id)
@@ -150,6 +151,16 @@ class CoreObserver:
         self._check_released(core, req, reply, pre, retained)
         if isinstance(req, m.Replicate) and "node" in pre and not isinstance(reply, m.ErrorReply):
             self._check_fresh(core, req, reply, pre)
+
+    def _note_prefetched(self, core, req, reply, effects) -> None:
+        """The ``prefetch`` path: a read assigned the reader's own staging copy (the Hub's
+        ``ReadStats.prefetched``), after a user prefetch or an offload seed."""
+        given = [(req.client_id, reply)] if isinstance(reply, m.Assignment) else []
+        given += [(e.client_id, e.event) for e in effects if isinstance(e.event, m.Assignment)]
+        for cid, a in given:
+            src = core.nodes.get(a.source_id)
+            if src is not None and src.stage_for == cid:
+                self.path("prefetch")
 
     # ------------------------------------------------------------------ (j) and (k)
 

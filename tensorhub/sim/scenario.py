@@ -25,6 +25,10 @@ from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
 GiB = 1 << 30
+CHECKSUMS_OFF_SHARE = 0.15
+"""Of the seeds, about this share run without checksums (readers check by seqlock instead)."""
+USER_PREFETCH_SHARE = 0.3
+"""Of the standalone seeds, about this share prefetch into staging copies (``Hub.prefetch``)."""
 QUIET_GRACE_BEATS = 3
 """The world ends after this many heartbeat intervals of quiet (the end checks run then)."""
 
@@ -134,6 +138,12 @@ class World:
         self.pinned_retry = var.random() < 0.5
         """After an interrupted round, each shard of a sharded replica asks again for the version it
         was reading while its siblings ask "latest" (a round of mixed specs: TransactionMismatch)."""
+        # Drawn last, so that every earlier draw of a seed stays as it was.
+        if var.random() < CHECKSUMS_OFF_SHARE and config is None:  # a forced config keeps its own
+            self.config = dataclasses.replace(self.config, checksums=False)
+        self.user_prefetch = var.random() < USER_PREFETCH_SHARE
+        """Standalone rollouts call ``prefetch("latest")`` while they generate (drawn after the
+        checksums: those seeds stay as they were)."""
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
@@ -327,7 +337,8 @@ def build_workload(w: World, rng: random.Random) -> None:
 
     # Across datacenters rollouts act on SeedAhead (offload seeding: a staging copy in their
     # process), as the real handle does.
-    cls = SeedingClient if wl == "crossdc" else SimClient
+    # A user prefetch is the same staging read: standalone rollouts of some seeds call it.
+    cls = SeedingClient if wl == "crossdc" or (wl == "standalone" and w.user_prefetch) else SimClient
 
     def rollout(name: str, hosts: list[str], dc: str, spot: bool = False) -> None:
         w.rollouts.append(RolloutDriver(w, name, hosts, dc, spot, w.sim.rng(name), client_cls=cls))

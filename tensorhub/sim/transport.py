@@ -12,6 +12,11 @@ themselves and the clock: a unit read from host s to host r reserves the network
 write to the source during it makes a torn unit; the tag check is the checksum); a source whose
 process died fails the pull after the detection delay.
 
+With ``Config.checksums`` off nothing checks the tags: as the shipped reader, a landed unit
+counts once a control read of the source (one control latency after the bytes arrived) still
+shows our version (the seqlock), whatever bytes it brought; the checkers then see what that
+lets through.
+
 The rule of the shipped read loop that matters most for correctness is kept too: a failed or
 stopped pull cancels its posted reads and reports only once every one of them has ended. A
 cancelled read lands junk in its unit when it ends, so a driver that went on before that would
@@ -154,15 +159,22 @@ class SimTransport:
             return (rs.version, self.units) if src.host_copies.get(rs.version) is not None else (-1, 0)
         return src.region_version, src.region_progress
 
+    def _source_gone(self, rs: Pulling, src) -> bool:
+        """The source (or the host copy read) is gone: any read of it, data or control, fails
+        after the transport's detection delay."""
+        if src is not None and src.alive and (rs.source == src.cid or rs.source in src.serves()):
+            return False
+        if not rs.dead_pending:
+            rs.dead_pending = True
+            self.world.sim.after(self.world.params.detect_delay_s, self._dead_detected, rs)
+        return True
+
     def _issue(self, rs: Pulling) -> None:
         w, c = self.world, self.client
         if rs.failing or rs is not self.current or rs.st.finished:
             return
         src = w.source_client(rs.source)
-        if src is None or not src.alive or (rs.source != src.cid and rs.source not in src.serves()):
-            if not rs.dead_pending:  # the read will fail after the transport's detection delay
-                rs.dead_pending = True
-                w.sim.after(w.params.detect_delay_s, self._dead_detected, rs)
+        if self._source_gone(rs, src):
             return
         st = rs.st
         version, progress = self._source_state(rs, src)
@@ -200,13 +212,41 @@ class SimTransport:
         st.completed([rd.unit], w.sim.now)
         tag = w.read_tag(rd)
         c._write_unit(rd.unit, tag, rs.version)
+        if not w.config.checksums:
+            # The seqlock: a control read of the source, its bytes already in place.
+            w.sim.after(w.net.ctrl_latency_s, self._seqlock, rs)
+            return
         if tag != (rs.version, c.shard, rd.unit):
             w.stats_bad_units += 1
             self._failed(rs, "checksum mismatch")
             return
+        self._advance(rs)
+
+    def _seqlock(self, rs: Pulling) -> None:
+        """Without checksums the landed units count only if the source's control block, read
+        after their bytes arrived, still shows our version (the shipped reader's rule; what the
+        bytes are is not looked at)."""
+        w = self.world
+        if not self.client.alive or rs is not self.current or rs.failing:
+            return
+        src = w.source_client(rs.source)
+        if self._source_gone(rs, src):
+            return
+        version, progress = self._source_state(rs, src)
+        try:
+            rs.st.source_state(version, progress, None, w.sim.now)
+        except TransferError as e:  # the source moved on while the bytes were in flight
+            self._failed(rs, str(e))
+            return
+        w.checker.observer.path("checksums_off")
+        self._advance(rs)
+
+    def _advance(self, rs: Pulling) -> None:
+        """Extend the prefix over the landed units (each checked already), then go on."""
+        c, st = self.client, rs.st
         advanced = False
-        while (u := st.next_to_verify()) is not None:  # its tag was checked as it landed
-            st.verified(u, w.sim.now)
+        while (u := st.next_to_verify()) is not None:
+            st.verified(u, self.world.sim.now)
             advanced = True
         if advanced:
             c.region_progress = st.prefix

@@ -253,7 +253,16 @@ class RolloutDriver(ReplicaDriver):
                     self.retry[c.cid] = c.machine.region_version
         p = w.params
         delay = self.rng.uniform(*p.generate_s) if ok else self.rng.uniform(0.3, 1.0)
+        if ok and w.user_prefetch and self.num_shards == 1 and hasattr(self.members[0], "prefetch"):
+            self._prefetch_during(delay)
         w.sim.after(delay, self._round)
+
+    def _prefetch_during(self, generate_s: float) -> None:
+        """While generating, the user prefetches "latest" (its own stream: the driver's draws
+        stay as they were), so that the next update copies locally."""
+        rng = self.world.sim.rng(f"{self.replica_id}-prefetch-{self.seq}")
+        c = self.members[0]
+        self.world.sim.after(rng.uniform(0.0, generate_s), lambda: c is self.members[0] and c.prefetch())
 
     def _scribble(self) -> None:
         """Between calls the user may write an idle handle's tensors (its engine reuses them):
