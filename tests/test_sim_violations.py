@@ -214,12 +214,8 @@ def test_the_same_rounds_replicate_still_gets_its_read_again():
 
 # --------------------------------------------------------------------------- an announced host copy under a reader
 
-_ANNOUNCE_DROPS = ("open: ReferenceCore._announced_host_copy drops a re-announced host copy below retention "
-                   "even when the server lists it already, DRAINING under a reader (it lacks the "
-                   "_own_host_copy check that OffloadDone and HostCopy have)")
-
-
-@pytest.mark.xfail(strict=True, reason=_ANNOUNCE_DROPS)
+# Fixed with seed 3499 (ReferenceCore._announced_host_copy keeps a copy it lists already); found
+# independently at seed 860 with checksums forced off on every seed.
 def test_reannounced_host_copy_that_a_reader_reads_is_not_dropped():
     """A holder re-announces (its Unpublish was lost, no server restart) listing its host copy of
     a version past retention that the server still lists, draining under a reader: the server
@@ -238,7 +234,6 @@ def test_reannounced_host_copy_that_a_reader_reads_is_not_dropped():
     assert m.DropHostCopy(version=1) not in w.pop("t")
 
 
-@pytest.mark.xfail(strict=True, reason=_ANNOUNCE_DROPS)
 def test_seed_860_without_checksums_frees_no_host_copy_under_a_reader(monkeypatch):
     """Found by running 2,000 seeds all with checksums off: at seed 860 the trainer's Unpublish
     is lost, its re-announcement lists host copy 3, and the server has it freed under r0/s0."""
