@@ -452,16 +452,23 @@ def test_hub_keeps_a_background_host_copy_whose_offer_failed_and_announces_it():
     assert t.state is tensorhub.HubState.CLOSED
 
 
-def test_hub_offers_a_background_host_copy_again_when_its_offer_got_no_answer():
-    """(was known-open "retention_msg_loss", seed 932) the server is up but the HostCopy call got
-    no answer (lost on its way): offered once, never again, the server never listed the copy and later dropped a
-    version kept whole only by it as lost. Now it is offered again with a growing pause."""
-    port = LocalPort(CFG)
-    t, tt = _hub(port, replica="t")
+@pytest.mark.parametrize("unanswered, stop_retries", [(1, False), (2, True)], ids=["retried", "after-a-pulse"])
+def test_hub_offers_a_background_host_copy_again_when_its_offer_got_no_answer(unanswered, stop_retries):
+    """The server is up but the HostCopy call got no answer (lost on its way): offered once,
+    never again, the server never listed the copy, so later dropped a version kept whole only by
+    it as lost (was known-open "retention_msg_loss", seed 932) and never dropped the copy past
+    retention (seed 2941). Now it is retried with a growing pause (``retried``), and when every
+    retry went unanswered or the next call stopped them, offered once more after each pulse the
+    server answers (``after-a-pulse``), until the server takes (or refuses) it."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, reconnects_max=1, pulse_hold_s=0.0)
+    port = LocalPort(cfg)
+    t, tt = _hub(port, replica="t", config=cfg)
     real, lost = port.call, []
 
     def call(req, wait_s=0.0):
-        if isinstance(req, m.HostCopy) and not lost:
+        if isinstance(req, m.HostCopy) and len(lost) < unanswered:
             lost.append(req)  # lost on the way: the server, up all along, never hears of it
             raise errors.ServerUnavailable("no answer")
         return real(req, wait_s)
@@ -471,42 +478,12 @@ def test_hub_offers_a_background_host_copy_again_when_its_offer_got_no_answer():
         workload.fill_version(tt, 1)
         t.publish(1)
         t._start_host_copy(1)  # as on MakeHostCopy
+        if stop_retries:
+            t._stop_host_copy(cancel_it=False)
         deadline = time.monotonic() + 10
         while f"{t.client_id}#host1" not in port.core.nodes and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert lost and f"{t.client_id}#host1" in port.core.nodes, "offered again"
-    finally:
-        port.call = real
-        t.close(drop_last_copy=True)
-
-
-def test_hub_offers_an_unanswered_host_copy_again_after_a_pulse_the_server_answers():
-    """(seed 2941) every retry of the offer got no answer (or the next call stopped them): the
-    copy stayed unlisted, so never dropped past retention. It is offered once more after each
-    pulse the server answers, until the server takes (or refuses) it."""
-    import dataclasses
-
-    cfg = dataclasses.replace(CFG, reconnects_max=1, pulse_hold_s=0.0)
-    port = LocalPort(cfg)
-    t, tt = _hub(port, replica="t", config=cfg)
-    real, lost = port.call, []
-
-    def call(req, wait_s=0.0):
-        if isinstance(req, m.HostCopy) and len(lost) < 2:
-            lost.append(req)  # the first offer and its one retry
-            raise errors.ServerUnavailable("no answer")
-        return real(req, wait_s)
-
-    port.call = call
-    try:
-        workload.fill_version(tt, 1)
-        t.publish(1)
-        t._start_host_copy(1)
-        t._stop_host_copy(cancel_it=False)
-        deadline = time.monotonic() + 10
-        while f"{t.client_id}#host1" not in port.core.nodes and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(lost) == 2 and f"{t.client_id}#host1" in port.core.nodes and not t._unoffered
+        assert len(lost) == unanswered and f"{t.client_id}#host1" in port.core.nodes and not t._unoffered
     finally:
         port.call = real
         t.close(drop_last_copy=True)
