@@ -87,8 +87,8 @@ def _stale_job(c, hosts: str, reader_host: str, liveness_check_s: str) -> dict:
 @pytest.mark.parametrize("liveness_check_s", ["1", "60"])
 def test_next_job_is_not_served_by_a_finished_jobs_corpses_local(head_only, liveness_check_s):
     b = _stale_job(head_only, "", "", liveness_check_s)
-    assert b["error"] in ("VersionNotFound", "VersionLost", "UnknownModel"), b
-    assert b["seconds"] < 5.0, b
+    assert b["error"] in ("VersionNotFound", "VersionLost", "UnknownModel"), json.dumps(b)
+    assert b["seconds"] < 5.0, json.dumps(b)
 
 
 @pytest.mark.parametrize("liveness_check_s", ["60", "0"])
@@ -98,8 +98,8 @@ def test_next_job_is_not_served_by_a_finished_jobs_corpses_emulated(four_hosts, 
     node that does not heartbeat within 2.5 intervals is removed: still a typed error in
     seconds, never a TransferError after the failover budget."""
     b = _stale_job(four_hosts, "0,1,2", "3", liveness_check_s)
-    assert b["error"] in ("VersionNotFound", "VersionLost", "UnknownModel"), b
-    assert b["seconds"] < 8.0, b
+    assert b["error"] in ("VersionNotFound", "VersionLost", "UnknownModel"), json.dumps(b)
+    assert b["seconds"] < 8.0, json.dumps(b)  # whole, with the error's message (CI once: 54.6 s, UnknownModel)
 
 
 def test_pipeline_over_links_reaches_the_last_reader_in_about_one_transfer(four_hosts):
