@@ -171,9 +171,9 @@ class Hub(HostCopies):
         -- when none was ready -- on an offload's critical path (``host_buffers_inline``)."""
         self.host_buffers_inline = 0
         self._notes_acked = 0
+        """The newest background event taken from a pulse (the next beat acknowledges it)."""
         self._unoffered: set[int] = set()
         """Host copies whose HostCopy offer got no answer (under ``_host_lock``)."""
-        """The newest background event taken from a pulse (the next beat acknowledges it)."""
         self._eager: Optional[tuple[threading.Thread, threading.Event, threading.Event]] = None
         """The background copy of the version just published, and its cancel flag."""
         self._stage_for = ""

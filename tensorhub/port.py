@@ -271,11 +271,9 @@ class PulseHolds:
             n = core.nodes.get(cid)
             if n is None or n.host:
                 unknown.append(cid)
-            events, acks[cid] = mail.take_background(cid)
+            events, last = mail.take_background(cid)
             if events:
-                notes[cid] = events
-            else:
-                del acks[cid]
+                notes[cid], acks[cid] = events, last
         return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks)
 
 

@@ -210,11 +210,7 @@ def restart_mid_read(world, source_cid: str) -> None:
     if down_s is None or not world.server.up or not world.net.reads_from(source_cid):
         return
     world.restart_armed = None
-    world.server.crash()
-    world.checker.note_loss("server restart")
-    world.sim.after(down_s, _restart, world)
-    world.faults["restart_mid_read"] = world.faults.get("restart_mid_read", 0) + 1
-    world.faults_injected = True
+    _crash_server(world, "restart_mid_read", down_s)
     world.sim.trace(f"fault restart_mid_read (unpublish of {source_cid}) down {down_s:.2f}s")
 
 
@@ -233,14 +229,19 @@ def restart_after_failed_read(world, effects) -> None:
 
     def crash() -> None:
         if world.server.up and world.server.epoch == epoch:
-            world.server.crash()
-            world.checker.note_loss("server restart")
-            world.sim.after(down_s, _restart, world)
+            _crash_server(world, "restart_after_failed_read", down_s)
     world.sim.after(delay_s, crash)
-    world.faults["restart_after_failed_read"] = world.faults.get("restart_after_failed_read", 0) + 1
-    world.faults_injected = True
     world.sim.trace(f"fault restart_after_failed_read ({failed[0]}'s read failed) in {delay_s:.2f}s, "
                     f"down {down_s:.2f}s")
+
+
+def _crash_server(world, kind: str, down_s: float) -> None:
+    """An armed restart fires: the server dies now and a fresh one starts ``down_s`` later."""
+    world.server.crash()
+    world.checker.note_loss("server restart")
+    world.sim.after(down_s, _restart, world)
+    world.faults[kind] = world.faults.get(kind, 0) + 1
+    world.faults_injected = True
 
 
 def _restart(world) -> None:
