@@ -286,6 +286,8 @@ def ray_part(args) -> dict:
       dead although they pulsed; a server that falls behind must stretch leases by its
       backlog, not expire its fleet); they register again. ``steady_server_behind_max_s``: the
       most the server found itself behind in reading its queue so far (``port.Backlog``);
+      ``register_shed``: registrations the server refused ``ServerBusy`` while behind (they
+      pause as asked and register again, as ``Hub.register`` does);
     - then the storm: a trainer publishes a new version and every client sends
       ``Replicate("latest")`` at once, while the trainer heartbeats once per interval (its
       heartbeats wait in the same queue); seconds from the first send to the last
@@ -378,12 +380,15 @@ def ray_part(args) -> dict:
     out["steady_busy_fraction_10k"] = round(max(by_calls, by_cpu), 3)
     out["steady_late_rounds"] = sum(s["late"] for s in stats)
     out["steady_clients_expired"] = sum(s["expired"] for s in stats)
-    out["steady_server_behind_max_s"] = round(ray.get(server.counts.remote()).get("behind_max_ms", 0) / 1000, 3)
+    counts = ray.get(server.counts.remote())
+    out["steady_server_behind_max_s"] = round(counts.get("behind_max_ms", 0) / 1000, 3)
+    out["register_shed"] = counts.get("shed", 0)
     say(f"steady: busy fraction {out['steady_busy_fraction_10k']} (calls {out['steady_busy_by_calls']}, CPU "
         f"{out['steady_busy_by_cpu']}), server CPU {out['steady_server_cpu_fraction']} of a core, "
         f"{out['steady_achieved_calls_per_s']} of {out['steady_offered_calls_per_s']} calls/s offered "
         f"(hold {hold} s); late rounds {out['steady_late_rounds']}, clients whose lease ran out "
-        f"{out['steady_clients_expired']}; the server was behind by up to {out['steady_server_behind_max_s']} s")
+        f"{out['steady_clients_expired']}; the server was behind by up to {out['steady_server_behind_max_s']} s; "
+        f"registrations shed {out['register_shed']}")
 
     layout = m.LayoutInfo("fp", 4, 4 << 20, (m.TensorMeta("w", "float32", (1 << 20,), 4 << 20),))
     for req in (m.Register("trainer", "pol", "trainer", 0, 1, layout, b"t"), m.Publish("trainer", 1)):
@@ -618,7 +623,7 @@ def _load_gen_class():
             m, stats = self.m, self._stats
             errs = []
             for cid in cids:
-                rep = m.decode_reply(await self.server.call.remote(_signed(self._req("Register", cid)), 0.0))
+                rep = await self._register(cid)
                 if isinstance(rep, m.ErrorReply):
                     errs.append(rep.code)
             registered.set_result(errs)
@@ -637,9 +642,20 @@ def _load_gen_class():
                     # a lease ran out between two pulses: announce again, as a Hub would
                     stats["expired"].update(rep.unknown)
                     for cid in rep.unknown:
-                        await self.server.call.remote(_signed(self._req("Register", cid)), 0.0)
+                        await self._register(cid)
                 if not hold_s and time.monotonic() - sent > interval_s:
                     stats["late"] += 1
+
+        async def _register(self, cid: str):
+            """One ``Register``, as ``Hub.register`` does it: a ``ServerBusy`` reply (the server
+            sheds new clients while it is behind, ``Config.register_shed_s``) pauses as asked
+            and registers again."""
+            m = self.m
+            while True:
+                rep = m.decode_reply(await self.server.call.remote(_signed(self._req("Register", cid)), 0.0))
+                if not (isinstance(rep, m.ErrorReply) and rep.code == "ServerBusy"):
+                    return rep
+                await asyncio.sleep(min(max(rep.retry_after_s, 0.1), 60.0))
 
         async def steady(self, duration_s: float, warm_s: float = 0.0) -> dict:
             """Counts the fleet's pulses sent over ``duration_s`` after ``warm_s`` (a held

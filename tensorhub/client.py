@@ -235,7 +235,11 @@ class Hub(HostCopies):
         ``tensors`` and ``double_buffer`` may be any iterable of ``(name, tensor)`` pairs (a
         generator such as ``model.named_parameters()`` included): each is read once. Every client
         of a model must run with the same ``checksums`` setting (a holder without them publishes
-        none for its readers to verify): ``ConfigError`` otherwise, nothing registered."""
+        none for its readers to verify): ``ConfigError`` otherwise, nothing registered.
+
+        A server too far behind sheds new clients (``Config.register_shed_s``): ``register``
+        then pauses as the server asks and tries again, until ``request_timeout_s``
+        (``ServerBusy`` then, nothing registered)."""
         with self._lock:
             if self._machine.phase is not HubState.OPEN:
                 self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState

@@ -65,6 +65,14 @@ class Config:
     ``pulse_hold_s``). A client that really stopped is still declared dead within
     ``lease_timeout_s + lease_stretch_max_s`` of its last word, however far behind the
     server is (Ray's pushed deaths stay the fast path). 0: leases are never stretched."""
+    register_shed_s: float = 2.0
+    """Backpressure on new clients: a server behind by more than this (its
+    :class:`~tensorhub.port.Backlog`) refuses a ``Register`` with ``ServerBusy`` and a
+    ``retry_after_s`` about as long as its backlog (spread 0.5-1.5x so the retries do not
+    return together, at most ``lease_timeout_s``); the handle pauses that long and asks again
+    until ``request_timeout_s``. A refused registration costs the server a bounds check, not a
+    table change, so the clients already registered keep their leases while a crowd joins.
+    Announcements (known clients coming back after a restart) are never shed. 0: never shed."""
     host_copies_pooled: int = 1
     """Retention (offload) buffers each non-spot handle keeps ready: allocated, touched and
     registered in the background after ``register`` and refilled after every offload, so an
@@ -191,6 +199,7 @@ class Config:
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
         need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
         need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
+        need(self.register_shed_s >= 0, "register_shed_s must be >= 0")
         need(isinstance(self.model_secret, str) and len(self.model_secret) <= 4096,
              "model_secret must be a str of at most 4096 characters")
 

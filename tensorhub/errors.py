@@ -41,6 +41,13 @@ class ServerRecovering(TensorHubError):
     cannot be resolved yet. The client retries by itself until ``request_timeout_s``."""
 
 
+class ServerBusy(TensorHubError):
+    """The server is too far behind to take a new registration now (``Config.register_shed_s``);
+    the handle retried for ``request_timeout_s``, pausing as the server asked. Nothing was
+    registered. Clients already registered are served: shedding new ones is what keeps their
+    leases from running out."""
+
+
 class ShardTaken(TensorHubError):
     """Another live client already registered this (model, replica, shard)."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import threading
 import time
 from typing import Optional, Protocol
@@ -360,6 +361,24 @@ def busy_hold(hold_s: float, behind_s: float, interval_s: float, request_timeout
     return hold_s + min(hold_s, behind_s, request_timeout_s / 2)
 
 
+def shed_register(request: m.Request, core: ReferenceCore, behind_s: float, config: Config,
+                  spread: float) -> Optional[m.ErrorReply]:
+    """Backpressure on new clients (``Config.register_shed_s``): the ``ServerBusy`` reply to
+    send instead of serving ``request``, or None to serve it. Only a ``Register`` of an id the
+    table does not know is shed (an ``Announce`` is a known client coming back; a duplicate id
+    gets its own error from the core), and only while the server is behind by more than
+    ``register_shed_s``. ``spread`` in [0, 1) (the caller's randomness) spreads the retries over
+    0.5-1.5x the backlog, at most ``lease_timeout_s``. Nothing changes: it is sent before the
+    core sees the request."""
+    shed_s = config.register_shed_s
+    if shed_s <= 0 or behind_s <= shed_s or not isinstance(request, m.Register) or request.client_id in core.nodes:
+        return None
+    after = min(behind_s * (0.5 + spread), config.lease_timeout_s)
+    return m.ErrorReply(code="ServerBusy", retry_after_s=round(after, 3),
+                        message=f"server behind by {behind_s:.1f}s (> register_shed_s {shed_s}s): "
+                                f"register again in {after:.1f}s")
+
+
 def holdable(request: m.Request, reply: object, wait_s: float, hold_max_s: float) -> float:
     """How long a server may hold ``request`` after answering it with ``reply`` (0: answer
     now): a pulse asked to wait (``wait_s``), up to the server's ``pulse_hold_s``, that brought
@@ -448,6 +467,8 @@ class LocalPort:
         """Callers waiting for the lock, by arrival: leases stretch while they wait."""
         self.gate = Gate(self.config.model_secret)
         """The server's check of each request (:mod:`tensorhub.auth`), as in the actor."""
+        self.shed = 0
+        """Registrations refused ``ServerBusy`` (``Config.register_shed_s``)."""
         self.keys = Keyring()
         """The client side: the capabilities of the handles on this port."""
 
@@ -490,6 +511,11 @@ class LocalPort:
         request, refused = self.gate.admit(self.core, signed)
         if refused is not None:
             return refused
+        shed = shed_register(request, self.core, self.backlog.behind_s(time.monotonic()), self.config,
+                             random.random())
+        if shed is not None:
+            self.shed += 1
+            return shed
         client_id = getattr(request, "client_id", None)
         if self.holds.releases(request):
             self._held.notify_all()

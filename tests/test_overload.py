@@ -14,7 +14,8 @@ import pytest
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.port import Backlog, LocalPort, busy_hold
+from tensorhub.core import handle as hm
+from tensorhub.port import Backlog, LocalPort, busy_hold, shed_register
 
 CFG = Config(heartbeat_interval_s=0.2, lease_timeout_s=1.0, server_tick_s=0.05, pulse_hold_s=0.0,
              liveness_check_s=0.0, same_host=False)
@@ -105,6 +106,53 @@ def test_lease_stretch_max_s_is_validated():
         Config(lease_stretch_max_s=-1.0)
 
 
+# ---------------------------------------------------------------- backpressure on new clients
+
+SHED = CFG.replace(register_shed_s=2.0, lease_timeout_s=10.0)
+
+
+@pytest.mark.parametrize("request_, behind_s, spread, want_after", [
+    (_reg("new"), 1.9, 0.5, None),                      # not behind enough: served
+    (_reg("new"), 4.0, 0.0, 2.0),                       # behind 4 s: come back in 0.5x ..
+    (_reg("new"), 4.0, 0.999, 5.996),                   # .. to 1.5x the backlog
+    (_reg("new"), 30.0, 0.5, 10.0),                     # at most a lease
+    (_reg("known"), 30.0, 0.5, None),                   # a duplicate id: the core's own error
+    (m.Announce(_reg("new"), m.Holding()), 30.0, 0.5, None),         # a known client coming back: never shed
+    (m.Heartbeat("known"), 30.0, 0.5, None),            # registered clients are served
+])
+def test_a_server_behind_sheds_only_new_registrations(request_, behind_s, spread, want_after):
+    core = ReferenceCore(SHED)
+    core.handle(_reg("known"), 0.0)
+    reply = shed_register(request_, core, behind_s, SHED, spread)
+    if want_after is None:
+        assert reply is None
+    else:
+        assert reply.code == "ServerBusy" and reply.retry_after_s == pytest.approx(want_after, abs=1e-3)
+    assert shed_register(request_, core, behind_s, SHED.replace(register_shed_s=0.0), spread) is None, "0: off"
+
+
+@pytest.mark.parametrize("after, want_pause", [(0.7, 0.7), (0.0, hm.RETRY_PAUSE_S), (float("nan"), hm.RETRY_PAUSE_S),
+                                               (float("inf"), hm.BUSY_PAUSE_MAX_S), (-5.0, hm.RETRY_PAUSE_S)])
+def test_a_registering_handle_pauses_as_asked_then_registers_again(after, want_pause):
+    """A ServerBusy reply pauses the handle (bounded: a reply cannot park it, nor spin it) and
+    sends the same Register again; Registered then ends the call."""
+    reg = _reg("c")
+    mc = hm.HandleMachine("c", request_timeout_s=120.0, reconnects_max=1, failovers_max=1, unit_count=4)
+    assert mc.handle(hm.Start(hm.RegisterOp(reg)), 0.0)[-1] == hm.Send(reg, False)
+    busy = m.ErrorReply(code="ServerBusy", message="behind", retry_after_s=after)
+    assert mc.handle(hm.Replied(busy), 0.0) == [hm.Sleep(want_pause)]
+    assert mc.handle(hm.TimerFired(), want_pause)[-1] == hm.Send(reg, False)
+    assert mc.handle(hm.Replied(m.Registered()), want_pause) == [hm.Done(hm.Outcome())]
+
+
+def test_a_registering_handle_gives_up_busy_at_its_deadline():
+    reg = _reg("c")
+    mc = hm.HandleMachine("c", request_timeout_s=5.0, reconnects_max=1, failovers_max=1, unit_count=4)
+    mc.handle(hm.Start(hm.RegisterOp(reg)), 0.0)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="ServerBusy", message="behind", retry_after_s=6.0)), 0.0)
+    assert [type(c) for c in cmds] == [hm.Fail] and cmds[0].code == "ServerBusy"
+
+
 # ---------------------------------------------------------------- an in-process server that stalls
 
 class _StallingCore(ReferenceCore):
@@ -185,7 +233,8 @@ def test_a_ray_server_whose_loop_stalls_past_the_lease_keeps_the_clients_that_pu
     """The actor's event loop is blocked for three leases; a client heartbeating through Ray
     meanwhile (its calls wait in Ray's queue) is not expired when the server resumes, and a
     client that stopped is declared dead within a lease of it having caught up. Its probes
-    measured the stall (``behind_max_ms``)."""
+    measured the stall (``behind_max_ms``), and a client that registered during the stall was
+    shed (``ServerBusy``: ``Config.register_shed_s``)."""
     from tensorhub.actors.server import connect, find_server
 
     ray = ray_cluster
@@ -207,8 +256,15 @@ def test_a_ray_server_whose_loop_stalls_past_the_lease_keeps_the_clients_that_pu
     beats.start()
     time.sleep(1.0)
     stall_s = 3 * cfg.lease_timeout_s
-    ray.get(server.__ray_call__.remote(lambda self: time.sleep(stall_s)))  # blocks its loop
+    stall = server.__ray_call__.remote(lambda self: time.sleep(stall_s))  # blocks its loop
+    time.sleep(0.5)
+    late: list = []
+    joining = threading.Thread(target=lambda: late.append(port.call(
+        m.Register("late", model_name, "late", 0, 1, r.layout, b"late"))))
+    joining.start()  # a new client joins during the stall: its call waits in Ray's queue
+    ray.get(stall)
     caught_up = time.monotonic()
+    joining.join(timeout=10.0)
 
     def known() -> set:
         st = m.decode_reply(ray.get(server.status.remote(model_name)))
@@ -222,5 +278,51 @@ def test_a_ray_server_whose_loop_stalls_past_the_lease_keeps_the_clients_that_pu
     assert replies and all(r == m.Ok() for r in replies), [r for r in replies if r != m.Ok()][:3]
     assert "a" in known(), "a client that pulsed through the stall lives on"
     assert "b" not in known() and took < cfg.lease_timeout_s + 1.5, took
-    assert ray.get(server.counts.remote())["behind_max_ms"] >= 0.8 * stall_s * 1000
+    counts = ray.get(server.counts.remote())
+    assert counts["behind_max_ms"] >= 0.8 * stall_s * 1000
+    # Backpressure: the server, behind by the stall when it read the new client's Register,
+    # shed it (ServerBusy, with a pause to honour) and registered nothing.
+    assert late and isinstance(late[0], m.ErrorReply) and late[0].code == "ServerBusy", late
+    assert 0 < late[0].retry_after_s <= cfg.lease_timeout_s and counts["shed"] == 1
+    assert "late" not in known()
     ray.kill(server)
+
+
+def test_a_crowd_registering_into_a_stalled_server_is_shed_and_joins_after_it_caught_up():
+    """The server's handling of one request takes 3 s; meanwhile a handle registers (its call
+    waits for the server behind the stall). The server, 3 s behind when it reads it, sheds it
+    with ServerBusy (nothing registered), the handle pauses as asked and registers once the
+    server caught up; the client that pulsed through the stall was never at risk."""
+    import tensorhub
+
+    cfg = SHED.replace(lease_timeout_s=5.0, request_timeout_s=30.0)
+    core = _StallingCore(cfg)
+    port = LocalPort(cfg, core=core)
+    c = _reg("c")
+    assert not isinstance(port.call(m.Register("c", "other", "c", 0, 1, c.layout, c.endpoint)), m.ErrorReply)
+    seen: list = []
+    handle = core.handle
+
+    def spy(req, now):
+        reply = handle(req, now)
+        seen.append((type(req).__name__, getattr(req, "client_id", "")))
+        return reply
+    core.handle = spy
+    hub = tensorhub.open("pol", port=port, config=cfg, replica="late")
+    core.stall_on["c"] = 3.0
+    stalled = threading.Thread(target=lambda: port.call(m.Heartbeat("c")))
+    stalled.start()
+    time.sleep(0.2)
+    took = time.monotonic()
+    try:
+        import torch
+        hub.register({"w": torch.zeros(1 << 16)})
+        took = time.monotonic() - took
+        stalled.join(timeout=10.0)
+        assert hub.client_id in core.nodes
+        regs = [cid for kind, cid in seen if kind == "Register"]
+        assert port.shed >= 1, "the registration that waited behind the stall was shed"
+        assert regs == [hub.client_id], "the shed attempts never reached the table; the retry did, once"
+        assert 2.8 < took < 3.0 * 1.5 + 2.0, took
+    finally:
+        hub.close()

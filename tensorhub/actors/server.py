@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from typing import Optional
 
@@ -32,7 +33,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.errors import ServerUnavailable, from_code
 from tensorhub.logs import configure_from_env
-from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable
+from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable, shed_register
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,11 @@ class ReferenceServer:
         if refused is not None:
             self._refused(kind, refused)
             return m.encode(refused)
+        shed = shed_register(req, self.core, self._backlog.behind_s(time.monotonic()), self.config, random.random())
+        if shed is not None:
+            self._counts["shed"] = self._counts.get("shed", 0) + 1
+            self._metrics.request(kind, shed)
+            return m.encode(shed)
         client_id = getattr(req, "client_id", None)
         for hold in self._holds.releases(req):
             hold.waker.set()
@@ -211,7 +217,8 @@ class ReferenceServer:
 
     async def counts(self) -> dict[str, int]:
         """Calls served so far, by request type (``Pulse``, ``Replicate``, ...) and ``notes``;
-        also ``held`` (pulses held now), ``pushed_deaths`` (clients removed on a death Ray
+        also ``shed`` (registrations refused ``ServerBusy``: ``Config.register_shed_s``),
+        ``held`` (pulses held now), ``pushed_deaths`` (clients removed on a death Ray
         pushed) and ``behind_max_ms`` (the most the server was found behind in reading its
         queue: leases stretch by it)."""
         return {**self._counts, "held": len(self._holds.of), "pushed_deaths": self.pushed_deaths,
@@ -226,6 +233,11 @@ class ReferenceServer:
             self._started = True
             loop = asyncio.get_running_loop()
             self._me = _current_actor()
+            # Behind counts from now: the probes start with this first call (an actor created
+            # long before its first call was idle, not behind). Driven outside an actor
+            # (tests) there is no queue to probe: never behind.
+            stretch = self.config.lease_stretch_max_s if self._me is not None else 0.0
+            self._backlog = Backlog(stretch, time.monotonic(), probed=True)
             self._ticker = loop.create_task(self._tick_loop())
             if self.config.liveness_check_s > 0:
                 self._deaths = loop.create_task(DeathWatch(self._on_deaths, self._on_jobs_ended).run())

@@ -53,6 +53,8 @@ from tensorhub.core import messages as m
 
 RETRY_PAUSE_S = 0.1
 """Pause before asking again when the server says "not yet" (siblings still registering)."""
+BUSY_PAUSE_MAX_S = 60.0
+"""The longest pause a ``ServerBusy`` reply can ask of a registering handle."""
 
 
 class Phase(enum.Enum):
@@ -602,6 +604,14 @@ class HandleMachine:
                 if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering" and now < self._deadline:
                     self.step = Step.RETRY_PAUSE
                     return [Sleep(RETRY_PAUSE_S)]
+                if isinstance(reply, m.ErrorReply) and reply.code == "ServerBusy":
+                    # Backpressure (Config.register_shed_s): pause as long as the server asks
+                    # (bounded: a hostile reply cannot park us) and register again.
+                    after = reply.retry_after_s
+                    pause = min(after, BUSY_PAUSE_MAX_S) if after >= RETRY_PAUSE_S else RETRY_PAUSE_S
+                    if now + pause < self._deadline:
+                        self.step = Step.RETRY_PAUSE
+                        return [Sleep(pause)]
                 if isinstance(reply, m.Registered):
                     self.seq = max(self.seq, reply.round_seq)
                     reply = m.Ok()

@@ -270,6 +270,8 @@ class Registered(_Msg, frozen=True):
 class ErrorReply(_Msg, frozen=True):
     code: str
     message: str
+    retry_after_s: float = 0.0
+    """``ServerBusy``: how long the client should wait before it asks again (0: not set)."""
 
 
 class Assignment(_Msg, frozen=True):
