@@ -1109,6 +1109,28 @@ def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
     assert isinstance(a, m.Assignment) and a.version == 1
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "open defect (simulator seed 1496, workload 'sharded'): two shards whose ReplicateDone met a server "
+    "restart each announce a different complete version for the same round, and the fresh server "
+    "accepts both (each handle then reports its update as done: the replica is split). Refusing the "
+    "second needs the announcement to say whether the old server confirmed the completion"))
+def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_from():
+    """Simulator seed 1496 (workload "sharded"): round 4 of replica A read version 3; a trainer
+    shard died, the server failed the reads, and shard 1's retry re-resolved the round to
+    version 1 (its host copy). The server restarted before shard 0 took its Failed note; both
+    reads finished while it was down, so both ReplicateDones became announcements of a complete
+    holding. The fresh server must not let shard 0 complete version 3 in round 4 as well."""
+    w = World(lease_timeout_s=5.0)
+    for v, rep in ((1, "U"), (3, "T")):
+        for sh in (0, 1):
+            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
+            w.send(m.Publish(f"{rep}{sh}", v))
+    regs = [m.Register(f"a{sh}", "pol", "A", sh, 2, LAYOUT, f"a{sh}".encode()) for sh in (0, 1)]
+    assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1))) == m.Ok()
+    reply = w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3)))
+    assert err(reply) == "VersionLost", reply
+
+
 def test_overdue_lists_the_clients_not_heard_from_oldest_first_without_a_scan():
     w = World()
     w.reg("a"); w.now = 0.5; w.reg("b"); w.now = 1.0; w.reg("c")
