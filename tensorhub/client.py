@@ -191,6 +191,8 @@ class Hub(HostCopies):
         """close() has begun (under ``_stage_lock``): no prefetch or staging copy starts any more."""
         self._verify_left: Optional[int] = None
         """Verify mode, during an update: the version it leaves, checked before its first pull."""
+        self._unsettled_swap: Optional[m.Swap] = None
+        """A swap the server did not answer: it may have made it. Settled before the next call."""
         self._double: Optional[list[tuple[str, torch.Tensor]]] = None
         """The second set of tensors registered as a double buffer: prefetches land there and an
         update swaps the two sets instead of copying."""
@@ -356,12 +358,16 @@ class Hub(HostCopies):
     def _swap(self, spec: m.VersionSpec) -> Optional[ReadStats]:
         """update() with a double buffer: take over the complete staging copy's memory (the
         server exchanges the two holders' endpoints) instead of copying it. None: not possible
-        now (the caller copies, and that read is all or nothing): a prefetch is running (the copy
+        (sharded, no staging copy, a prefetch in flight -- the update must not wait for it: it
         follows it, pipelined, and smart skipping may answer at once), the staging copy is
         incomplete, or ``spec`` names another version. The server accepts a swap only from a
         handle that publishes nothing, so the current version is unpublished first; if the server
         then refuses, it is published again before this returns None: a refused swap changes
-        nothing."""
+        nothing. A swap the server may or may not have made (no answer) is asked again until
+        it answers; still unanswered after ``request_timeout_s``, ``ServerUnavailable`` is
+        raised and the next call settles it first (:meth:`_settle_swap`)."""
+        if self._unsettled_swap is not None:
+            self._settle_swap()
         stage = self._stage
         if stage is None or self.num_shards > 1:
             return None
@@ -379,29 +385,16 @@ class Hub(HostCopies):
             self._stop_host_copy()
             if old is not None:
                 self._unpublish_locked()
-            try:
-                reply = self._port.call(m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v,
-                                               spec=spec))
-            except errors.TensorHubError as e:
-                reply = m.ErrorReply(code=type(e).__name__, message=str(e))
+            req = m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v, spec=spec,
+                         endpoint=stage._machine.register_msg.endpoint)  # as the server has it
+            reply = self._swap_call(req)
             if isinstance(reply, m.ErrorReply):
                 log.info("model=%s replica=%s shard=%d: no swap, copying instead: %s", self.model, self.replica,
                          self.shard, reply.message)
                 if old is not None:
                     self._publish_again(old)
                 return None
-            with self._mlock, stage._mlock:
-                self._region, stage._region = stage._region, self._region
-                self._tensors, stage._tensors = stage._tensors, self._tensors
-                stage._region.set_progress(0)
-                stage._region.set_version(-1)
-                self._machine.swapped_in(v, msgspec.structs.replace(
-                    self._machine.register_msg, endpoint=tx.encode_endpoint(self._region.endpoint())))
-                stage._machine.swapped_out(msgspec.structs.replace(
-                    stage._machine.register_msg, endpoint=tx.encode_endpoint(stage._region.endpoint())))
-            if self.config.checksums or self.config.verify_mutability:
-                self._checksums = (self._region.checksums() if self.config.checksums
-                                   else checksum_all(self._tensors, self._layout))
+            self._swapped(stage, v)
         dt = time.perf_counter() - t0
         log.info("model=%s replica=%s shard=%d: swapped to prefetched version %d in %.4fs", self.model,
                  self.replica, self.shard, v, dt)
@@ -409,6 +402,65 @@ class Hub(HostCopies):
                        swapped=True, finished_at=time.time())
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers, stall_s=0.0)
         return st
+
+    def _swap_call(self, req: m.Swap) -> object:
+        """Send ``req`` until the server answers (the same swap again is answered ``Ok`` where it
+        was made: :class:`m.Swap`); a refusal comes back as its ``ErrorReply``. No answer within
+        ``request_timeout_s``: the swap is left unsettled and ``ServerUnavailable`` raised."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        pause = hm.RETRY_PAUSE_S
+        while True:
+            try:
+                reply = self._port.call(req)
+                self._unsettled_swap = None
+                return reply
+            except (errors.ServerUnavailable, errors.RequestTimeout) as e:
+                if time.monotonic() + pause >= deadline:
+                    self._unsettled_swap = req
+                    raise errors.ServerUnavailable(
+                        f"{self.client_id}: no answer to a swap to version {req.version} ({e}); the next "
+                        "call asks again before it touches either set of tensors") from e
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                try:
+                    self._port.reconnect()
+                except errors.TensorHubError:
+                    pass
+            except errors.TensorHubError as e:
+                self._unsettled_swap = None
+                return m.ErrorReply(code=type(e).__name__, message=str(e))
+
+    def _swapped(self, stage: "Hub", v: int) -> None:
+        """The server made the swap: the two tensor sets (and their control blocks) change hands."""
+        with self._mlock, stage._mlock:
+            self._region, stage._region = stage._region, self._region
+            self._tensors, stage._tensors = stage._tensors, self._tensors
+            stage._region.set_progress(0)
+            stage._region.set_version(-1)
+            # The endpoints change hands as the server exchanged them (the same bytes).
+            mine, theirs = self._machine.register_msg.endpoint, stage._machine.register_msg.endpoint
+            self._machine.swapped_in(v, msgspec.structs.replace(self._machine.register_msg, endpoint=theirs))
+            stage._machine.swapped_out(msgspec.structs.replace(stage._machine.register_msg, endpoint=mine))
+        if self.config.checksums or self.config.verify_mutability:
+            self._checksums = (self._region.checksums() if self.config.checksums
+                               else checksum_all(self._tensors, self._layout))
+
+    def _settle_swap(self) -> None:
+        """A swap left unanswered (:meth:`_swap_call`) is asked again before anything touches
+        either set of tensors: made (``Ok``), the sets change hands now; refused, it was not
+        made. Raises ``ServerUnavailable`` while there is still no answer."""
+        req, stage = self._unsettled_swap, self._stage
+        if req is None or stage is None:
+            return
+        with stage._lock:
+            reply = self._swap_call(req)
+            if isinstance(reply, m.ErrorReply):
+                log.info("model=%s replica=%s shard=%d: the unanswered swap was not made: %s", self.model,
+                         self.replica, self.shard, reply.message)
+                return
+            self._swapped(stage, req.version)
+        log.info("model=%s replica=%s shard=%d: the unanswered swap to version %d was made", self.model,
+                 self.replica, self.shard, req.version)
 
     def _publish_again(self, version: int) -> None:
         """A refused swap: publish ``version`` again from the tensors, which still hold it (it
@@ -437,6 +489,13 @@ class Hub(HostCopies):
 
         Verify mode (``verify_mutability``): the version this call unpublished is checked like
         :meth:`unpublish` checks it, once the handle is closed (``MutabilityViolation``)."""
+        if self._unsettled_swap is not None:  # which set of tensors is whose, before either goes
+            with self._lock:
+                try:
+                    self._settle_swap()
+                except errors.ServerUnavailable as e:
+                    log.warning("model=%s replica=%s shard=%d: closing with a swap unanswered: %s", self.model,
+                                self.replica, self.shard, e)
         try:
             self._close_stage(drop_last_copy)
         except errors.LastCopyHeld:
@@ -549,6 +608,9 @@ class Hub(HostCopies):
         if seed is not None and seed < self._seeding:
             # A seed asked while an older one was crossing: only the newest is worth the link.
             return ReadStats(action="noop", version=seed)
+        if self._unsettled_swap is not None:  # the staging tensors may be this handle's now
+            with self._lock:
+                self._settle_swap()
         stage = self._stage
         if stage is None:
             stage = self._open_stage(buffer if buffer is not None else self._double)
@@ -695,7 +757,10 @@ class Hub(HostCopies):
             return self._machine.handle(event, time.monotonic())
 
     def _run(self, op: hm.Op) -> hm.Outcome:
-        """Carry out one operation (the caller holds ``_lock``)."""
+        """Carry out one operation (the caller holds ``_lock``); an unanswered swap is settled
+        first (:meth:`_settle_swap`)."""
+        if self._unsettled_swap is not None:
+            self._settle_swap()
         return self._drive(self._feed(hm.Start(op)))
 
     def _drive(self, cmds: list, *, pause_at_pull: bool = False):

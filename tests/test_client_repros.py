@@ -33,10 +33,10 @@ def _pair(port, cfg=CFG):
     return trainer, tt, rollout, rt
 
 
-def _double_buffered(port):
+def _double_buffered(port, cfg=CFG):
     """trainer publishes 1 then 2; the rollout (double buffer) holds 1, its staging copy 2."""
     trainer, tt = inproc.open_hub(port, replica="trainer")
-    rollout = tensorhub.open("m", port=port, config=CFG, replica="rollout")
+    rollout = tensorhub.open("m", port=port, config=cfg, replica="rollout")
     rollout.register(workload.allocate(SPEC), double_buffer=workload.allocate(SPEC))
     inproc.publish(trainer, tt, 1)
     rollout.update("latest")
@@ -102,6 +102,61 @@ def test_refused_swap_leaves_the_current_version_published():
     st = rollout.update("latest")
     assert st.swapped and rollout.version == 2
     assert workload.digest([t for _, t in rollout.tensors]) == workload.digest(tt)
+    _close(rollout, trainer)
+
+
+class _SwapAnswersLost(LocalPort):
+    """The server makes the first ``lost`` swaps it is sent, but their answers never come (a
+    call that timed out while the server was slow, a reply lost): ``ServerUnavailable``."""
+
+    def __init__(self, config, lost: int) -> None:
+        super().__init__(config)
+        self.lost, self.swaps = lost, 0
+
+    def call(self, request, wait_s: float = 0.0):
+        reply = super().call(request, wait_s)
+        if isinstance(request, m.Swap):
+            self.swaps += 1
+            if self.swaps <= self.lost:
+                raise errors.ServerUnavailable("the swap's answer was lost")
+        return reply
+
+
+def _swap_settled(port, rollout, tt, version: int) -> None:
+    """The handle and the server agree on which set of tensors holds ``version``, and it does."""
+    holder = {h.client_id: h for h in port.core.status("m").models[0].holders}[rollout.client_id]
+    assert (holder.state, holder.version, rollout.version) == ("published", version, version)
+    assert port.core.nodes[rollout.client_id].endpoint == rollout._machine.register_msg.endpoint
+    assert workload.digest([t for _, t in rollout.tensors]) == workload.digest(tt)
+
+
+def test_a_swap_whose_answer_is_lost_is_asked_again_and_taken():
+    """Simulator (a double buffer, msg_loss on the Swap's reply): the server made the swap but the
+    handle saw no answer, published its old version again and copied the new one into the set
+    the server now lists as the staging copy's; it then reported version 2 from tensors that
+    held 1. The handle sends the same swap again (the server knows it by the endpoint taken
+    over: Ok) and takes it."""
+    port = _SwapAnswersLost(CFG, lost=1)
+    trainer, tt, rollout = _double_buffered(port)
+    st = rollout.update("latest")
+    assert st.swapped and port.swaps == 2
+    _swap_settled(port, rollout, tt, 2)
+    _close(rollout, trainer)
+
+
+def test_a_swap_unanswered_past_the_timeout_is_settled_by_the_next_call():
+    """No answer within request_timeout_s: update() raises ServerUnavailable and leaves both sets
+    untouched; the next call asks again first and takes the swap the server made."""
+    cfg = Config(**{**CFG.__dict__, "request_timeout_s": 0.3})
+    port = _SwapAnswersLost(cfg, lost=100)
+    trainer, tt, rollout = _double_buffered(port, cfg)
+    with pytest.raises(errors.ServerUnavailable):
+        rollout.update("latest")
+    assert rollout._unsettled_swap is not None and port.swaps >= 2
+    port.lost = 0
+    st = rollout.update("latest")
+    assert (st.action, st.version) == ("noop", 2) and rollout._unsettled_swap is None
+    _swap_settled(port, rollout, tt, 2)
     _close(rollout, trainer)
 
 

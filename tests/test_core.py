@@ -382,6 +382,10 @@ def test_swap_exchanges_a_handle_and_its_complete_staging_copy_or_refuses_changi
     assert (w.state("r"), w.state("r~s")) == (("published", 1), ("idle", -1))
     assert w.core.nodes["r"].endpoint == b"stage" and w.core.nodes["r~s"].endpoint == b"r"
     assert err(w.send(m.Swap("r", "r~s", 1))) == "InvalidState"  # publishes: not legal
+    # The same swap again (its answer lost) is known by the endpoint it took over: Ok, no change.
+    assert isinstance(w.send(m.Swap("r", "r~s", 1, spec=1, endpoint=b"stage")), m.Ok)
+    assert err(w.send(m.Swap("r", "r~s", 1, endpoint=b"r"))) == "InvalidState"
+    assert (w.state("r"), w.state("r~s")) == (("published", 1), ("idle", -1))
     w.send(m.Unpublish("y"))
     a = w.send(m.Replicate("y", 1))
     assert (a.source_id, a.source_endpoint) == ("r", b"stage")  # r, at its new endpoint

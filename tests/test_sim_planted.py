@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 
+import msgspec
 import pytest
 
 from tensorhub.core import handle as hm
@@ -128,6 +129,23 @@ def failed_note_ignored(mp):
     mp.setattr(hm.HandleMachine, "_noted", bad)
 
 
+def swap_ignores_stage_readers(mp):
+    """The server swaps a handle onto its staging copy while others still read that copy (the
+    staging memory then holds the handle's old version under their reads)."""
+    orig = ReferenceCore._on_Swap
+
+    def bad(self, req, now):
+        y = self.nodes.get(req.stage_id)
+        if y is None:
+            return orig(self, req, now)
+        readers, y.readers = y.readers, type(y.readers)()
+        try:
+            return orig(self, req, now)
+        finally:
+            y.readers = readers
+    mp.setattr(ReferenceCore, "_on_Swap", bad)
+
+
 # ---------------------------------------------------------------------------- pinned seeds
 
 # (bug, checker kind, [(seed, workload)]): seeds found by the sweep below with this code.
@@ -142,6 +160,7 @@ CASES = [
     (partial_region_not_hidden, "control", [(1, None)]),
     (failed_note_ignored, "txn", [(786, "sharded")]),  # reached by the restart_after_failed_read fault
     (no_round_check_at_done, "txn", [(8444, None)]),  # see the sweep: rarer than 1 in 1,000 seeds
+    (swap_ignores_stage_readers, "mutate", [(45, "standalone")]),
 ]
 
 
@@ -173,6 +192,7 @@ def test_planted_bug_is_caught_on_its_seeds(monkeypatch, plant, kind, seeds):
     (skip_to_oldest, "skip", "crossdc"),
     (partial_region_not_hidden, "control", None),
     (failed_note_ignored, "txn", "sharded"),
+    (swap_ignores_stage_readers, "mutate", "standalone"),
 ])
 def test_planted_bug_is_found_within_1000_seeds(monkeypatch, plant, kind, workload):
     """The long sweep: the first seed (of 1,000) on which each planted bug is caught."""
@@ -193,6 +213,45 @@ def test_cli_json_reports_paths_known_open_and_time_per_seed(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(PATHS) <= set(out["paths"]) and all(n <= 4 for n in out["paths"].values())
     assert isinstance(out["known_open"], dict) and out["seconds_per_seed"]["mean"] > 0
+
+
+def _lose_first_swap_answer(mp):
+    """Every swap's first Ok is lost on its way back (the server made it; the caller sees the
+    server unavailable: a timed-out call), as the ``msg_loss`` fault does, rarely, to any reply."""
+    from tensorhub.sim.server import SimServer
+    orig = SimServer._answer
+
+    def lossy(self, c, reply):
+        lost = self.__dict__.setdefault("swaps_answered_to_nobody", set())
+        if isinstance(c.req, m.Swap) and isinstance(reply, m.Ok) and c in self.calls and \
+                (key := (c.req.client_id, c.req.version)) not in lost:
+            lost.add(key)
+            self._lost(c, "reply")
+            return
+        orig(self, c, reply)
+    mp.setattr(SimServer, "_answer", lossy)
+
+
+def test_a_swap_whose_answer_is_lost_is_asked_again(monkeypatch):
+    """A double buffer's Swap made by the server but answered to nobody: the handle asks again
+    and takes it (seeds with swaps, every first answer lost); a server that refuses the same
+    swap again leaves the handle claiming the new version over the old bytes (caught)."""
+    seeds = [(6, "standalone"), (29, "standalone"), (45, "standalone")]
+    with monkeypatch.context() as mp:
+        _lose_first_swap_answer(mp)
+        results = [run_scenario(s, wl) for s, wl in seeds]
+        assert all(not r.violations for r in results), [r.violations[:2] for r in results]
+        assert sum(r.paths.get("swap_retry", 0) for r in results) >= 3
+        assert sum(r.paths.get("swap", 0) for r in results) >= 3
+        mp.setattr(ReferenceCore, "_on_Swap", _no_swap_retry(ReferenceCore._on_Swap))
+        assert "torn" in _kinds(seeds)
+
+
+def _no_swap_retry(orig):
+    """The server no longer knows a swap it made: the same swap again is refused."""
+    def bad(self, req, now):
+        return orig(self, msgspec.structs.replace(req, endpoint=b""), now)
+    return bad
 
 
 def test_lost_and_duplicated_messages_take_the_retry_path():

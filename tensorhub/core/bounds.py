@@ -208,6 +208,7 @@ def _fields(req: m.Request) -> None:
             _known_id("stage_id", req.stage_id)
             check_version("version", req.version)
             check_spec(req.spec)
+            check_endpoint("endpoint", req.endpoint)
         case m.SourceFailed():
             _known_id("source_id", req.source_id)
             check_int("units_done", req.units_done, 0, UNITS_MAX)

@@ -173,12 +173,19 @@ class Swap(_Msg, frozen=True):
     publishes the staging copy's ``version`` and the staging copy holds nothing. Refused
     (``InvalidState``, nothing changed) unless ``stage_id`` is this handle's staging copy, holds
     ``version`` complete and has no reader, this unsharded handle holds and reads nothing, and
-    ``spec`` resolves to ``version`` now."""
+    ``spec`` resolves to ``version`` now.
+
+    ``endpoint``: the staging copy's endpoint, which the handle takes over. A handle that got no
+    answer (the reply lost, the call timed out while the server was slow) sends the same swap
+    again; a server that made it already recognises it by this endpoint (the handle publishes
+    ``version`` from it) and answers ``Ok`` again, so the handle learns the outcome before it
+    touches either set of tensors."""
 
     client_id: str
     stage_id: str
     version: int
     spec: VersionSpec = "latest"
+    endpoint: bytes = b""
 
 
 class ReplicateAbort(_Msg, frozen=True):

@@ -614,6 +614,11 @@ class ReferenceCore(CrossDatacenter, Retention):
         """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""
         x, y = self.nodes[req.client_id], self.nodes.get(req.stage_id)
         why = ""
+        if (req.endpoint and x.endpoint == req.endpoint and x.state is S.PUBLISHED and x.version == req.version
+                and y is not None and y.stage_for == x.id):
+            return m.Ok()  # this swap again (its answer was lost): made already
+        if x.state is not S.IDLE:
+            raise InvalidState(f"Swap is not allowed while {self._describe(x)}")
         if y is None or y.host or y.stage_for != x.id:
             why = f"{req.stage_id} is not this handle's staging copy"
         elif x.num_shards > 1:

@@ -54,7 +54,7 @@ LEGAL: dict[str, frozenset[S]] = {
     "HostCopy": frozenset(S),
     "Heartbeat": frozenset(S),
     "Leave": frozenset(S),
-    "Swap": frozenset({S.IDLE}),
+    "Swap": frozenset({S.IDLE, S.PUBLISHED}),  # published: only the same swap again (_on_Swap)
 }
 
 

@@ -121,6 +121,9 @@ class SimClient:
                                         reconnects_max=cfg.reconnects_max, failovers_max=cfg.failovers_max,
                                         unit_count=p.units)
         self.mem: list = [None] * self.units
+        self.endpoint = cid.encode()
+        """What names :attr:`mem` to readers (a region's endpoint); a double buffer's swap
+        exchanges it with its staging copy's, as the server exchanges the two holders'."""
         self.mem_wtime: list[float] = [0.0] * self.units
         self.region_version = -1
         self.region_progress = 0
@@ -136,6 +139,9 @@ class SimClient:
         self.alive = True
         self.retired = False
         self.op: Optional[Op] = None
+        self.step_done: Optional[Callable[[str], None]] = None
+        """The machine's operation in progress is one step of the user's (a swap's unpublish or
+        re-publish): its end goes here (with its code) instead of ending the user's operation."""
         self.transport = SimTransport(self)
         self.token = 0
         """Answers to the awaited command carry this; a stale one is dropped."""
@@ -162,7 +168,7 @@ class SimClient:
         w = self.world
         return m.Register(
             client_id=self.cid, model=w.params.model, replica_id=self.replica_id, shard=self.shard,
-            num_shards=self.num_shards, layout=w.layout(self.shard), endpoint=self.cid.encode(),
+            num_shards=self.num_shards, layout=w.layout(self.shard), endpoint=self.endpoint,
             datacenter=self.dc, spot=self.spot, machine=self.host,
         )
 
@@ -225,6 +231,7 @@ class SimClient:
     def die(self) -> None:
         """The process crashed: its operation ends with it (no reply will come), reads stop."""
         self.alive = False
+        self.step_done = None
         if self.op is not None:
             self.world.checker.op_abandon(self.op)
             self.op = None
@@ -278,12 +285,16 @@ class SimClient:
     # ------------------------------------------------------------------ driving the machine
 
     def _begin(self, kind: str, cb: Optional[Callback], op: hm.Op) -> None:
+        self._open_op(kind, cb)
+        self._feed(hm.Start(op))
+
+    def _open_op(self, kind: str, cb: Optional[Callback]) -> None:
+        """The user's call begins (the checkers time it until :meth:`_finish`)."""
         assert self.op is None, f"{self.cid}: {kind} while {self.op.kind} is in progress"
         assert self.alive
         self.op = Op(kind, self.cid, self.world.sim.now, cb)
         self.copy_gen += 1  # Hub: every call stops the background copy first
         self.world.checker.op_start(self.op)
-        self._feed(hm.Start(op))
 
     def _feed(self, event: hm.Event) -> None:
         if not self.alive:
@@ -299,11 +310,9 @@ class SimClient:
         for i, cmd in enumerate(cmds):
             match cmd:
                 case hm.Done(outcome):
-                    if self.op is not None and self.op.kind == "replicate":
-                        w.checker.on_replicated(self, outcome.version)
-                    self._finish("ok", outcome.version, prefetched=self._from_own_stage(outcome))
+                    self._machine_done("ok", outcome)
                 case hm.Fail(code, _message):
-                    self._finish(code)
+                    self._machine_done(code, None)
                 case hm.SetRegion(version, progress):
                     self.region_version, self.region_progress = version, progress
                 case hm.DropHost(version):
@@ -337,6 +346,20 @@ class SimClient:
                     w.sim.after(dur, self._offloaded, version, self.token)
                 case _:
                     raise AssertionError(f"unknown command {cmd!r}")
+
+    def _machine_done(self, code: str, outcome: Optional[hm.Outcome]) -> None:
+        """The machine ended its operation: the user's operation ends with it, unless that
+        machine operation was one step of a longer one (:attr:`step_done`)."""
+        step, self.step_done = self.step_done, None
+        if step is not None:
+            step(code)
+            return
+        if outcome is None:
+            self._finish(code)
+            return
+        if self.op is not None and self.op.kind == "replicate":
+            self.world.checker.on_replicated(self, outcome.version)
+        self._finish("ok", outcome.version, prefetched=self._from_own_stage(outcome))
 
     def _from_own_stage(self, outcome: hm.Outcome) -> bool:
         """Hub's ``ReadStats.prefetched``: the read came first from this handle's staging copy."""

@@ -34,7 +34,7 @@ import collections
 from tensorhub.core import messages as m
 from tensorhub.core.state import COMPLETE, S
 
-PATHS = ("reply_retry", "swap", "prefetch", "sharded_seeding", "default_rounds", "checksums_off",
+PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "default_rounds", "checksums_off",
          "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
          "msg_lost", "msg_duplicated")
 """Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""

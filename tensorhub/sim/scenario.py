@@ -144,6 +144,10 @@ class World:
         self.user_prefetch = var.random() < USER_PREFETCH_SHARE
         """Standalone rollouts call ``prefetch("latest")`` while they generate (drawn after the
         checksums: those seeds stay as they were)."""
+        self.double_buffer = (self.sim.rng("double_buffer").random() < 0.5 and self.user_prefetch
+                              and self.params.workload == "standalone")
+        """The prefetching standalone rollouts registered a double buffer: their prefetches land in it and an update
+        swaps to a complete one (``Hub._swap``) instead of copying."""
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
@@ -208,6 +212,18 @@ class World:
 
     def source_client(self, source_id: str) -> Optional[SimClient]:
         return self.clients.get(source_id.split("#", 1)[0])
+
+    def memory_of(self, a: m.Assignment) -> str:
+        """Whose memory a read of assignment ``a`` reaches: the client whose region the
+        assigned endpoint names (a host copy: that copy). The source's own, unless the server
+        and the handles disagree on who holds which memory (a double buffer's swap)."""
+        if "#host" in a.source_id:
+            return a.source_id
+        c = self.clients.get(a.source_id)
+        if c is not None and c.endpoint == a.source_endpoint:
+            return a.source_id
+        owner = next((c for c in self.clients.values() if c.endpoint == a.source_endpoint), None)
+        return owner.cid if owner is not None else a.source_id
 
     def read_tag(self, rd):
         """What a unit read copies: the source's tag at the end of the read (TORN if the

@@ -11,6 +11,13 @@ A user's ``Hub.prefetch("latest")`` is the same staging read, asked by the user 
 ``SeedAhead`` (:meth:`SeedingClient.prefetch`): the staging copy counts its own rounds, and
 the owner's next ``update()`` is assigned its staging copy first (the scheduler's rule 2),
 behind it if it is still arriving.
+
+A double buffer (``World.double_buffer``: half the prefetching standalone seeds) makes that
+``update()`` a ``Swap`` where ``Hub._swap`` would: unpublish, ``Swap``, then the two memories
+(and their endpoints: readers reach memory by the endpoint the server assigns,
+``World.memory_of``) change hands; a refusal publishes the old version again and copies; a swap
+without an answer is sent again until it is answered (``Hub._swap_call``), else left unsettled
+and settled before the next call.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from typing import Optional
 
 import msgspec
 
+from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.sim.client import SimClient
+from tensorhub.sim.client import DIRTY_VERSION, Op, SimClient
 
 
 def seed_round(version: int) -> int:
@@ -57,6 +65,14 @@ class SeedingClient(SimClient):
         """(version, asked at, done at, code) of every prefetch."""
         self.user_prefetches = 0
         self.stages_opened = 0
+        self.double_buffer = world.double_buffer
+        """The user registered a double buffer (``Hub.register(double_buffer=)``): the staging
+        copy is that second set, and an update swaps to it when it can (:meth:`_swap`)."""
+        self.swaps: list[tuple[int, str]] = []
+        """(version, outcome) of every swap tried: "ok", the code that refused it, "unsettled"
+        (no answer), "settled" (made, learnt by asking again)."""
+        self.unsettled: Optional[m.Swap] = None
+        """A swap the server did not answer (``Hub._unsettled_swap``): settled before the next call."""
         super().__init__(world, cid, **kw)
 
     def _notes(self, notes: list) -> None:
@@ -66,6 +82,8 @@ class SeedingClient(SimClient):
         super()._notes([n for n in notes if not isinstance(n, m.SeedAhead)])
 
     def _seed_asked(self, version: int) -> None:
+        if self.unsettled is not None:
+            return  # Hub._prefetch_now settles the swap first; here the seed is skipped
         if not self.alive or (self.published is not None and self.published >= version) or self.seeding >= version:
             return
         st = self.stage
@@ -111,8 +129,8 @@ class SeedingClient(SimClient):
         """The user's ``Hub.prefetch("latest")``, called only once the previous one is done (a
         user that waits on its future); False if the handle cannot prefetch now."""
         st = self.stage
-        if not self.alive or not self.registered or (st is not None and st.op is not None):
-            return False
+        if not self.alive or not self.registered or (st is not None and st.op is not None) or self.unsettled:
+            return False  # unsettled: Hub.prefetch settles first; here the user's prefetch is skipped
         self.user_prefetches += 1
         self._prefetch("latest")
         return True
@@ -125,3 +143,132 @@ class SeedingClient(SimClient):
             if nxt is not None and nxt > version:
                 self._prefetch(nxt)
         self.stage.replicate(spec, True, done, round=seed_round(spec) if isinstance(spec, int) else None)
+
+    # ------------------------------------------------------------------ a double buffer's swap
+
+    def replicate(self, spec, update: bool, cb, round=None) -> None:
+        """``Hub.update`` with a double buffer swaps to a complete prefetch when it can
+        (``Hub._swap``); otherwise, and for every other call, it copies."""
+        if update and round is None and self.double_buffer and self.unsettled is None and self._swappable(spec):
+            self._swap(spec, cb)
+        else:
+            super().replicate(spec, update, cb, round)
+
+    def _begin(self, kind: str, cb, op: hm.Op) -> None:
+        """``Hub._run``: a swap left unanswered is settled before the call (:meth:`_settle`)."""
+        if self.unsettled is None:
+            super()._begin(kind, cb, op)
+            return
+        self._open_op(kind, cb)
+        self._settle(lambda settled: self._feed(hm.Start(op)) if settled else self._finish("ServerUnavailable"))
+
+    def _swappable(self, spec) -> bool:
+        """``Hub._swap``'s own checks, before it asks the server: an unsharded handle, a
+        staging copy that is complete, not prefetching, at another version than this handle's
+        (``spec``'s, if it names one), and no read of this handle's in progress."""
+        st = self.stage
+        if st is None or self.num_shards > 1 or not self.alive or st.op is not None:
+            return False
+        v = st.published
+        return (v is not None and st.region_version == v and st.region_progress == self.units
+                and self.published != v and not self.machine.reading and (not isinstance(spec, int) or spec == v))
+
+    def _swap(self, spec, cb) -> None:
+        """The user's ``update()`` as one operation: background copies stopped, the current
+        version unpublished (drained), then ``Swap``; the server's ``Ok`` exchanges the two
+        memories, its refusal publishes the old version again and the update copies instead."""
+        w, st = self.world, self.stage
+        self._open_op("replicate", cb)
+        st.copy_gen += 1
+        old, version = self.published, st.published
+        req = m.Swap(client_id=self.cid, stage_id=st.cid, version=version, spec=spec, endpoint=st.endpoint)
+        if old is None:
+            self._swap_call(req, w.sim.now + w.config.request_timeout_s, lambda r: self._swap_answered(r, spec, old))
+            return
+
+        def unpublished(code: str) -> None:
+            if code == "ok":
+                self._swap_call(req, w.sim.now + w.config.request_timeout_s,
+                                lambda r: self._swap_answered(r, spec, old))
+            else:
+                self._finish(code)  # Hub: the unpublish's error leaves update()
+        self.step_done = unpublished
+        self._feed(hm.Start(hm.UnpublishOp()))
+
+    def _swap_call(self, req: m.Swap, deadline: float, answer, pause: float = hm.RETRY_PAUSE_S) -> None:
+        """``Hub._swap_call``: the same swap again while the server does not answer (it may have
+        made it: it answers Ok again then), until ``deadline``; ``answer(None)``: still no answer,
+        the swap is left unsettled (:attr:`unsettled`)."""
+        w = self.world
+
+        def replied(reply) -> None:
+            if not self.alive:
+                return
+            if isinstance(reply, m.ErrorReply) and reply.code in ("ServerUnavailable", "RequestTimeout"):
+                if w.sim.now + pause >= deadline:
+                    self.unsettled = req
+                    answer(None)
+                else:
+                    w.checker.observer.path("swap_retry")
+                    w.sim.after(pause, self._swap_call, req, deadline, answer, min(2 * pause, 1.0))
+                return
+            self.unsettled = None
+            answer(reply)
+        w.server.call(self, req, False, None, on_reply=replied)
+
+    def _swap_answered(self, reply, spec, old) -> None:
+        if reply is None:
+            self.swaps.append((self.unsettled.version, "unsettled"))
+            self._finish("ServerUnavailable")  # Hub: raised; the next call settles it first
+            return
+        version = self.stage.published
+        if isinstance(reply, m.ErrorReply):
+            self.swaps.append((version, reply.code))
+            self._copy_instead(spec, old)
+            return
+        self.swaps.append((version, "ok"))
+        self._take_swap(version, old)
+        self.world.checker.on_replicated(self, version)
+        self._finish("ok", version, prefetched=True)
+
+    def _settle(self, then) -> None:
+        """``Hub._settle_swap``: the unanswered swap asked again; made, the memories change
+        hands now. ``then(True)``: settled (either way), ``then(False)``: still no answer."""
+        req, w = self.unsettled, self.world
+
+        def answered(reply) -> None:
+            if reply is None:
+                then(False)
+                return
+            if not isinstance(reply, m.ErrorReply):
+                self.swaps.append((req.version, "settled"))
+                self._take_swap(req.version, None)
+            then(True)
+        self._swap_call(req, w.sim.now + w.config.request_timeout_s, answered)
+
+    def _take_swap(self, version: int, old) -> None:
+        """``Hub._swapped``: the two tensor sets (and their control blocks and endpoints) change
+        hands; the staging copy holds nothing now. The memory each client names changes: the
+        checkers see it as writes."""
+        w, st = self.world, self.stage
+        self.mem, st.mem = st.mem, self.mem
+        self.mem_wtime, st.mem_wtime = st.mem_wtime, self.mem_wtime
+        self.endpoint, st.endpoint = st.endpoint, self.endpoint
+        self.region_version, self.region_progress = version, self.units
+        st.region_version, st.region_progress = -1, 0
+        self.machine.swapped_in(version, self.registration())
+        st.machine.swapped_out(st.registration())
+        w.checker.on_write(self.cid, None, version)
+        w.checker.on_write(st.cid, None, old if old is not None else DIRTY_VERSION)
+
+    def _copy_instead(self, spec, old) -> None:
+        """A refused swap (``Hub._publish_again``): the old version is published again from the
+        tensors that still hold it (whatever that answers), then the update copies."""
+        def copy(_code: str = "ok") -> None:
+            if self.alive:
+                self._feed(hm.Start(hm.ReplicateOp(spec, True, None)))
+        if old is None:
+            copy()
+            return
+        self.step_done = copy
+        self._feed(hm.Start(hm.PublishOp(old)))

@@ -42,6 +42,7 @@ class Pulling:
     def __init__(self, a: m.Assignment, st: ReadState, token: int) -> None:
         self.version = a.version
         self.source = a.source_id
+        """Whose memory the reads reach (``World.memory_of``): the source's, or a host copy."""
         self.partial = a.source_partial
         self.assign_no = a.assign_no
         self.st = st
@@ -80,6 +81,7 @@ class SimTransport:
                        stall_timeout_s=w.config.source_stall_timeout_s, now=w.sim.now, source=a.source_id)
         st.pacer.on_rtt(2 * w.net.ctrl_latency_s)
         rs = Pulling(a, st, token)
+        rs.source = w.memory_of(a)  # the memory the assigned endpoint names
         rs.epoch = w.server.epoch
         self.current = rs
         if st.finished:
