@@ -1211,6 +1211,8 @@ class Hub(HostCopies):
             for cmd in self._feed(hm.Noted(note)):
                 if isinstance(cmd, hm.DropHost):
                     self._drop_host_copy(cmd.version)
+                elif isinstance(cmd, hm.SetRegion):
+                    self._set_region(cmd)  # Demoted: advertise nothing
 
     def _current_hosts(self, req: m.Announce) -> m.Announce:
         """``req`` without host copies freed since it was built."""

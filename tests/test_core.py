@@ -11,6 +11,7 @@ import pytest
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.core.state import S
 
 UNITS = 4
 LAYOUT = m.LayoutInfo("fp-a", UNITS, 400, (m.TensorMeta("w", "float32", (100,), 400),))
@@ -1113,11 +1114,6 @@ def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
     assert isinstance(a, m.Assignment) and a.version == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open defect (simulator seed 1496, workload 'sharded'): two shards whose ReplicateDone met a server "
-    "restart each announce a different complete version for the same round, and the fresh server "
-    "accepts both (each handle then reports its update as done: the replica is split). Refusing the "
-    "second needs the announcement to say whether the old server confirmed the completion"))
 def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_from():
     """Simulator seed 1496 (workload "sharded"): round 4 of replica A read version 3; a trainer
     shard died, the server failed the reads, and shard 1's retry re-resolved the round to
@@ -1133,6 +1129,97 @@ def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_
     assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1))) == m.Ok()
     reply = w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3)))
     assert err(reply) == "VersionLost", reply
+
+
+def _split_round_world():
+    """Replica A (2 shards) after a restart; versions 1 (replica U) and 3 (replica T) held."""
+    w = World(lease_timeout_s=5.0)
+    for v, rep in ((1, "U"), (3, "T")):
+        for sh in (0, 1):
+            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
+            w.send(m.Publish(f"{rep}{sh}", v))
+    regs = [m.Register(f"a{sh}", "pol", "A", sh, 2, LAYOUT, f"a{sh}".encode()) for sh in (0, 1)]
+    return w, regs
+
+
+def test_a_confirmed_completion_announced_after_an_unconfirmed_conflicting_one_demotes_it():
+    """Shard 1's ReplicateDone of version 1 (round 4) got Ok before the restart; shard 0's of
+    version 3 met it. Shard 0 announces first: accepted (nothing to compare with yet). Shard 1's
+    confirmed announcement then wins: shard 0 is demoted to idle (``Demoted``, its reader
+    reassigned) and the round is bound to version 1, which shard 0's retry joins."""
+    w, regs = _split_round_world()
+    assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
+    assert w.core.nodes["a0"].state is S.PUBLISHED
+    w.now = 6.0  # past the recovery window: a new sharded reader may register
+    w.reg("r", replica="R", shard=0, num_shards=2)  # reads shard 0 of version 3 from a0 (T0 drains)
+    w.reg("r1", replica="R", shard=1, num_shards=2)
+    w.send(m.Unpublish("T0"))
+    a = w.send(m.Replicate("r", 3, seq=1))
+    assert isinstance(a, m.Assignment) and a.source_id == "a0"
+    w.pop("a0")
+    assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1, confirmed=True))) == m.Ok()
+    (note,) = w.pop("a0")
+    assert isinstance(note, m.Demoted) and note.version == 3 and "confirmed" in note.reason
+    assert w.core.nodes["a0"].state is S.IDLE and w.core.nodes["a1"].state is S.PUBLISHED
+    assert w.core.nodes["r"].state is S.WAITING, "the demoted holder's reader lost its source"
+    a = w.send(m.Replicate("a0", "latest", seq=4))
+    assert isinstance(a, m.Assignment) and a.version == 1
+
+
+def test_an_unconfirmed_completion_announced_after_a_confirmed_conflicting_one_is_refused():
+    w, regs = _split_round_world()
+    assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1, confirmed=True))) == m.Ok()
+    reply = w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3,
+                                                 host_copies=((2, b"a0-host"),))))
+    assert err(reply) == "VersionLost" and "unconfirmed" in reply.message
+    node = w.core.nodes["a0"]
+    assert node.state is S.IDLE and w.core.nodes["a0#host2"].owner == "a0", "kept registered, its host copy too"
+    assert w.pop("a1") == []
+    a = w.send(m.Replicate("a0", "latest", seq=4))
+    assert isinstance(a, m.Assignment) and a.version == 1
+
+
+def test_unconfirmed_and_confirmed_completions_bind_rounds_as_before_without_a_conflict():
+    """No sibling completed another version: an unconfirmed completion binds its round as a
+    confirmed one does, and two confirmed conflicting ones (never both confirmed by one server)
+    are both kept, as before."""
+    w, regs = _split_round_world()
+    assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
+    assert w.send(m.Announce(regs[1], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
+    assert w.core.nodes["a1"].state is S.PUBLISHED and 3 in w.core.models["pol"].committed
+    w2, regs2 = _split_round_world()
+    for sh, v in ((0, 3), (1, 1)):
+        h = m.Holding(published=v, txn_seq=4, txn_version=v, confirmed=True)
+        assert w2.send(m.Announce(regs2[sh], h)) == m.Ok()
+    assert w2.pop("a0") == [] and w2.core.nodes["a0"].state is S.PUBLISHED
+
+
+def test_the_handle_machine_announces_a_completion_the_server_confirmed_as_confirmed():
+    """An unanswered ReplicateDone is announced unconfirmed; a published version (Ok from a
+    server) confirmed; nothing published, nothing confirmed. The bounds refuse a confirmed
+    holding with no version."""
+    from tensorhub.core import bounds
+    from tensorhub.core import handle as hm
+    from tensorhub.errors import OutOfBounds
+
+    reg = m.Register("c", "pol", "A", 0, 2, m.LayoutInfo("fp", 4, 400), b"c")
+    mc = hm.HandleMachine("c", request_timeout_s=5.0, reconnects_max=1, failovers_max=1, unit_count=4)
+    mc.handle(hm.Start(hm.RegisterOp(reg)), 0.0)
+    mc.handle(hm.Replied(m.Registered()), 0.0)
+    assert mc.holding().confirmed is False
+    mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
+    a = m.Assignment(version=3, source_id="t", source_endpoint=b"t", source_partial=False, start_unit=0, assign_no=1)
+    mc.handle(hm.Replied(a), 0.0)
+    assert mc.handle(hm.Pulled(4), 0.0) == [hm.Send(m.ReplicateDone("c", 3))]
+    mc.handle(hm.Unavailable("down"), 0.0)
+    (cmd,) = mc.handle(hm.TimerFired(), 0.0)
+    assert cmd.request.holding == m.Holding(published=3, txn_seq=1, txn_version=3, confirmed=False)
+    mc.handle(hm.Replied(m.Ok()), 0.0)
+    assert mc.published == 3 and mc.holding() == m.Holding(published=3, txn_seq=1, txn_version=3, confirmed=True)
+    with pytest.raises(OutOfBounds):
+        bounds.check_request(m.Announce(reg, m.Holding(confirmed=True)))
+    bounds.check_request(m.Announce(reg, m.Holding(published=3, confirmed=True)))
+    assert m.decode_request(m.encode(m.Announce(reg, m.Holding(published=3, confirmed=True)))).holding.confirmed
 
 
 def test_overdue_lists_the_clients_not_heard_from_oldest_first_without_a_scan():

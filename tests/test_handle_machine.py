@@ -621,3 +621,30 @@ def test_a_staging_copy_waits_one_lease_for_its_siblings():
     assert mc.handle(hm.Replied(busy), 0.5) == [hm.Sleep(hm.RETRY_PAUSE_S)]
     mc.handle(hm.TimerFired(), 0.6)
     assert mc.handle(hm.Replied(busy), 1.2) == [hm.Fail("ReplicaIncomplete", "only 1 of 2")]
+
+
+def test_a_refused_or_demoted_unconfirmed_completion_leaves_the_handle_idle():
+    """Simulator seed 1496 (sharded): a ReplicateDone that met a restart is announced unconfirmed;
+    the fresh server refuses it when a sibling completed the round at another version (the
+    update fails VersionLost, nothing advertised; the next round retries), or demotes it later
+    (``Demoted``: the handle drops its published version and hides the region, once)."""
+    mc = _machine()
+    _reading(mc)
+    mc.handle(hm.Pulled(4), 0.0)
+    mc.handle(hm.Unavailable("down"), 0.0)
+    (cmd,) = mc.handle(hm.TimerFired(), 0.0)
+    assert isinstance(cmd.request, m.Announce) and cmd.request.holding.confirmed is False
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="unconfirmed completion refused")), 0.0)
+    assert cmds[-1] == hm.Fail("VersionLost", "unconfirmed completion refused")
+    assert hm.SetRegion(-1, 0) in cmds and mc.published is None and mc.op is None
+    mc = _machine()
+    _reading(mc)
+    mc.handle(hm.Pulled(4), 0.0)
+    mc.handle(hm.Unavailable("down"), 0.0)
+    mc.handle(hm.TimerFired(), 0.0)
+    assert mc.handle(hm.Replied(m.Ok()), 0.0)[-1].outcome.version == 1
+    assert mc.handle(hm.Noted(m.Demoted(version=2, reason="stale")), 0.0) == [] and mc.published == 1
+    assert mc.handle(hm.Noted(m.Demoted(version=1, reason="lost to a confirmed sibling")), 0.0) == [hm.SetRegion(-1, 0)]
+    assert mc.published is None and mc.phase is hm.Phase.IDLE and mc.region_version == -1
+    assert mc.handle(hm.Noted(m.Demoted(version=1, reason="repeated")), 0.0) == []
+    assert mc.holding() == m.Holding()

@@ -153,6 +153,10 @@ def _holding(h: m.Holding) -> None:
     check_version("reading_version", h.reading_version, unset_ok=True)
     _known_id("reading_source", h.reading_source)
     check_int("reading_units", h.reading_units, 0, UNITS_MAX)
+    if not isinstance(h.confirmed, bool):
+        raise OutOfBounds(f"confirmed must be a bool, got {type(h.confirmed).__name__}")
+    if h.confirmed and h.published is None:
+        raise OutOfBounds("a confirmed holding names no published version")
 
 
 def check_model(model: str, served: str, models: Collection[str]) -> None:

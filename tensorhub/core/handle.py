@@ -37,7 +37,11 @@ Rules, in the order they are applied:
    match their recorded checksums (:class:`Recheck`): between calls the user may write them.
 7. Server restarts: ``UnknownClient`` in a reply re-announces what this handle holds
    (:meth:`HandleMachine.holding`, with the round that gave it the version) and re-sends the
-   request; ``ServerUnavailable`` reconnects with a growing pause, ``reconnects_max`` times.
+   request; ``ServerUnavailable`` reconnects with a growing pause, ``reconnects_max`` times. A
+   holding says whether a server confirmed its published version (``Holding.confirmed``); a
+   ``ReplicateDone`` that met the restart is announced unconfirmed, and the fresh server may
+   refuse it (``VersionLost``: the call fails, the next round retries) or later demote it
+   (``Demoted``: the handle drops its published version and hides the region).
 8. ``close()`` by the last live non-spot holder of a retained version, while other clients of
    the model remain, is refused by the server (``LastCopyHeld``): the handle stays open and keeps
    serving its host copy; ``close(drop_last_copy=True)`` drops it.
@@ -383,6 +387,8 @@ class HandleMachine:
         request that met ``UnknownClient``; ``reading_units``: a pull's progress right now."""
         hosts = tuple(sorted(self.host_copies.items()))
         if isinstance(request, m.ReplicateDone):
+            # Complete here, but the server never confirmed it (unconfirmed: a sibling's
+            # completion of this round at another version wins over it).
             return m.Holding(published=request.version, host_copies=hosts, **self._round_txn(request.version))
         if isinstance(request, m.OffloadDone):
             # Drained on the old server already; the host copy (in `hosts`) holds the version.
@@ -392,7 +398,8 @@ class HandleMachine:
             src = "" if isinstance(request, m.SourceFailed) else self.current_source
             return m.Holding(host_copies=hosts, reading_version=self.region_version, reading_source=src,
                              reading_units=units, txn_seq=self.seq, txn_version=self.region_version)
-        return m.Holding(published=self.published, host_copies=hosts, **self._round_txn(self.published))
+        return m.Holding(published=self.published, host_copies=hosts, confirmed=self.published is not None,
+                         **self._round_txn(self.published))
 
     def announce_request(self, request: Optional[m.Request] = None, reading_units: Optional[int] = None) -> m.Announce:
         assert self.register_msg is not None
@@ -808,6 +815,19 @@ class HandleMachine:
         if isinstance(ev, m.Failed):
             if isinstance(self.op, ReplicateOp) and self._assignment is not None:
                 self._lost_at_server = ev
+            return []
+        if isinstance(ev, m.Demoted):
+            if self.published != ev.version:
+                return []  # a repeated or stale note
+            # The server holds this handle as idle now: a sibling's confirmed completion of the
+            # round won over this one's unconfirmed one. Advertise nothing (unless a read of the
+            # next call is writing the region already).
+            self.published = None
+            if self.phase is Phase.PUBLISHED:
+                self.phase = Phase.IDLE
+            if self.region_version == ev.version and not self.reading:
+                self.region_version, self.region_progress = -1, 0
+                return [SetRegion(-1, 0)]
             return []
         if isinstance(ev, m.DropHostCopy) and ev.version in self.host_copies:
             # Keep the host copy while an operation may still announce it (the server restarted

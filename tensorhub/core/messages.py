@@ -52,6 +52,12 @@ class Holding(msgspec.Struct, frozen=True):
     """A read in progress: the version being received, from whom, and how far it got."""
     reading_source: str = ""
     reading_units: int = 0
+    confirmed: bool = False
+    """``published`` was confirmed by a server (its ``Publish``/``ReplicateDone`` got ``Ok``).
+    False (the default, and what a handle sends when its ``ReplicateDone`` met a restart): a
+    completion only the client saw; the fresh server refuses it if it conflicts with a sibling
+    shard's completion of the same round, and demotes it (:class:`Demoted`) if a confirmed
+    conflicting completion of a sibling is announced after it. Only with ``published``."""
 
 
 class ProcessId(msgspec.Struct, frozen=True):
@@ -369,6 +375,15 @@ class Evicted(_Msg, frozen=True):
     reason: str
 
 
+class Demoted(_Msg, frozen=True):
+    """This client's announced (unconfirmed) completion of ``version`` lost to a sibling shard's
+    confirmed completion of another version in the same round: the server holds it as idle now;
+    the handle drops its published version (a background event)."""
+
+    version: int
+    reason: str
+
+
 class HolderView(_Msg, frozen=True):
     """One node of the server's table as ``status()`` shows it. ``progress``: units done as
     the server last heard (a reader reports them with each heartbeat, at a failover and at the
@@ -412,7 +427,8 @@ class Status(_Msg, frozen=True):
     models: tuple[ModelView, ...]
 
 
-Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted]
+Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted,
+              Demoted]
 
 
 class PulseReply(_Msg, frozen=True):
@@ -438,7 +454,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Union[Request, Signed])
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, PulseReply,
+    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, PulseReply,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

@@ -21,7 +21,13 @@ Rules kept here (DESIGN.md section 1):
 - a client silent past ``lease_timeout_s`` is dead, and so is its whole replica (a client that a
   reader reported failed gets only ``2.5 * heartbeat_interval_s`` to heartbeat again); readers of a
   dead source are reassigned and resume from their own progress; readers of a version no one
-  holds any more fail with ``VersionLost``.
+  holds any more fail with ``VersionLost``;
+- after a restart, a shard that announces a complete holding of round ``seq`` binds the round
+  (siblings announced reading another version fail their read). One announced at another
+  version than a sibling's completion of that round is refused (``VersionLost``; the shard stays
+  registered, idle) unless the old server confirmed it (``Holding.confirmed``): a confirmed one
+  wins over siblings' unconfirmed ones, which are demoted to idle (``Demoted``, their readers
+  reassigned). Two confirmed ones are both kept (the old server never confirms both).
 
 The rules across datacenters (offload seeding, smart skipping) are a mixin of their own,
 :mod:`tensorhub.core.crossdc`, and so is retention with host copies, :mod:`tensorhub.core.retention`.
@@ -413,11 +419,19 @@ class ReferenceCore(CrossDatacenter, Retention):
         node = self.nodes[reg.client_id]
         self._seen(node, now)
         node.heard_at = now
-        if hold.published is not None and node.state is S.IDLE:
+        refused = self._conflicting_completion(node, hold)
+        completes = refused is None and hold.published is not None
+        if completes and node.state is S.IDLE:
             self._set_version(node, hold.published, S.PUBLISHED, node.units)
             self._maybe_commit(node)
-        elif hold.published is not None and node.state in (S.WAITING, S.READING) and node.version == hold.published:
+        elif completes and node.state in (S.WAITING, S.READING) and node.version == hold.published:
             self._complete_read(node)  # an earlier announcement saw the read still in progress
+        elif refused is not None:
+            # Kept registered, holding nothing of this round (an earlier announcement's read of
+            # that version ends here too).
+            if node.state in (S.WAITING, S.READING) and node.version == hold.published:
+                self._stop_reading(node)
+                node.failure = m.Failed(code=code_of(refused), message=str(refused))
         elif hold.reading_version >= 0 and node.state is S.IDLE:
             node.round_seq = hold.txn_seq
             self._set_version(node, hold.reading_version, S.WAITING, max(0, min(hold.reading_units, node.units)))
@@ -442,6 +456,10 @@ class ReferenceCore(CrossDatacenter, Retention):
                     self._attach(reader, node)
         for version, endpoint in hold.host_copies:
             self._announced_host_copy(node, version, endpoint)
+        if completes and node.version == hold.published and node.state in COMPLETE:
+            node.unconfirmed = None if hold.confirmed or hold.txn_seq < 0 else (hold.txn_seq, hold.published)
+        if refused is not None:
+            return m.ErrorReply(code=code_of(refused), message=str(refused))
         if hold.txn_seq >= 0 and node.num_shards > 1:
             key = (node.model, node.replica_id, hold.txn_seq)
             txn = self.txns.get(key)
@@ -454,6 +472,37 @@ class ReferenceCore(CrossDatacenter, Retention):
             if txn[1] == hold.txn_version:
                 txn[2].add(node.shard)
         return m.Ok()
+
+    def _conflicting_completion(self, node: Node, hold: m.Holding) -> Optional[VersionLost]:
+        """An announced completion of round ``hold.txn_seq`` at a version other than the one a
+        sibling shard already completed in that round (each shard's ``ReplicateDone`` met the
+        restart, one of them after the old server had failed its read and moved the round):
+        an unconfirmed one is refused (returned); a confirmed one demotes siblings whose
+        completions were all unconfirmed (they lose to it) and is accepted."""
+        if (hold.published is None or hold.txn_seq < 0 or node.num_shards <= 1
+                or hold.published != hold.txn_version):
+            return None
+        txn = self.txns.get((node.model, node.replica_id, hold.txn_seq))
+        if txn is None or txn[1] == hold.published:
+            return None
+        _, version, consumed = txn
+        rivals = [n for n in self._replica_nodes(node.model, node.replica_id)
+                  if n.id != node.id and n.shard in consumed and n.version == version and n.state in COMPLETE]
+        if not rivals:
+            return None
+        where = (f"{self._describe(node)}: round {hold.txn_seq} of replica {node.replica_id} completed version "
+                 f"{version} on shard {min(n.shard for n in rivals)}")
+        if not hold.confirmed:
+            return VersionLost(f"{where}; this unconfirmed completion of version {hold.published} is refused")
+        if all(n.unconfirmed == (hold.txn_seq, version) for n in rivals):
+            for n in sorted(rivals, key=lambda n: n.order):
+                log.info("model=%s version=%d %s: unconfirmed completion demoted", n.model, n.version, n.id)
+                self._stop_reading(n)  # its readers (if any) are reassigned
+                n.unconfirmed = None
+                self._deliver(n.id, m.Demoted(version=version, reason=(
+                    f"round {hold.txn_seq} of replica {node.replica_id}: shard {node.shard}'s confirmed "
+                    f"completion of version {hold.published} wins over this unconfirmed one")))
+        return None
 
     def _round_completed(self, node: Node, txn: tuple[object, int, set[int]]) -> bool:
         """Whether a sibling shard of ``node`` that took ``txn``'s version holds all of it."""

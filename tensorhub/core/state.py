@@ -113,6 +113,10 @@ class Node:
     """The last read of this node failed with this (answered to late follow-ups of that read)."""
     awaiting_source: Optional[str] = None
     """Announced after a restart as reading from this source, which has not announced yet."""
+    unconfirmed: Optional[tuple[int, int]] = None
+    """(round, version): this holder's completion was announced after a restart without the old
+    server's confirmation (``Holding.confirmed``); a sibling's confirmed conflicting completion
+    of that round demotes it."""
     pending_read: Optional[tuple[int, int]] = None
     """update(): (version, resume_units) to read once the drain of the old version ends."""
     proof_until: Optional[float] = None

@@ -138,7 +138,7 @@ class Checker:
         retention_check = isinstance(reply, m.UnpublishDone)
         for eff in effects:
             ev = eff.event
-            if isinstance(ev, m.Failed):
+            if isinstance(ev, (m.Failed, m.Demoted)):
                 self.assign.pop(eff.client_id, None)
                 self._revoke_source(eff.client_id)  # its own readers were orphaned
             elif isinstance(ev, m.Evicted):
