@@ -1100,12 +1100,7 @@ def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
     event not seen yet) when a restart came; its sibling's round 4 had moved to version 1. The
     new server must not let shard 1 finish version 2 in round 4: it fails the read, and the
     retry in round 4 joins version 1."""
-    w = World(lease_timeout_s=5.0)
-    for v, rep in ((1, "U"), (2, "T")):
-        for sh in (0, 1):
-            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
-            w.send(m.Publish(f"{rep}{sh}", v))
-    regs = [m.Register(f"a{sh}", "pol", "A", sh, 2, LAYOUT, f"a{sh}".encode()) for sh in (0, 1)]
+    w, regs = _split_round_world(old=2)
     assert w.send(m.Announce(regs[0], m.Holding(reading_version=1, txn_seq=4, txn_version=1))) == m.Ok()
     assert w.send(m.Announce(regs[1], m.Holding(reading_version=2, txn_seq=4, txn_version=2))) == m.Ok()
     reply = w.send(m.ReplicateDone("a1", 2))
@@ -1120,21 +1115,16 @@ def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_
     version 1 (its host copy). The server restarted before shard 0 took its Failed note; both
     reads finished while it was down, so both ReplicateDones became announcements of a complete
     holding. The fresh server must not let shard 0 complete version 3 in round 4 as well."""
-    w = World(lease_timeout_s=5.0)
-    for v, rep in ((1, "U"), (3, "T")):
-        for sh in (0, 1):
-            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
-            w.send(m.Publish(f"{rep}{sh}", v))
-    regs = [m.Register(f"a{sh}", "pol", "A", sh, 2, LAYOUT, f"a{sh}".encode()) for sh in (0, 1)]
+    w, regs = _split_round_world()
     assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1))) == m.Ok()
     reply = w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3)))
     assert err(reply) == "VersionLost", reply
 
 
-def _split_round_world():
-    """Replica A (2 shards) after a restart; versions 1 (replica U) and 3 (replica T) held."""
+def _split_round_world(old: int = 3):
+    """Replica A (2 shards) after a restart; versions 1 (replica U) and ``old`` (replica T) held."""
     w = World(lease_timeout_s=5.0)
-    for v, rep in ((1, "U"), (3, "T")):
+    for v, rep in ((1, "U"), (old, "T")):
         for sh in (0, 1):
             w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
             w.send(m.Publish(f"{rep}{sh}", v))
