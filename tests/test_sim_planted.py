@@ -159,7 +159,7 @@ CASES = [
     (skip_to_oldest, "skip", [(1, "crossdc")]),  # was 5: seeds as rounds version + 1 moved its trajectory
     (partial_region_not_hidden, "control", [(1, None)]),
     (failed_note_ignored, "txn", [(786, "sharded")]),  # reached by the restart_after_failed_read fault
-    (no_round_check_at_done, "txn", [(8444, None)]),  # see the sweep: rarer than 1 in 1,000 seeds
+    (no_round_check_at_done, "txn", [(130, "sharded")]),  # reached by the restart_after_round_moved fault
     (swap_ignores_stage_readers, "mutate", [(45, "standalone")]),
 ]
 
@@ -184,11 +184,7 @@ def test_planted_bug_is_caught_on_its_seeds(monkeypatch, plant, kind, seeds):
     (retains_one_more, "over_retention", None),
     (host_copies_never_dropped, "host_leak", None),
     (dead_holder_counts_as_live, "last_copy", "standalone"),
-    pytest.param(no_round_check_at_done, "txn", "sharded", marks=pytest.mark.xfail(strict=True, reason=(
-        "not found within 1,000 seeds: the round moves under a reading shard only when a restart hid "
-        "that its read failed and a sibling's retry re-resolved the round first (reached in 3 of seeds "
-        "8000-9999, caught in 1: 8444, pinned above; the core test "
-        "test_a_shard_cannot_finish_a_version_its_round_moved_away_from drives it directly)"))),
+    (no_round_check_at_done, "txn", "sharded"),
     (skip_to_oldest, "skip", "crossdc"),
     (partial_region_not_hidden, "control", None),
     (failed_note_ignored, "txn", "sharded"),

@@ -28,6 +28,23 @@ parameters; every injection is traced and counted.
                        a sharded replica's read (VersionLost): the reader may or may not have
                        taken the Failed note, its ReplicateDone or announcement meets a fresh
                        server that must still keep the replica's round one version.
+- ``broadcast_shard_crash`` armed at its time: as soon as every shard of a sharded rollout replica
+                       copies the trainer's version from the trainer's shards (a weight
+                       broadcast), the process of the trainer shard serving one of them dies
+                       ``delay_s`` later (restarts fresh later): the server removes the trainer
+                       replica and fails the reads of that version; the reader of the dead shard
+                       learns at once (its pull fails), its siblings, still copying from the
+                       trainer's live shards, with their next pulse. A retry may move the round.
+- ``restart_after_round_moved`` armed from the start of every faulty run with sharded replicas
+                       (not drawn with the kinds above: its knobs come from its own random
+                       stream, so their draws stay as they were; it fires at most once, only
+                       in the narrow situation below, in a few percent of sharded runs): the
+                       server restarts ``delay_s`` after a shard of a sharded replica is given another version in a round while a sibling
+                       is still copying the version it was given (the round moved: that read was
+                       failed with its version, the note not taken yet). The fresh server hears
+                       the round's new version from one shard and the old one from the other,
+                       whose read goes on and may finish there (typically after a trainer shard
+                       died mid-read, its replica removed, its surviving shards re-announced).
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ from tensorhub.core import messages as m
 
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
                "interrupt", "trainer_replaced", "msg_loss", "msg_dup", "holders_hang", "restart_mid_read",
-               "restart_after_failed_read")
+               "restart_after_failed_read", "broadcast_shard_crash")
 """The kinds a seed may plan, in the order it draws them (new kinds go last: a seed's draws for the
 earlier kinds stay as they were)."""
 
@@ -54,7 +71,10 @@ BOUNDS = {
     "msg_dup.p": (0.05, 0.3),
     "msg_dup.duration_s": (1.0, 6.0),
     "restart_after_failed_read.delay_s": (0.0, 0.4),
+    "broadcast_shard_crash.delay_s": (0.0, 0.5),
+    "restart_after_round_moved.delay_s": (0.0, 0.3),
 }
+
 
 
 def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
@@ -72,10 +92,10 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
         for _ in range(1 if rng.random() < 0.7 else 2):
             t = rng.uniform(lo, hi)
             knobs: dict = {}
-            if kind in ("server_restart", "restart_mid_read", "restart_after_failed_read"):
+            if kind in ("server_restart", "restart_mid_read", "restart_after_failed_read", "broadcast_shard_crash"):
                 knobs["down_s"] = rng.uniform(*BOUNDS["server_restart.down_s"])
-                if kind == "restart_after_failed_read":
-                    knobs["delay_s"] = rng.uniform(*BOUNDS["restart_after_failed_read.delay_s"])
+                if kind in ("restart_after_failed_read", "broadcast_shard_crash"):
+                    knobs["delay_s"] = rng.uniform(*BOUNDS[f"{kind}.delay_s"])
             elif kind == "slow_link":
                 knobs["factor"] = rng.uniform(*BOUNDS["slow_link.factor"])
                 knobs["duration_s"] = rng.uniform(*BOUNDS["slow_link.duration_s"])
@@ -90,6 +110,10 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
                 knobs["duration_s"] = rng.uniform(*BOUNDS[f"{kind}.duration_s"])
             knobs["pick"] = knobs.get("pick", rng.random())
             plan.append((t, kind, knobs))
+    if p.num_shards > 1:
+        own = world.sim.rng("round-moved")
+        plan.append((lo, "restart_after_round_moved", {"delay_s": own.uniform(*BOUNDS["restart_after_round_moved.delay_s"]),
+                                                        "down_s": own.uniform(*BOUNDS["server_restart.down_s"])}))
     plan.sort(key=lambda x: (x[0], x[1]))
     for t, kind, knobs in plan:
         world.sim.at(t, inject, world, kind, knobs)
@@ -104,9 +128,10 @@ def fault_end(plan: list[tuple[float, str, dict]], world) -> float:
         e = t + knobs.get("duration_s", 0.0) + knobs.get("down_s", 0.0)
         if kind == "restart_mid_read":
             e += world.params.hold_s[1] + world.params.train_s[1]  # when it fires: the next unpublish
-        if kind == "restart_after_failed_read":
+        if kind in ("restart_after_failed_read", "broadcast_shard_crash", "restart_after_round_moved"):
             e = world.active_end + knobs["delay_s"] + knobs["down_s"]  # it may fire any time until then
-        if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced", "holders_hang"):
+        if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced", "holders_hang",
+                    "broadcast_shard_crash"):
             e += p.restart_delay_s + world.config.lease_timeout_s
         end = max(end, e)
     return end
@@ -185,6 +210,14 @@ def inject(world, kind: str, knobs: dict) -> None:
         world.restart_after_failed = (knobs["delay_s"], knobs["down_s"])
         sim.trace("fault restart_after_failed_read armed")
         return
+    elif kind == "broadcast_shard_crash":
+        world.broadcast_crash_armed = (knobs["delay_s"], knobs["pick"])
+        sim.trace("fault broadcast_shard_crash armed")
+        return
+    elif kind == "restart_after_round_moved":
+        world.restart_after_moved = (knobs["delay_s"], knobs["down_s"])
+        sim.trace("fault restart_after_round_moved armed")
+        return
     elif kind == "holders_hang":
         newest = max((c.published for d in world.trainers for c in d.members
                       if c.alive and c.published is not None), default=None)
@@ -233,6 +266,76 @@ def restart_after_failed_read(world, effects) -> None:
     world.sim.after(delay_s, crash)
     world.sim.trace(f"fault restart_after_failed_read ({failed[0]}'s read failed) in {delay_s:.2f}s, "
                     f"down {down_s:.2f}s")
+
+
+def broadcast_shard_crash(world, client_id, reply, effects) -> None:
+    """The armed ``broadcast_shard_crash``: called with every reply and batch of effects of the
+    server. It fires when an assignment completes a sharded rollout replica's broadcast: every
+    live shard copies one version from a shard of a trainer."""
+    armed = getattr(world, "broadcast_crash_armed", None)
+    if armed is None or not world.server.up:
+        return
+    given = [(client_id, reply)] if isinstance(reply, m.Assignment) else []
+    given += [(e.client_id, e.event) for e in effects if isinstance(e.event, m.Assignment)]
+    for cid, a in given:
+        c = world.clients.get(cid)
+        d = getattr(c, "driver", None)
+        if c is None or c.num_shards < 2 or c.role != "rollout" or d is None:
+            continue
+        # The assigned shard's handle has not taken its assignment yet (it is on its way).
+        members = [s for s in d.members if s.alive and s is not c]
+        sources = [world.source_client(a.source_id)] + [world.source_client(s.machine.current_source) for s in members]
+        if (len(members) + 1 == c.num_shards and all(s.machine.reading and s.machine.region_version == a.version
+                                                     and s.machine.seq == c.machine.seq for s in members)
+                and all(src is not None and src.role == "trainer" and src.alive for src in sources)):
+            break
+    else:
+        return
+    world.broadcast_crash_armed = None
+    delay_s, pick = armed
+    victim = _pick(sources, pick)
+
+    def crash() -> None:
+        if victim.alive:
+            world.crash(victim, restart=True)
+            world.faults["broadcast_shard_crash"] = world.faults.get("broadcast_shard_crash", 0) + 1
+            world.faults_injected = True
+            world.sim.trace(f"fault broadcast_shard_crash {victim.cid}")
+    world.sim.after(delay_s, crash)
+    world.sim.trace(f"fault broadcast_shard_crash (replica {d.replica_id} copies {a.version} from the trainer): "
+                    f"{victim.cid} dies in {delay_s:.2f}s")
+
+
+def restart_after_round_moved(world, client_id, reply, effects) -> None:
+    """The armed ``restart_after_round_moved``: called with every reply and batch of effects of
+    the server. It fires when a shard of a sharded replica is given a version (an assignment,
+    or NoChange on the one it holds) in the round its handle is in, while a live sibling's handle
+    is still reading another version in that same round."""
+    armed = getattr(world, "restart_after_moved", None)
+    if armed is None or not world.server.up:
+        return
+    given = [(client_id, reply.version)] if isinstance(reply, (m.Assignment, m.NoChange)) else []
+    given += [(e.client_id, e.event.version) for e in effects if isinstance(e.event, m.Assignment)]
+    for cid, version in given:
+        c = world.clients.get(cid)
+        if c is None or c.num_shards < 2 or c.driver is None:
+            continue
+        behind = [s for s in c.driver.members if s is not c and s.alive and s.machine.reading
+                  and s.machine.seq == c.machine.seq and s.machine.region_version not in (-1, version)]
+        if behind:
+            break
+    else:
+        return
+    world.restart_after_moved = None
+    delay_s, down_s = armed
+    epoch = world.server.epoch
+
+    def crash() -> None:
+        if world.server.up and world.server.epoch == epoch:
+            _crash_server(world, "restart_after_round_moved", down_s)
+    world.sim.after(delay_s, crash)
+    world.sim.trace(f"fault restart_after_round_moved ({cid} given {version} in round {c.machine.seq} while "
+                    f"{behind[0].cid} reads {behind[0].machine.region_version}) in {delay_s:.2f}s, down {down_s:.2f}s")
 
 
 def _crash_server(world, kind: str, down_s: float) -> None:

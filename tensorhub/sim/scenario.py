@@ -164,6 +164,10 @@ class World:
         self.restart_armed: Optional[float] = None
         self.restart_after_failed: Optional[tuple[float, float]] = None
         """The armed ``restart_after_failed_read``: (delay_s, down_s)."""
+        self.broadcast_crash_armed: Optional[tuple[float, float]] = None
+        """The armed ``broadcast_shard_crash``: (delay_s, pick)."""
+        self.restart_after_moved: Optional[tuple[float, float]] = None
+        """The armed ``restart_after_round_moved``: (delay_s, down_s)."""
         """The ``restart_mid_read`` fault is armed: the server's down time when it fires."""
         self.active_end = self.params.active_s
         self.stats_recoveries = self.stats_stalls = self.stats_bad_units = self.stats_scribbles = 0

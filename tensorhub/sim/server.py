@@ -164,6 +164,8 @@ class SimServer:
             for eff in effects:
                 sim.trace(f"evt {eff.client_id} {eff.event!r}")
             faults.restart_after_failed_read(self.world, effects)
+            faults.broadcast_shard_crash(self.world, cid, reply, effects)
+            faults.restart_after_round_moved(self.world, cid, reply, effects)
 
         released = self.holds.releases(req)  # as the actor: before the request is applied
         reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
@@ -249,6 +251,8 @@ class SimServer:
         for eff in effects:
             self.world.sim.trace(f"evt {eff.client_id} {eff.event!r}")
         faults.restart_after_failed_read(self.world, effects)
+        faults.broadcast_shard_crash(self.world, None, None, effects)
+        faults.restart_after_round_moved(self.world, None, None, effects)
         self.mail.route(effects)
         self._serve_polls()
 
