@@ -39,8 +39,9 @@ parameters; every injection is traced and counted.
                        (not drawn with the kinds above: its knobs come from its own random
                        stream, so their draws stay as they were; it fires at most once, only
                        in the narrow situation below, in a few percent of sharded runs): the
-                       server restarts ``delay_s`` after a shard of a sharded replica is given another version in a round while a sibling
-                       is still copying the version it was given (the round moved: that read was
+                       server restarts ``delay_s`` after a shard of a sharded replica is given
+                       another version in a round while a sibling is still copying the version
+                       it was given (the round moved: that read was
                        failed with its version, the note not taken yet). The fresh server hears
                        the round's new version from one shard and the old one from the other,
                        whose read goes on and may finish there (typically after a trainer shard
@@ -74,7 +75,6 @@ BOUNDS = {
     "broadcast_shard_crash.delay_s": (0.0, 0.5),
     "restart_after_round_moved.delay_s": (0.0, 0.3),
 }
-
 
 
 def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
