@@ -112,8 +112,9 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
             plan.append((t, kind, knobs))
     if p.num_shards > 1:
         own = world.sim.rng("round-moved")
-        plan.append((lo, "restart_after_round_moved", {"delay_s": own.uniform(*BOUNDS["restart_after_round_moved.delay_s"]),
-                                                        "down_s": own.uniform(*BOUNDS["server_restart.down_s"])}))
+        knobs = {"delay_s": own.uniform(*BOUNDS["restart_after_round_moved.delay_s"]),
+                 "down_s": own.uniform(*BOUNDS["server_restart.down_s"])}
+        plan.append((lo, "restart_after_round_moved", knobs))
     plan.sort(key=lambda x: (x[0], x[1]))
     for t, kind, knobs in plan:
         world.sim.at(t, inject, world, kind, knobs)
