@@ -451,6 +451,7 @@ class Hub(HostCopies):
         made. Raises ``ServerUnavailable`` while there is still no answer."""
         req, stage = self._unsettled_swap, self._stage
         if req is None or stage is None:
+            self._unsettled_swap = None  # no staging copy left: nothing to settle
             return
         with stage._lock:
             reply = self._swap_call(req)

@@ -258,15 +258,7 @@ def restart_after_failed_read(world, effects) -> None:
     if not failed:
         return
     world.restart_after_failed = None
-    delay_s, down_s = armed
-    epoch = world.server.epoch
-
-    def crash() -> None:
-        if world.server.up and world.server.epoch == epoch:
-            _crash_server(world, "restart_after_failed_read", down_s)
-    world.sim.after(delay_s, crash)
-    world.sim.trace(f"fault restart_after_failed_read ({failed[0]}'s read failed) in {delay_s:.2f}s, "
-                    f"down {down_s:.2f}s")
+    _restart_later(world, "restart_after_failed_read", *armed, f"{failed[0]}'s read failed")
 
 
 def broadcast_shard_crash(world, client_id, reply, effects) -> None:
@@ -328,15 +320,19 @@ def restart_after_round_moved(world, client_id, reply, effects) -> None:
     else:
         return
     world.restart_after_moved = None
-    delay_s, down_s = armed
+    _restart_later(world, "restart_after_round_moved", *armed, f"{cid} given {version} in round {c.machine.seq} "
+                   f"while {behind[0].cid} reads {behind[0].machine.region_version}")
+
+
+def _restart_later(world, kind: str, delay_s: float, down_s: float, why: str) -> None:
+    """An armed restart fires ``delay_s`` from now (unless the server restarted meanwhile)."""
     epoch = world.server.epoch
 
     def crash() -> None:
         if world.server.up and world.server.epoch == epoch:
-            _crash_server(world, "restart_after_round_moved", down_s)
+            _crash_server(world, kind, down_s)
     world.sim.after(delay_s, crash)
-    world.sim.trace(f"fault restart_after_round_moved ({cid} given {version} in round {c.machine.seq} while "
-                    f"{behind[0].cid} reads {behind[0].machine.region_version}) in {delay_s:.2f}s, down {down_s:.2f}s")
+    world.sim.trace(f"fault {kind} ({why}) in {delay_s:.2f}s, down {down_s:.2f}s")
 
 
 def _crash_server(world, kind: str, down_s: float) -> None:
