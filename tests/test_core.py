@@ -1015,7 +1015,9 @@ def test_a_completed_shard_binds_its_round_after_a_restart(completed_first):
         regs[sh] = m.Register(f"a{sh}", "pol", "A", sh, 3, LAYOUT, f"a{sh}".encode())
     done = m.Announce(regs[1], m.Holding(published=3, txn_seq=4, txn_version=3))
     readers = [m.Announce(regs[sh], m.Holding(reading_version=2, txn_seq=4, txn_version=2)) for sh in (0, 2)]
-    for a in ([done] + readers if completed_first else readers + [done]):
+    if completed_first:  # an unconfirmed completion waits for its siblings (ServerRecovering)
+        assert err(w.send(done)) == "ServerRecovering" and "a1" not in w.core.nodes
+    for a in readers + [done]:
         assert w.send(a) == m.Ok()
     for _ in range(12):  # the recovery window ends: nobody holds version 2
         for cid in ("t0", "t1", "t2", "a0", "a1", "a2"):
@@ -1116,9 +1118,12 @@ def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_
     reads finished while it was down, so both ReplicateDones became announcements of a complete
     holding. The fresh server must not let shard 0 complete version 3 in round 4 as well."""
     w, regs = _split_round_world()
-    assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1))) == m.Ok()
-    reply = w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3)))
+    first = m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1))
+    assert err(w.send(first)) == "ServerRecovering", "held back until shard 0 is heard from"
+    assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
+    reply = w.send(first)  # both unconfirmed: the server cannot tell which one the old server took
     assert err(reply) == "VersionLost", reply
+    assert w.core.nodes["a1"].state is S.IDLE and w.core.nodes["a0"].state is S.PUBLISHED
 
 
 def _split_round_world(old: int = 3):
@@ -1134,13 +1139,14 @@ def _split_round_world(old: int = 3):
 
 def test_a_confirmed_completion_announced_after_an_unconfirmed_conflicting_one_demotes_it():
     """Shard 1's ReplicateDone of version 1 (round 4) got Ok before the restart; shard 0's of
-    version 3 met it. Shard 0 announces first: accepted (nothing to compare with yet). Shard 1's
-    confirmed announcement then wins: shard 0 is demoted to idle (``Demoted``, its reader
-    reassigned) and the round is bound to version 1, which shard 0's retry joins."""
+    version 3 met it. Shard 0 announces first, after the recovery window (within it, it would
+    wait for shard 1): accepted (nothing to compare with yet). Shard 1's confirmed announcement
+    then wins: shard 0 is demoted to idle (``Demoted``, its reader reassigned) and the round is
+    bound to version 1, which shard 0's retry joins."""
     w, regs = _split_round_world()
+    w.now = 6.0  # past the recovery window: nothing is held back, a new sharded reader may register
     assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
     assert w.core.nodes["a0"].state is S.PUBLISHED
-    w.now = 6.0  # past the recovery window: a new sharded reader may register
     w.reg("r", replica="R", shard=0, num_shards=2)  # reads shard 0 of version 3 from a0 (T0 drains)
     w.reg("r1", replica="R", shard=1, num_shards=2)
     w.send(m.Unpublish("T0"))
@@ -1151,9 +1157,50 @@ def test_a_confirmed_completion_announced_after_an_unconfirmed_conflicting_one_d
     (note,) = w.pop("a0")
     assert isinstance(note, m.Demoted) and note.version == 3 and "confirmed" in note.reason
     assert w.core.nodes["a0"].state is S.IDLE and w.core.nodes["a1"].state is S.PUBLISHED
-    assert w.core.nodes["r"].state is S.WAITING, "the demoted holder's reader lost its source"
+    r = w.core.nodes["r"]  # the demoted holder's reader lost its source, the only one left
+    assert r.state is S.IDLE and r.failure.code == "VersionLost" and "no holder is left" in r.failure.message
     a = w.send(m.Replicate("a0", "latest", seq=4))
     assert isinstance(a, m.Assignment) and a.version == 1
+
+
+def test_an_unconfirmed_completion_waits_in_the_recovery_window_until_its_siblings_are_heard():
+    """Simulator seeds 8622 and 8753: shard 0's ReplicateDone of version 3 met the restart
+    (unconfirmed); shard 1's of version 1 in the same round got Ok (confirmed). Shard 0 announced
+    first, was accepted, so its replicate() returned ok, and was demoted a moment later. Now it
+    waits (``ServerRecovering``, not registered yet) until shard 1 is heard from, and is then
+    refused: no call returns a round the server takes back, and nobody is demoted."""
+    w, regs = _split_round_world()
+    held = m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3, host_copies=((2, b"h"),)))
+    for _ in range(2):
+        reply = w.send(held)
+        assert err(reply) == "ServerRecovering" and "siblings" in reply.message
+    assert "a0" not in w.core.nodes and "a0#host2" not in w.core.nodes, "nothing changed yet"
+    assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1, confirmed=True))) == m.Ok()
+    assert err(w.send(held)) == "VersionLost"
+    assert w.pop("a0") == [] and w.pop("a1") == [], "no Demoted"
+    assert w.core.nodes["a0"].state is S.IDLE and w.core.nodes["a1"].state is S.PUBLISHED
+
+
+def test_a_held_back_completion_counts_as_heard_and_is_taken_as_it_is_after_the_window():
+    """A held-back shard counts as heard from: its sibling's fresh process may register in the
+    window (no deadlock, each waiting for the other). After the window (one lease from the
+    restart) a held-back completion whose siblings never came is accepted as before; confirmed
+    and unsharded completions are never held back."""
+    w, regs = _split_round_world()
+    held = m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))
+    assert err(w.send(held)) == "ServerRecovering"
+    assert w.send(regs[1]) == m.Registered(round_seq=0)
+    assert w.send(held) == m.Ok() and w.core.nodes["a0"].state is S.PUBLISHED
+    w2, regs2 = _split_round_world()
+    held2 = m.Announce(regs2[0], m.Holding(published=3, txn_seq=4, txn_version=3))
+    assert err(w2.send(held2)) == "ServerRecovering"
+    w2.tick(5.0)
+    assert w2.core._held_back == {}, "forgotten when the window ends"
+    assert w2.send(held2) == m.Ok() and w2.core.nodes["a0"].state is S.PUBLISHED
+    w3, regs3 = _split_round_world()
+    assert w3.send(m.Announce(regs3[0], m.Holding(published=3, txn_seq=4, txn_version=3, confirmed=True))) == m.Ok()
+    solo = m.Register("s", "pol", "S", 0, 2, LAYOUT, b"s")
+    assert w3.send(m.Announce(solo, m.Holding(published=3))) == m.Ok(), "no round: not held back"
 
 
 def test_an_unconfirmed_completion_announced_after_a_confirmed_conflicting_one_is_refused():
@@ -1174,8 +1221,10 @@ def test_unconfirmed_and_confirmed_completions_bind_rounds_as_before_without_a_c
     confirmed one does, and two confirmed conflicting ones (never both confirmed by one server)
     are both kept, as before."""
     w, regs = _split_round_world()
-    assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
+    first = m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))
+    assert err(w.send(first)) == "ServerRecovering"
     assert w.send(m.Announce(regs[1], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
+    assert w.send(first) == m.Ok()
     assert w.core.nodes["a1"].state is S.PUBLISHED and 3 in w.core.models["pol"].committed
     w2, regs2 = _split_round_world()
     for sh, v in ((0, 3), (1, 1)):

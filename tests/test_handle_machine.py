@@ -648,3 +648,29 @@ def test_a_refused_or_demoted_unconfirmed_completion_leaves_the_handle_idle():
     assert mc.published is None and mc.phase is hm.Phase.IDLE and mc.region_version == -1
     assert mc.handle(hm.Noted(m.Demoted(version=1, reason="repeated")), 0.0) == []
     assert mc.holding() == m.Holding()
+
+
+def test_a_held_back_unconfirmed_completion_is_announced_again_after_a_pause():
+    """Simulator seeds 8622, 8753: a fresh server holds an unconfirmed completion back
+    (``ServerRecovering``) until the replica's siblings are heard from. The handle announces the
+    same holding again after ``RETRY_PAUSE_S`` while the completion may be tried
+    (``request_timeout_s`` from its last byte), then fails typed; nothing is published meanwhile."""
+    mc = _machine()
+    _reading(mc)
+    mc.handle(hm.Pulled(4), 1.0)
+    mc.handle(hm.Unavailable("down"), 1.0)
+    (announce,) = mc.handle(hm.TimerFired(), 1.0)
+    recovering = m.ErrorReply(code="ServerRecovering", message="waits for its siblings")
+    for t in (1.1, 2.0, 5.5):
+        assert mc.handle(hm.Replied(recovering), t) == [hm.Sleep(hm.RETRY_PAUSE_S)]
+        assert mc.step is hm.Step.ANNOUNCE_PAUSE and mc.published is None
+        assert mc.handle(hm.TimerFired(), t + hm.RETRY_PAUSE_S) == [announce]
+    assert mc.handle(hm.Replied(m.Ok()), 5.7)[-1].outcome.action == "replicated" and mc.published == 1
+    mc2 = _machine()
+    _reading(mc2)
+    mc2.handle(hm.Pulled(4), 1.0)
+    mc2.handle(hm.Unavailable("down"), 1.0)
+    mc2.handle(hm.TimerFired(), 1.0)
+    cmds = mc2.handle(hm.Replied(recovering), 6.0)  # past 1 + 5 s
+    assert cmds[-1] == hm.Fail("ServerRecovering", "waits for its siblings") and mc2.published is None
+    assert hm.SetRegion(-1, 0) in cmds

@@ -121,12 +121,22 @@ def partial_region_not_hidden(mp):
 
 
 def failed_note_ignored(mp):
-    """The handle ignores the server's Failed note while its read is in progress."""
+    """The handle ignores the server's Failed note while its read is in progress. Since a fresh
+    server holds unconfirmed sharded completions back until their siblings are heard from, that
+    second line refuses the completion this bug announces (the round stays whole); the plant
+    turns it off too, so the checker is shown to catch the split the bug would cause."""
     orig = hm.HandleMachine._noted
 
     def bad(self, ev):
         return [] if isinstance(ev, m.Failed) else orig(self, ev)
     mp.setattr(hm.HandleMachine, "_noted", bad)
+    unconfirmed_not_held_back(mp)
+
+
+def unconfirmed_not_held_back(mp):
+    """A fresh server accepts an unconfirmed sharded completion before its siblings announced
+    (a confirmed sibling of another version then demotes it after its call returned ok)."""
+    mp.setattr(ReferenceCore, "_holds_back", lambda self, reg, hold, now: False)
 
 
 def swap_ignores_stage_readers(mp):
@@ -161,6 +171,7 @@ CASES = [
     (failed_note_ignored, "txn", [(786, "sharded")]),  # reached by the restart_after_failed_read fault
     (no_round_check_at_done, "txn", [(130, "sharded")]),  # reached by the restart_after_round_moved fault
     (swap_ignores_stage_readers, "mutate", [(45, "standalone")]),
+    (unconfirmed_not_held_back, "txn", [(8622, None), (8753, None)]),  # 2 in 10,000: not in the sweep
 ]
 
 

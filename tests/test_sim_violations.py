@@ -244,16 +244,14 @@ def test_seed_860_without_checksums_frees_no_host_copy_under_a_reader(monkeypatc
     assert not r.violations, r.violations[:3]
 
 
-# --------------------------------------------------------------------------- open: unconfirmed first
+# --------------------------------------------------------------------------- unconfirmed first
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: after a restart a shard's unconfirmed completion (its ReplicateDone met the restart) is "
-    "announced first and accepted, so its update() returns ok; a sibling's confirmed completion of "
-    "that round at another version then demotes it (Demoted): the server ends consistent, but the "
-    "user's round saw two versions. Fix: hold unconfirmed completions of a sharded round until the "
-    "recovery window ends"))
 @pytest.mark.parametrize("seed", [8622, 8753])
 def test_an_unconfirmed_completion_accepted_first_does_not_split_its_round(seed):
-    """Found by the restart_after_round_moved / broadcast_shard_crash faults (2 of 10,000 seeds)."""
+    """Found by the restart_after_round_moved / broadcast_shard_crash faults (2 of 10,000 seeds):
+    after a restart a shard's unconfirmed completion was announced first and accepted (its
+    update() returned ok), then demoted by a sibling's confirmed completion of that round at
+    another version. Fixed: the fresh server holds an unconfirmed sharded completion back until
+    the replica's siblings are heard from (``ReferenceCore._holds_back``)."""
     r = run_scenario(seed)
     assert not r.violations, r.violations[:3]

@@ -40,7 +40,9 @@ Rules, in the order they are applied:
    request; ``ServerUnavailable`` reconnects with a growing pause, ``reconnects_max`` times. A
    holding says whether a server confirmed its published version (``Holding.confirmed``); a
    ``ReplicateDone`` that met the restart is announced unconfirmed, and the fresh server may
-   refuse it (``VersionLost``: the call fails, the next round retries) or later demote it
+   hold it back until the replica's siblings are heard from (``ServerRecovering``: announced
+   again after a pause, for as long as the completion may be tried), refuse it (``VersionLost``:
+   the call fails, the next round retries) or, past its recovery window, later demote it
    (``Demoted``: the handle drops its published version and hides the region).
 8. ``close()`` by the last live non-spot holder of a retained version, while other clients of
    the model remain, is refused by the server (``LastCopyHeld``): the handle stays open and keeps
@@ -288,6 +290,7 @@ class Step(enum.Enum):
     ANNOUNCE = "announce"
     RECONNECT = "reconnect"
     RETRY_PAUSE = "retry-pause"
+    ANNOUNCE_PAUSE = "announce-pause"  # a fresh server asked us to announce again later
     BACKOFF = "backoff"
     RECHECK = "recheck"
     PULL = "pull"
@@ -553,14 +556,24 @@ class HandleMachine:
                 return self._announce(now)
             case Step.RETRY_PAUSE:
                 return self._resend(now)
+            case Step.ANNOUNCE_PAUSE:
+                return self._announce(now)
             case Step.BACKOFF:
                 return self._pull()
         raise AssertionError(f"timer in step {self.step}")
 
     def _announced(self, reply: object, now: float) -> list[Command]:
+        req = self._req
+        if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
+            # An unconfirmed completion of a sharded round waits for its siblings to announce
+            # (ReferenceCore._holds_back): announce again after a pause, for as long as the
+            # completion (or the call) may be tried.
+            by = self._done_by if isinstance(req, m.ReplicateDone) else self._deadline
+            if now + RETRY_PAUSE_S < by:
+                self.step = Step.ANNOUNCE_PAUSE
+                return [Sleep(RETRY_PAUSE_S)]
         if isinstance(reply, m.ErrorReply):
             return self._fail(reply.code, reply.message)
-        req = self._req
         if isinstance(req, m.ReplicateDone):
             return self._replied_to(req, m.Ok(), now)  # announced as a complete holder already
         if isinstance(req, m.OffloadDone):

@@ -27,7 +27,10 @@ Rules kept here (DESIGN.md section 1):
   version than a sibling's completion of that round is refused (``VersionLost``; the shard stays
   registered, idle) unless the old server confirmed it (``Holding.confirmed``): a confirmed one
   wins over siblings' unconfirmed ones, which are demoted to idle (``Demoted``, their readers
-  reassigned). Two confirmed ones are both kept (the old server never confirms both).
+  reassigned). Two confirmed ones are both kept (the old server never confirms both). Within
+  the recovery window an unconfirmed completion waits (``ServerRecovering``) until every
+  sibling shard of its replica has been heard from, so it meets a confirmed rival before its
+  call returns; ``Demoted`` remains only for one accepted after the window.
 
 The rules across datacenters (offload seeding, smart skipping) are a mixin of their own,
 :mod:`tensorhub.core.crossdc`, and so is retention with host copies, :mod:`tensorhub.core.retention`.
@@ -117,6 +120,9 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._now = 0.0
         self._born: Optional[float] = None
         self._recovering_until = float("-inf")
+        self._held_back: dict[str, tuple[str, str, int]] = {}
+        """Client -> (model, replica, shard) of an unconfirmed sharded completion held back in the
+        recovery window (:meth:`_holds_back`); it counts as heard from for its siblings."""
         self._window_closed = True
         self._pending_edges: dict[str, set[str]] = {}
         """After a restart: announced readers whose source has not announced itself yet."""
@@ -231,6 +237,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             self._remove_replica(model, replica, reason="lease expired")
         self.txns.prune(now)
         if now >= self._recovering_until:
+            self._held_back.clear()  # accepted as they are from now on
             if not self._window_closed:
                 # VersionLost was held back during the window: re-check every read group once.
                 self._window_closed = True
@@ -377,8 +384,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             raise InvalidState(f"client {req.client_id} is already registered with other parameters")
         self._check_registration(req)
         if req.num_shards > 1 and now < self._recovering_until:
-            present = len(self._replicas.get((req.model, req.replica_id), ()))
-            if present < req.num_shards - 1:
+            if self._unheard_shards(req.model, req.replica_id, req.num_shards) - {req.shard}:
                 # After a restart the replica's rounds are known only from its shards'
                 # announcements: a fresh process waits for them to count on with its siblings.
                 raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
@@ -411,11 +417,22 @@ class ReferenceCore(CrossDatacenter, Retention):
         before it ends, so a reader that is still copying from a holder under the old server
         has time to announce that edge before the holder may write its tensors."""
         reg, hold = req.register, req.holding
-        if reg.client_id not in self.nodes:
+        fresh = reg.client_id not in self.nodes
+        if fresh:
             self._check_registration(reg)
-            self._add_node(reg, now)
             self._recovering_until = max(self._recovering_until, self._born + self.config.lease_timeout_s)
             self._window_closed = False
+        if self._holds_back(reg, hold, now):
+            if fresh:
+                self._held_back[reg.client_id] = (reg.model, reg.replica_id, reg.shard)
+            else:
+                self._seen(self.nodes[reg.client_id], now)
+            raise ServerRecovering(
+                f"{reg.model} replica {reg.replica_id}: shard {reg.shard}'s unconfirmed completion of version "
+                f"{hold.published} waits for its siblings to re-announce; retry")
+        self._held_back.pop(reg.client_id, None)
+        if fresh:
+            self._add_node(reg, now)
         node = self.nodes[reg.client_id]
         self._seen(node, now)
         node.heard_at = now
@@ -472,6 +489,23 @@ class ReferenceCore(CrossDatacenter, Retention):
             if txn[1] == hold.txn_version:
                 txn[2].add(node.shard)
         return m.Ok()
+
+    def _holds_back(self, reg: m.Register, hold: m.Holding, now: float) -> bool:
+        """Whether an unconfirmed completion of a sharded round waits (``ServerRecovering``):
+        inside the recovery window, until every sibling shard of its replica has been heard
+        from. A confirmed sibling completion of another version announced after it would demote
+        it, but by then the caller's ``replicate()`` had already returned; held back, it meets
+        that sibling first and is refused instead (:meth:`_conflicting_completion`)."""
+        if (hold.confirmed or hold.published is None or hold.txn_seq < 0 or reg.num_shards <= 1
+                or hold.published != hold.txn_version or now >= self._recovering_until):
+            return False
+        return bool(self._unheard_shards(reg.model, reg.replica_id, reg.num_shards) - {reg.shard})
+
+    def _unheard_shards(self, model: str, replica_id: str, num_shards: int) -> set[int]:
+        """Shards of a replica that neither registered/announced nor wait held back."""
+        heard = {n.shard for n in self._replica_nodes(model, replica_id)}
+        heard.update(shard for mod, rid, shard in self._held_back.values() if (mod, rid) == (model, replica_id))
+        return set(range(num_shards)) - heard
 
     def _conflicting_completion(self, node: Node, hold: m.Holding) -> Optional[VersionLost]:
         """An announced completion of round ``hold.txn_seq`` at a version other than the one a
