@@ -653,8 +653,9 @@ def test_a_refused_or_demoted_unconfirmed_completion_leaves_the_handle_idle():
 def test_a_held_back_unconfirmed_completion_is_announced_again_after_a_pause():
     """Simulator seeds 8622, 8753: a fresh server holds an unconfirmed completion back
     (``ServerRecovering``) until the replica's siblings are heard from. The handle announces the
-    same holding again after ``RETRY_PAUSE_S`` while the completion may be tried
-    (``request_timeout_s`` from its last byte), then fails typed; nothing is published meanwhile."""
+    same holding again after ``RETRY_PAUSE_S`` for a request timeout from the first such answer,
+    then fails typed; nothing is published meanwhile. Seed 1165: the wait must not use up the
+    completion's own retries: an answer lost once the server took it is asked for again."""
     mc = _machine()
     _reading(mc)
     mc.handle(hm.Pulled(4), 1.0)
@@ -665,12 +666,17 @@ def test_a_held_back_unconfirmed_completion_is_announced_again_after_a_pause():
         assert mc.handle(hm.Replied(recovering), t) == [hm.Sleep(hm.RETRY_PAUSE_S)]
         assert mc.step is hm.Step.ANNOUNCE_PAUSE and mc.published is None
         assert mc.handle(hm.TimerFired(), t + hm.RETRY_PAUSE_S) == [announce]
-    assert mc.handle(hm.Replied(m.Ok()), 5.7)[-1].outcome.action == "replicated" and mc.published == 1
+    for t in (7.0, 8.0):  # past 1 + 5 s and reconnects_max: accepted, the answer lost twice
+        assert isinstance(mc.handle(hm.Unavailable("lost"), t)[0], hm.Reconnect)
+        assert mc.handle(hm.TimerFired(), t) == [announce]
+    assert mc.handle(hm.Replied(m.Ok()), 8.5)[-1].outcome.action == "replicated" and mc.published == 1
     mc2 = _machine()
     _reading(mc2)
     mc2.handle(hm.Pulled(4), 1.0)
     mc2.handle(hm.Unavailable("down"), 1.0)
     mc2.handle(hm.TimerFired(), 1.0)
-    cmds = mc2.handle(hm.Replied(recovering), 6.0)  # past 1 + 5 s
+    assert mc2.handle(hm.Replied(recovering), 2.0) == [hm.Sleep(hm.RETRY_PAUSE_S)]
+    mc2.handle(hm.TimerFired(), 2.1)
+    cmds = mc2.handle(hm.Replied(recovering), 7.0)  # past 2 + 5 s
     assert cmds[-1] == hm.Fail("ServerRecovering", "waits for its siblings") and mc2.published is None
     assert hm.SetRegion(-1, 0) in cmds

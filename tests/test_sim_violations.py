@@ -255,3 +255,12 @@ def test_an_unconfirmed_completion_accepted_first_does_not_split_its_round(seed)
     the replica's siblings are heard from (``ReferenceCore._holds_back``)."""
     r = run_scenario(seed)
     assert not r.violations, r.violations[:3]
+
+
+def test_seed_1165_a_held_back_completion_whose_acceptance_is_lost_is_asked_for_again():
+    """The fresh server held an unconfirmed completion back; requests and then the answer that
+    accepted it were lost, past reconnects_max and the completion's own retry time: the handle
+    failed ServerUnavailable while the server listed it published (split). The wait no longer
+    uses up those retries (``HandleMachine._announced``)."""
+    r = run_scenario(1165, "sharded")
+    assert not r.violations, r.violations[:3]

@@ -331,6 +331,9 @@ class HandleMachine:
         self._incomplete_by = 0.0
         self._done_by = 0.0
         """Until when a read's completion (``ReplicateDone``) is tried again."""
+        self._held_by: Optional[float] = None
+        """Until when a completion a fresh server holds back (``ServerRecovering``) is announced
+        again: a request timeout from the first such answer."""
         self._read_open = False
         """A Replicate was sent and the read has not ended on the server."""
         self._retried_lost = False
@@ -566,10 +569,17 @@ class HandleMachine:
         req = self._req
         if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
             # An unconfirmed completion of a sharded round waits for its siblings to announce
-            # (ReferenceCore._holds_back): announce again after a pause, for as long as the
-            # completion (or the call) may be tried.
-            by = self._done_by if isinstance(req, m.ReplicateDone) else self._deadline
-            if now + RETRY_PAUSE_S < by:
+            # (ReferenceCore._holds_back): announce again after a pause, for a request timeout
+            # from the first such answer.
+            done = isinstance(req, m.ReplicateDone)
+            if done and self._held_by is None:
+                self._held_by = now + self.request_timeout_s
+            if now + RETRY_PAUSE_S < (self._held_by if done else self._deadline):
+                self._attempt = 0  # the server answered: held back is not lost
+                if done:
+                    # A lost answer once the server takes it is tried again as long as after the
+                    # last byte (the wait does not use up the completion's own time).
+                    self._done_by = max(self._done_by, now + self.request_timeout_s)
                 self.step = Step.ANNOUNCE_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]
         if isinstance(reply, m.ErrorReply):
@@ -792,6 +802,7 @@ class HandleMachine:
             # a holder this handle no longer advertises, so the completion is tried again, past
             # ``reconnects_max``, for a whole request timeout of its own.
             self._done_by = now + self.request_timeout_s
+            self._held_by = None
             return self._send(m.ReplicateDone(self.client_id, a.version), False, now)
         self._failovers += 1
         self._last_error = ev.error
