@@ -1,12 +1,13 @@
-"""The manual stays true to the code: the generated Config table.
+"""The manual stays true to the code: the generated Config table, and every relative link.
 
 No Ray, torch or network: the table is rebuilt from the source of ``tensorhub/config.py``
-(:mod:`tensorhub._docgen`).
+(:mod:`tensorhub._docgen`), links are checked against the files of the repository.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 
@@ -67,3 +68,82 @@ def test_docgen_check_mode_says_which_command(tmp_path, capsys):
     assert _docgen.main(["config", "--doc", str(doc)]) == 0
     assert _docgen.main(["config", "--check", "--doc", str(doc)]) == 0
     assert doc.read_text().startswith("intro\n") and "stale" not in doc.read_text()
+
+
+# ---------------------------------------------------------------------------- links
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*(?:<([^>\n]+)>|([^)\s]+))(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _markdown_files() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def relative_links(text: str) -> list[str]:
+    """Targets of inline Markdown links and images outside code, without URLs or bare anchors."""
+    text = _CODE.sub("", _FENCE.sub("", text))
+    out = []
+    for bracketed, plain in _LINK.findall(text):
+        target = bracketed or plain
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+            continue  # https:, mailto:, ... and anchors inside the same file
+        out.append(target)
+    return out
+
+
+def test_link_scanner_skips_code_urls_and_anchors():
+    text = ("[a](docs/a.md#x) ![img](b.png) [u](https://x.org/y) [h](#here) `[c](code.md)`\n"
+            "```\n[d](fenced.md)\n```\n[e](<e f.md>)")
+    assert relative_links(text) == ["docs/a.md#x", "b.png", "e f.md"]
+
+
+def test_docs_exist():
+    names = {p.name for p in DOCS.glob("*.md")}
+    assert {"README.md", "concepts.md", "api.md", "configuration.md", "operations.md", "security.md",
+            "limits.md", "integrations.md", "design.md"} <= names
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped
+    (hyphens and underscores stay), spaces to hyphens, repeats numbered ``-1``, ``-2``."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _FENCE.sub("", text).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_anchors_follow_github():
+    text = "# A title\n## 1. The core's rules\n### Compiled-graph pipelines (`tensorhub.graphs`)\n## A title\n"
+    assert anchors(text) == {"a-title", "1-the-cores-rules", "compiled-graph-pipelines-tensorhubgraphs", "a-title-1"}
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_at_existing_files(path):
+    """Every relative link names an existing file; one into a Markdown file with ``#anchor``
+    names one of its headings."""
+    missing, dangling = [], []
+    for target in relative_links(path.read_text()):
+        file_part, _, anchor = target.partition("#")
+        dest = path.parent / file_part
+        if file_part and not dest.exists():
+            missing.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            dangling.append(target)
+    assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
+    assert not dangling, f"{path.relative_to(ROOT)} links to missing headings: {dangling}"
+
+
+def test_same_file_anchors_exist():
+    for path in _markdown_files():
+        text = path.read_text()
+        own = [t[1:] for t in re.findall(r"\]\((#[^)\s]+)\)", _CODE.sub("", _FENCE.sub("", text)))]
+        assert set(own) <= anchors(text), f"{path.relative_to(ROOT)}: {sorted(set(own) - anchors(text))}"
