@@ -1,5 +1,6 @@
 """Unit tests of the protocol core: every transition, every typed error, the transaction of
-DESIGN.md's Figure 6, scheduling pipelines, cross-datacenter seeding, retention and leases."""
+docs/design.md ("A round is a transaction"), scheduling pipelines, cross-datacenter seeding,
+retention and leases."""
 
 from __future__ import annotations
 
@@ -245,8 +246,8 @@ def test_requests_in_wrong_state_are_rejected_and_change_nothing(setup, request_
 
 
 def test_transaction_pins_version_for_all_shards_of_a_replica():
-    """DESIGN.md Figure 6: replica 0 shard 0 resolves latest = 12; replica 1 then publishes 13;
-    replica 0 shard 1 must still get 12."""
+    """docs/design.md, "A round is a transaction": replica 0 shard 0 resolves latest = 12;
+    replica 1 then publishes 13; replica 0 shard 1 must still get 12."""
     w = World(versions_retained=4)
     for s in (0, 1):
         w.reg(f"t{s}", replica="trainer", shard=s, num_shards=2)

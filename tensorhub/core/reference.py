@@ -11,7 +11,7 @@ assignment once a source frees, a finished drain, an offload order, a failure, a
 An event for the requesting client that arises while its own request is handled becomes the
 reply itself, so a request that can finish at once costs one round trip.
 
-Rules kept here (DESIGN.md section 1):
+Rules kept here (docs/design.md, section 1):
 - a version is *committed* once every shard of one replica holds it complete; only committed
   versions with a live complete holder of every shard are *available* to version specs;
 - the first shard of a replica to replicate in round ``seq`` resolves the spec; its siblings

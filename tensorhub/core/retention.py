@@ -1,7 +1,7 @@
 """Retention: host copies that keep recent versions available.
 
 A mixin of :class:`tensorhub.core.reference.ReferenceCore` (it reads and changes the core's
-table), kept apart because it is one concern (DESIGN.md section 1, rule 3):
+table), kept apart because it is one concern (docs/design.md, section 1, rule 4):
 
 - the last live non-spot complete holder of a retained version offloads it to host memory
   before it unpublishes (``_needs_offload``; an ``OffloadOrder``, answered by ``OffloadDone``);
