@@ -54,7 +54,7 @@ OPS = ("Register", "Replicate", "ReplicateDone", "Heartbeat+tick")
 
 def _signed(req) -> bytes:
     """``req`` encoded as a Hub's port sends it, with the capability of every client it acts for
-    (README, "Security"): drawn from the client id, so every process of the benchmark agrees."""
+    (docs/security.md): drawn from the client id, so every process of the benchmark agrees."""
     import hashlib
 
     from tensorhub.auth import acts_for

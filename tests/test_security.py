@@ -1,4 +1,4 @@
-"""The reference server trusts no caller (README, "Security"; review issue 22 section 2).
+"""The reference server trusts no caller (docs/security.md; review issue 22 section 2).
 
 Unit tier: the real ``ReferenceServer`` class driven as a foreign job would (its ``call`` /
 ``notes`` / ``status``, no Ray cluster), the client's bounds, the secrets kept out of reprs.
@@ -148,7 +148,7 @@ def test_a_foreign_caller_cannot_act_for_the_trainer_and_changes_nothing(server)
 
 
 def test_an_open_model_admits_a_foreign_replica_but_not_an_unbounded_version(server):
-    """Without a model secret any job may join the model as a replica of its own (README:
+    """Without a model secret any job may join the model as a replica of its own (docs/security.md:
     "an open model"), but a version above ``bounds.VERSION_MAX`` is refused, so a rollout's
     ``update("latest")`` still goes to the trainer."""
     s = server()
