@@ -5,6 +5,11 @@ Ray cluster on the machine with it).
 ``ray start --head --block`` runs in a new session (``start_new_session``): the head's processes
 and the workers its raylet spawns stay in that session, so teardown signals that process group
 and then SIGKILLs whatever of the session is left, by pid.
+
+The head has a token of its own (``RAY_AUTH_TOKEN_PATH`` in the private temp dir): ``ray start``
+never creates one, so on a fresh machine, where no ``ray.init()`` has written ``~/.ray/auth_token``
+yet, a head that relied on that file refused to start. :attr:`Head.env` is what a client of it
+needs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -42,6 +48,7 @@ class Head:
     dashboard_url: str
     metrics_port: int
     temp_dir: str
+    env: dict  # os.environ plus this head's auth (RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH), no RAY_ADDRESS
 
     def session_pids(self) -> list[int]:
         """Live (non-zombie) processes of the head's session."""
@@ -83,12 +90,16 @@ def private_head(num_cpus: int = 2, env: Optional[dict] = None, timeout_s: float
         f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 99}", f"--num-cpus={num_cpus}",
         "--include-dashboard=true",
     ]
-    full_env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"), **(env or {})}
-    full_env.pop("RAY_ADDRESS", None)
+    token_path = os.path.join(tmp, "auth_token")
+    with open(os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    client_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    client_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
+    full_env = {**client_env, **(env or {})}
     log = open(os.path.join(tmp, "head.log"), "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     head = Head(pid=proc.pid, gcs_address=f"127.0.0.1:{gcs}", dashboard_url=f"http://127.0.0.1:{dash}",
-                metrics_port=metrics, temp_dir=f"{tmp}/ray")
+                metrics_port=metrics, temp_dir=f"{tmp}/ray", env=client_env)
     try:
         t_end = time.monotonic() + timeout_s
         while True:
