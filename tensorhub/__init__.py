@@ -5,7 +5,7 @@
     hub.publish(step)       # trainer
     hub.update("latest")    # rollout
 
-See README.md for the concepts, configuration and limits.
+See docs/ for the manual: docs/concepts.md, docs/configuration.md, docs/limits.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Who may send what to a reference server: capabilities, the model secret, the bounds.
 
 Ray's token authentication admits processes to the cluster; it is one token for every job of
-the cluster. The reference server adds, in front of its table (README, "Security"):
+the cluster. The reference server adds, in front of its table (docs/security.md):
 
 - **A capability per client.** A handle draws 32 random bytes (:mod:`secrets`) when it is
   built and its port presents them with every request (:class:`~tensorhub.core.messages.Signed`).

@@ -76,7 +76,7 @@ def classify(*, killed_self: bool, typed: bool, copies: Mapping[int, Copy]) -> t
 class Holdings:
     """Who holds which complete version, replayed from what the driver did (pure, no Ray).
 
-    Mirrors the retention rule of the README: when the last live non-spot holder of a retained
+    Mirrors the retention rule (docs/concepts.md, "Retention"): when the last live non-spot holder of a retained
     version unpublishes, it keeps a host copy. Concurrent unpublishers of one version are a
     *wave*: one of them (the driver cannot see which) keeps the copy, so the copy lives while
     all of them do, is gone when none does, and is :attr:`Copy.UNKNOWN` in between. Host copies

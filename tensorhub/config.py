@@ -134,7 +134,7 @@ class Config:
     """Ray namespace of the server actors."""
     server_per_model: bool = True
     """Partitioning: each model is served by its own reference server actor, named
-    ``<server_name>/<model, percent-encoded>`` (:func:`tensorhub.actors.server.server_actor_name`),
+    ``<server_name>/<model, percent-encoded>`` (:meth:`Config.server_actor_name`),
     so one model's fleet never queues behind another's and a server restart touches only its
     model. False: one server named ``server_name`` serves every model."""
     server_near_creator: bool = True
@@ -150,8 +150,11 @@ class Config:
     (``tensorhub status``) only to those who hold it; a client holding one refuses a server that
     cannot prove it. "" (default): the model is open to every job of the Ray cluster (each
     client still acts only for itself). Never logged, never in a repr, metrics or status output;
-    README, "Security"."""
+    docs/security.md, "A model secret"."""
     server_tick_s: float = 0.5
+    """How often the server actor runs its clock (``ReferenceCore.tick``): lease expiry, the end
+    of the recovery window, drains that wait for a deadline. Leases and timeouts are judged to
+    within one tick."""
     liveness_check_s: float = 1.0
     """How often the server asks Ray which clients' processes are gone (a job that ended takes its
     holders along); also asked at once when a reader reports a source failed. 0 = never (leases

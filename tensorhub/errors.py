@@ -137,7 +137,7 @@ class Unauthorized(TensorHubError, PermissionError):
     presented at its first registration), registers with a model whose server requires a model
     secret without proving it (``Config.model_secret``), asks for a server's operator view without
     it, or the server of a model with a secret could not prove it knows the secret (another job
-    created a server under that name). The server changed nothing. See README, "Security"."""
+    created a server under that name). The server changed nothing. See docs/security.md."""
 
 
 class OutOfBounds(TensorHubError, ValueError):

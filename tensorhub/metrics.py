@@ -10,7 +10,7 @@ in-process port (tests) cost nothing.
   before its first source -- queueing, the drain of the version it left, not its own offload --
   and starved mid-read by a source that had no new unit for it). Never the call's wall time.
 
-``examples/grafana/tensorhub_grafana_dashboard.json`` charts them (README: "Dashboard").
+``examples/grafana/tensorhub_grafana_dashboard.json`` charts them (docs/operations.md, "Metrics and the dashboard").
 """
 
 from __future__ import annotations

@@ -147,3 +147,28 @@ def test_same_file_anchors_exist():
         text = path.read_text()
         own = [t[1:] for t in re.findall(r"\]\((#[^)\s]+)\)", _CODE.sub("", _FENCE.sub("", text)))]
         assert set(own) <= anchors(text), f"{path.relative_to(ROOT)}: {sorted(set(own) - anchors(text))}"
+
+
+def _headings(text: str) -> set[str]:
+    return {m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.*?)\s*#*\s*$", _FENCE.sub("", text), re.M)}
+
+
+def test_package_citations_of_the_manual_name_existing_files_and_sections():
+    """The package's docstrings and comments cite the manual as ``docs/<file>.md`` (with a
+    section as ``docs/<file>.md, "<heading>"`` or ``docs/<file>.md ("<heading>")``): each file
+    exists and each quoted heading starts one of its headings. README sections are not cited:
+    the README is short and its sections moved into docs/ (a dozen docstrings pointed at them)."""
+    cite = re.compile(r'docs/(\w+\.md)(?:,\s*|\s*\(\s*)?(?:"([^"]+)")?')
+    bad = []
+    for py in sorted((ROOT / "tensorhub").rglob("*.py")):
+        text = py.read_text()
+        where = py.relative_to(ROOT).as_posix()
+        for m in re.finditer(r'README[,:]\s*"', text):
+            bad.append(f"{where}: cites a README section: {text[m.start():m.start() + 40]!r}")
+        for m in cite.finditer(text):
+            doc = DOCS / m.group(1)
+            if not doc.exists():
+                bad.append(f"{where}: docs/{m.group(1)} does not exist")
+            elif m.group(2) and not any(h.startswith(m.group(2)) for h in _headings(doc.read_text())):
+                bad.append(f"{where}: docs/{m.group(1)} has no heading {m.group(2)!r}")
+    assert not bad, bad

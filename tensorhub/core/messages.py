@@ -230,7 +230,7 @@ class Query(_Msg, frozen=True):
     """Ask for what a reader needs of a model (:class:`Status`): its shard count, available and
     retained versions and, with ``layouts``, its shard layouts (:attr:`ModelView.layouts`, e.g.
     for a reader that allocates its buffer from them). A server answers it without holders (no
-    client id: README, "Security"); the whole table is its operator view (the actor's
+    client id: docs/security.md); the whole table is its operator view (the actor's
     ``status()``, :func:`tensorhub.auth.Gate.operator_view`)."""
 
     model: str = ""
@@ -244,7 +244,7 @@ Request = Union[
 
 
 class Signed(_Msg, frozen=True):
-    """A request with the credentials of the clients it acts for (README, "Security";
+    """A request with the credentials of the clients it acts for (docs/security.md;
     :mod:`tensorhub.auth`). The client's port wraps every request in one; the server checks it
     and hands only ``request`` on, so the core never sees a secret.
 

@@ -128,7 +128,7 @@ class Setup:
             MODEL, self.spec, replica="trainer", datacenter="dc0", config=self.config)
         # The trainer opens the model first: the reference server is created by the first
         # client, on its node (Ray's default for a zero-CPU actor), so it sits in the trainer's
-        # datacenter -- the deployment README recommends (a remote datacenter's every call pays
+        # datacenter, as docs/concepts.md ("Across datacenters") recommends (a remote datacenter's every call pays
         # one slow round trip, not two).
         ray.get(self.trainer.ping.remote())
         self.readers: dict[int, list] = {}

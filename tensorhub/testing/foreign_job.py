@@ -10,7 +10,7 @@ ids (they are passed in, as if read from a log), register a replica of its own a
 2**62, register a model with a 1 MiB name and another model on this model's server. Prints one
 JSON line: per attack the reply's error code (or the reply's type), plus what a reader's
 ``Query`` gave (``query_holders``, ``query_layouts``) and its own ``job_id``. Changes nothing
-if the server is right (README, "Security").
+if the server is right (docs/security.md).
 """
 
 from __future__ import annotations
