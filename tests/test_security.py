@@ -41,12 +41,13 @@ def _reg(cid: str, replica: str, model: str = "policy", **kw) -> m.Register:
 
 
 class _Server:
-    """The real server actor class in this process (``liveness_check_s=0``: no Ray calls)."""
+    """The real server actor class in this process (``liveness_check_s=0`` unless given: no
+    Ray calls)."""
 
     def __init__(self, model: str = "policy", **cfg) -> None:
         from tensorhub.actors.server import ReferenceServer
 
-        self.config = Config(liveness_check_s=0, **cfg)
+        self.config = Config(**{"liveness_check_s": 0, **cfg})
         self.srv = ReferenceServer.__ray_actor_class__(dataclasses.asdict(self.config), model)
         self.loop = asyncio.new_event_loop()
 

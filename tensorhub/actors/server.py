@@ -39,7 +39,10 @@ log = logging.getLogger(__name__)
 
 
 def _current_actor():
-    """This actor's own handle, or None where the class runs outside a Ray actor."""
+    """This actor's own handle, or None where the class runs outside a Ray actor (never starts
+    a local Ray instance: ``get_runtime_context`` would, in a process without one)."""
+    if not ray.is_initialized():
+        return None
     try:
         return ray.get_runtime_context().current_actor
     except RuntimeError:
@@ -71,6 +74,9 @@ class ReferenceServer:
         self._stamped_at = float("-inf")
         self._deaths: Optional[asyncio.Task] = None
         self._job_checks: set[asyncio.Task] = set()
+        """Liveness checks in flight (their tasks, kept until done)."""
+        self._periodic: Optional[asyncio.Task] = None
+        """The tick's periodic sweep, while in flight (one at a time)."""
         self._by_key: tuple = ()
         self._by: dict[str, dict[str, list[str]]] = {}
         self.pushed_deaths = 0
@@ -110,9 +116,9 @@ class ReferenceServer:
             hold.waker.set()
         if isinstance(req, m.SourceFailed):
             # Is the source a corpse? Then it goes now, and the reader's budget is not charged.
-            await self._sweep(targeted=(req.source_id,))
+            await self._sweep_briefly(targeted=(req.source_id,))
         elif isinstance(req, m.Replicate) and time.monotonic() - self._swept_at > self.config.liveness_check_s / 2:
-            await self._sweep()
+            await self._sweep_briefly()
         # The core runs between two awaits: one event loop, no lock needed.
         reply, woken = apply_request(self.core, self.mail, req, time.monotonic())
         reply = self._gate.answered(self.core, signed, reply)
@@ -266,7 +272,7 @@ class ReferenceServer:
         if cids:
             task = asyncio.get_running_loop().create_task(self._sweep(targeted=cids))
             self._job_checks.add(task)
-            task.add_done_callback(self._job_checks.discard)
+            task.add_done_callback(self._swept)
 
     def _on_deaths(self, workers: set[str], nodes: set[str]) -> None:
         """Ray pushed these workers' (processes') or nodes' deaths: their clients go now."""
@@ -285,6 +291,27 @@ class ReferenceServer:
 
     def _route(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
+
+    async def _sweep_briefly(self, targeted: tuple[str, ...] = ()) -> None:
+        """A sweep a request waits for, at most ``heartbeat_interval_s``: past that the request
+        goes on without it (a reported source is then removed by the core's probe, 2.5 intervals
+        after the report, sooner than a slow GCS would answer) and the sweep finishes on its own,
+        applying what it finds when it does. A GCS call that hangs never holds a reader's
+        report, nor its failover, until the lease runs out."""
+        task = asyncio.get_running_loop().create_task(self._sweep(targeted))
+        self._job_checks.add(task)
+        task.add_done_callback(self._swept)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.config.heartbeat_interval_s)
+        except asyncio.TimeoutError:
+            self._counts["sweeps_slow"] = self._counts.get("sweeps_slow", 0) + 1
+            log.warning("a liveness check took over %.1f s: the request goes on without it",
+                        self.config.heartbeat_interval_s)
+
+    def _swept(self, task: asyncio.Task) -> None:
+        self._job_checks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("liveness check failed", exc_info=task.exception())
 
     async def _sweep(self, targeted: tuple[str, ...] = ()) -> None:
         """Ask Ray which clients' processes are gone (off the event loop) and remove them."""
@@ -319,11 +346,13 @@ class ReferenceServer:
             now = time.monotonic()
             self._route(self.core.tick(now, self._backlog.behind_s(now)))
             self._metrics.table(self.core)
-            if self.config.liveness_check_s > 0 and time.monotonic() - self._swept_at >= self.config.liveness_check_s:
-                try:
-                    await self._sweep()
-                except Exception:  # noqa: BLE001 - liveness is best effort; leases remain
-                    log.warning("liveness sweep failed", exc_info=True)
+            if (self.config.liveness_check_s > 0 and time.monotonic() - self._swept_at >= self.config.liveness_check_s
+                    and (self._periodic is None or self._periodic.done())):
+                # Off the tick: a slow GCS must not stop leases and probes from being judged.
+                # Its failure is logged (_swept); liveness is best effort, leases remain.
+                self._periodic = asyncio.get_running_loop().create_task(self._sweep())
+                self._job_checks.add(self._periodic)
+                self._periodic.add_done_callback(self._swept)
 
 
 class _Waiter:

@@ -67,7 +67,23 @@ def read(model: str, nbytes: int, host: Optional[int], config: dict) -> dict:
     out = ray.get(reader.try_call.remote("replicate", "latest"))
     dt = time.monotonic() - t0
     return {"job": "read", "model": model, "ok": out["ok"], "error": out.get("error"),
-            "message": out.get("message", ""), "seconds": round(dt, 3)}
+            "message": out.get("message", ""), "seconds": round(dt, 3), "server": _server_counts(model, config)}
+
+
+def _server_counts(model: str, config: dict) -> dict:
+    """The server's request counts and ``pushed_deaths``: when the read was slow, they tell which
+    way of finding the corpses missed (Ray's pushed deaths, the check on a SourceFailed report,
+    the lease)."""
+    import ray
+
+    from tensorhub.config import Config
+
+    cfg = Config(**config)
+    try:
+        server = ray.get_actor(cfg.server_actor_name(model), namespace=cfg.namespace)
+        return ray.get(server.counts.remote(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        return {"unavailable": repr(e)[:200]}
 
 
 def main(argv=None) -> int:
