@@ -96,3 +96,27 @@ def test_the_tick_judges_leases_while_a_periodic_liveness_sweep_hangs(slow_serve
     assert live.calls >= 1, "a periodic sweep was started"
     assert "quiet" not in s.core.nodes and took < 2.0, f"lease of 0.6 s judged after {took:.1f} s"
     assert live.calls == 1, "one periodic sweep in flight at a time"
+
+
+def test_a_process_ray_reported_gone_does_not_come_back_with_a_late_announce(slow_server):
+    """CI (the emulated stale-job test, 39 s): a job's actor, declared gone with its ended job
+    while Ray had not killed it yet, re-announced itself; the server took the corpse back as a
+    holder, and its announcement opened a recovery window on a server that never restarted.
+    Now a Register or Announce from a process declared gone is refused and changes nothing;
+    another process of the same job (and the same replica name) still registers."""
+    s, live = slow_server(0.0, heartbeat_interval_s=0.2, lease_timeout_s=30.0, liveness_check_s=60.0)
+    dead = m.ProcessId(job_id="01000000", actor_id="a1", worker_id="w1", node_id="n1", pid=11)
+    keys = auth.Keyring()
+    assert isinstance(s.call(_reg("corpse", "c", process=dead), keys), m.Registered)
+    s.srv._on_deaths({"w1"}, set())
+    assert "corpse" not in s.core.nodes
+    before = (sorted(s.core.nodes), s.core._recovering_until)
+    again = m.Announce(register=_reg("corpse", "c", process=dead), holding=m.Holding(published=1))
+    reply = s.call(again, auth.Keyring())
+    assert isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient", reply
+    assert "reported gone" in reply.message
+    reply = s.call(_reg("corpse-2", "c", process=dead), auth.Keyring())
+    assert isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient", reply
+    assert (sorted(s.core.nodes), s.core._recovering_until) == before, "nothing changed, no window opened"
+    alive = m.ProcessId(job_id="01000000", actor_id="a2", worker_id="w2", node_id="n1", pid=12)
+    assert isinstance(s.call(_reg("fresh", "c", process=alive), auth.Keyring()), m.Registered)

@@ -17,6 +17,7 @@ model's soft state; they share Ray's GCS and their nodes' CPUs). Off: one server
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import random
@@ -36,6 +37,20 @@ from tensorhub.logs import configure_from_env
 from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable, shed_register
 
 log = logging.getLogger(__name__)
+
+
+GONE_PROCESSES_MAX = 65536
+"""How many gone processes a server remembers (about 10 MB at most)."""
+
+
+def _process_key(p: Optional[m.ProcessId]) -> Optional[tuple]:
+    """What names one Ray process for good: its worker id, else its actor and pid (None: not a
+    Ray process, nothing to remember)."""
+    if p is None or not p.job_id:
+        return None
+    if p.worker_id:
+        return ("worker", p.worker_id)
+    return ("actor", p.actor_id, p.pid) if p.actor_id else None
 
 
 def _current_actor():
@@ -75,6 +90,9 @@ class ReferenceServer:
         self._deaths: Optional[asyncio.Task] = None
         self._job_checks: set[asyncio.Task] = set()
         """Liveness checks in flight (their tasks, kept until done)."""
+        self._gone_processes: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        """Processes Ray reported gone whose clients were removed (the newest
+        ``GONE_PROCESSES_MAX``): they never register again (:meth:`_from_gone_process`)."""
         self._periodic: Optional[asyncio.Task] = None
         """The tick's periodic sweep, while in flight (one at a time)."""
         self._by_key: tuple = ()
@@ -106,6 +124,10 @@ class ReferenceServer:
         if refused is not None:
             self._refused(kind, refused)
             return m.encode(refused)
+        late = self._from_gone_process(req)
+        if late is not None:
+            self._refused(kind, late)
+            return m.encode(late)
         shed = shed_register(req, self.core, self._backlog.behind_s(time.monotonic()), self.config, random.random())
         if shed is not None:
             self._counts["shed"] = self._counts.get("shed", 0) + 1
@@ -287,7 +309,35 @@ class ReferenceServer:
             log.info("client %s is gone: %s", cid, why)
         self.pushed_deaths += len(gone)
         if gone:  # a death wave in one pass of the core
-            self._route(self.core.declare_gone({c: f"process gone: {w}" for c, w in gone.items()}, time.monotonic()))
+            self._declare_gone(gone)
+
+    def _declare_gone(self, gone: dict[str, str]) -> None:
+        """Remove these clients (``client id -> why``), whose processes Ray reports gone, and
+        remember those processes: a message one of them sent before it died may still arrive,
+        and its Register or Announce must not bring a corpse back as a holder (CI: a job's
+        actor, declared gone with its ended job while Ray had not yet killed it, re-announced
+        itself; its announcement opened a recovery window on a server that never restarted,
+        and the next job's reader waited 39 s for an answer)."""
+        processes = self.core.processes()
+        for cid in gone:
+            key = _process_key(processes.get(cid))
+            if key is not None:
+                self._gone_processes[key] = None
+                self._gone_processes.move_to_end(key)
+        while len(self._gone_processes) > GONE_PROCESSES_MAX:
+            self._gone_processes.popitem(last=False)
+        self._route(self.core.declare_gone({c: f"process gone: {w}" for c, w in gone.items()}, time.monotonic()))
+
+    def _from_gone_process(self, req: m.Request) -> Optional[m.ErrorReply]:
+        """The refusal of a Register or Announce from a process declared gone (None: not one)."""
+        reg = req.register if isinstance(req, m.Announce) else req if isinstance(req, m.Register) else None
+        if reg is None or reg.client_id in self.core.nodes:
+            return None
+        key = _process_key(reg.process)
+        if key is None or key not in self._gone_processes:
+            return None
+        return m.ErrorReply(code="UnknownClient", message=f"{reg.client_id}: its process was reported gone by Ray; "
+                                                          "a gone process does not register again")
 
     def _route(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -329,7 +379,7 @@ class ReferenceServer:
         for cid, why in sorted(gone.items()):
             log.info("client %s is gone: %s", cid, why)
         if gone:
-            self._route(self.core.declare_gone({c: f"process gone: {w}" for c, w in gone.items()}, time.monotonic()))
+            self._declare_gone(gone)
 
     async def _tick_loop(self) -> None:
         while True:
