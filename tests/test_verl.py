@@ -441,8 +441,13 @@ def test_rollout_killed_mid_update_leaves_the_others_finishing(ray_cluster, pool
     The victim is pool[3]'s process: this test is the file's last, and puts a fresh process in its
     place for any test that would follow (starting one costs seconds: verl's import)."""
     ray = ray_cluster
+    # source_stall_timeout_s is also how long a failed pull waits for NIXL to report its posted
+    # reads ended (Region.settle); at the file's 1.5 s, with no progress thread, a read of the
+    # killed victim was once still PROC after NIXL_ERR_REMOTE_DISCONNECT (CI, stop 33's first
+    # run), and the reader rightly refused to trust its region. 5 s: what a loaded 2-core
+    # machine gives; it costs nothing when the reads end at once.
     slow = {"reads_in_flight": 1, "nixl_workers": 1, "nixl_threads": 0, "unit_bytes": 4 << 10,
-            "same_host": False}
+            "same_host": False, "source_stall_timeout_s": 5.0}
     job = Ranks(ray, ce_config(model_name, config=slow))
     victim_actor = pool[3]
     job.add("trainer", pool[0], is_master=True)
