@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import SERVABLE, Node, S
+from tensorhub.core.state import SERVABLE, ModelRecord, Node, S
 
-if TYPE_CHECKING:
-    from tensorhub.core.reference import _Model
 
 log = logging.getLogger("tensorhub.core.reference")
 
@@ -135,7 +133,7 @@ class CrossDatacenter:
             for n in sorted(nodes, key=lambda n: n.shard):
                 self._deliver(n.id, m.SeedAhead(version=v))
 
-    def _set_seed_asked(self, mod: _Model, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
+    def _set_seed_asked(self, mod: ModelRecord, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
         """Replace (or drop) ``dc``'s seed entry. Readers of the old entry's version there may
         have been waiting for that seeder (``_seed_pending``): look at them again."""
         old = mod.seed_asked.pop(dc, None)

@@ -57,7 +57,7 @@ from tensorhub.core.crossdc import CrossDatacenter, SeedCandidates
 from tensorhub.core.index import Group, Index
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import DEPARTED_ROUNDS_LEASES, RoundTable
-from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, Node, S
+from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, ModelRecord, Node, S
 from tensorhub.errors import (
     InvalidState,
     LastCopyHeld,
@@ -84,27 +84,13 @@ _NO_GROUP = Group()
 """Stands for a group with no node (never written)."""
 
 
-class _Model:
-    def __init__(self, name: str, num_shards: int) -> None:
-        self.name = name
-        self.num_shards = num_shards
-        self.layouts: dict[int, m.LayoutInfo] = {}
-        self.committed: list[int] = []  # ascending
-        self.forgotten_below = 0  # versions under this are past retention
-        self.origin_dc: dict[int, str] = {}
-        """The datacenter of the replica that committed each version (cross-DC reads from there)."""
-        self.seed_asked: dict[str, tuple[int, str, float]] = {}
-        """Offload seeding: per datacenter, (version, replica, when) last asked to seed it;
-        replica "" once the datacenter has (or reads) that version."""
-
-
 class ReferenceCore(CrossDatacenter, Retention):
     """The reference table and every rule around it. Not thread-safe: one driver calls it."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
         self.config = config or Config()
         self.nodes: dict[str, Node] = {}
-        self.models: dict[str, _Model] = {}
+        self.models: dict[str, ModelRecord] = {}
         self.groups: dict[Key, set[str]] = {}
         self.txns = RoundTable(DEPARTED_ROUNDS_LEASES * self.config.lease_timeout_s)
         """The replicate rounds of sharded replicas (:mod:`tensorhub.core.rounds`: by replica;
@@ -778,7 +764,7 @@ class ReferenceCore(CrossDatacenter, Retention):
     def _add_node(self, req: m.Register, now: float) -> Node:
         mod = self.models.get(req.model)
         if mod is None:
-            mod = self.models[req.model] = _Model(req.model, req.num_shards)
+            mod = self.models[req.model] = ModelRecord(req.model, req.num_shards)
         mod.layouts.setdefault(req.shard, req.layout)
         self._order += 1
         node = Node(

@@ -137,3 +137,20 @@ class Node:
     @property
     def units(self) -> int:
         return self.layout.unit_count
+
+
+class ModelRecord:
+    """What the table keeps per model besides its nodes: shard count, layouts, committed
+    versions, retention's floor and cross-datacenter seeding state."""
+
+    def __init__(self, name: str, num_shards: int) -> None:
+        self.name = name
+        self.num_shards = num_shards
+        self.layouts: dict[int, m.LayoutInfo] = {}
+        self.committed: list[int] = []  # ascending
+        self.forgotten_below = 0  # versions under this are past retention
+        self.origin_dc: dict[int, str] = {}
+        """The datacenter of the replica that committed each version (cross-DC reads from there)."""
+        self.seed_asked: dict[str, tuple[int, str, float]] = {}
+        """Offload seeding: per datacenter, (version, replica, when) last asked to seed it;
+        replica "" once the datacenter has (or reads) that version."""

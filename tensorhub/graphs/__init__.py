@@ -19,8 +19,12 @@ __all__ = ["GraphCache", "GraphMember", "GroupResult", "Plan", "PlanError", "bat
 
 def __getattr__(name):
     # pipeline imports ray; keep `import tensorhub.graphs` light for the mixin's users.
-    if name in ("GraphCache", "GroupResult", "default_cache", "replicate_group"):
+    if name in ("GraphCache", "GroupResult", "default_cache"):
         from tensorhub.graphs import pipeline
 
         return getattr(pipeline, name)
+    if name == "replicate_group":
+        from tensorhub.graphs import group
+
+        return group.replicate_group
     raise AttributeError(name)

@@ -18,19 +18,19 @@ from typing import Any, Optional, Sequence
 import ray
 
 from tensorhub.config import Config
-from tensorhub.graphs.pipeline import GraphCache, replicate_group
+from tensorhub.graphs.pipeline import GraphCache, run_group
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)
 class GraphCoordinator:
-    """Runs :func:`tensorhub.graphs.pipeline.replicate_group` with its own :class:`GraphCache`.
+    """Runs :func:`tensorhub.graphs.pipeline.run_group` with its own :class:`GraphCache`.
     ``max_concurrency=1``: one group at a time (an actor may be in one live graph only)."""
 
     def __init__(self, cache_kwargs: Optional[dict] = None) -> None:
         self.cache = GraphCache(**(cache_kwargs or {}))
 
     def replicate_group(self, actors: Sequence, spec: Any, kwargs: dict) -> dict:
-        res = replicate_group(list(actors), spec, cache=self.cache, where="local", **kwargs)
+        res = run_group(list(actors), spec, cache=self.cache, **kwargs)
         out = {f.name: getattr(res, f.name) for f in dataclasses.fields(res)}
         out["plan"] = res.plan_drawing
         del out["plan_drawing"]

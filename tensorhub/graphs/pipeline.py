@@ -222,61 +222,15 @@ class GraphCache:
             t.join(timeout_s)
 
 
-def _members_model(actors: Sequence, timeout_s: float) -> str:
-    """The model of the first member that answers (the members of a group share one), or ""
-    when none does (the namespace's shared coordinator then runs it; the members' failures
-    show in its result as usual)."""
-    for a in actors:
-        try:
-            return ray.get(a.th_graph_model.remote(), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - a dead member: ask the next
-            continue
-    return ""
-
-
 default_cache = GraphCache()
-"""The process-wide cache :func:`replicate_group` uses unless given one."""
+"""The process-wide cache :func:`run_group` (``replicate_group(where="local")``) uses unless given one."""
 
 
-def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, path: str = "auto",
-                    batches: Optional[int] = None, cache: Optional[GraphCache] = None,
-                    compile: str = "background", timeout_s: float = 300.0,
-                    where: Optional[str] = None, config=None) -> GroupResult:
-    """Replicate version ``spec`` into every actor of ``actors`` (each a :class:`GraphMember`).
-
-    Blocks until every member holds the version (or failed: its entry in ``per_member`` is the
-    exception). ``update=True`` behaves like ``Hub.update`` (no-op when current), else like
-    ``Hub.replicate``. ``path``: ``"graph"`` forces the compiled graph (compiling synchronously
-    on a cache miss), ``"pull"`` the plain concurrent pull path, ``"auto"`` whichever measured
-    faster for this topology (module doc; ``result.why`` says why). ``compile="background"``
-    (auto only) compiles a missing graph after the pull path finished, for the next version;
-    ``"never"`` does not. ``batches`` (None: one per unit, at most ``BATCHES_MAX``) is fixed per
-    topology (part of the key): batch k covers units ``[end(k-1), end(k))``. Raises
-    ``ValueError`` on bad arguments; member failures never raise here, the survivors finish on
-    the pull path.
-
-    ``where``: ``"server"`` (the default when no ``cache`` is given) builds, caches and runs the
-    graph in the server-side :class:`~tensorhub.graphs.coordinator.GraphCoordinator` of the
-    members' model (found by ``config``'s server name and namespace, and the model the first
-    member reports; :meth:`~tensorhub.Config.graphs_actor_name`), so every driver shares one cache and
-    compiled graphs outlive the calling process; ``"local"`` (the default with a ``cache``) runs
-    them in this process with ``cache``. With ``"server"`` the result's ``plan`` is None and
-    ``plan_drawing`` shows the chain."""
-    if where is None:
-        where = "local" if cache is not None else "server"
-    if where not in ("server", "local"):
-        raise ValueError(f"where must be 'server' or 'local', got {where!r}")
-    if where == "server":
-        if cache is not None:
-            raise ValueError("a cache lives in this process: pass where='local' with it")
-        # Lazy: the coordinator module imports this one (its actor runs replicate_group).
-        from tensorhub.graphs.coordinator import coordinator
-
-        kwargs = dict(update=update, path=path, batches=batches, compile=compile, timeout_s=timeout_s)
-        model = _members_model(actors, timeout_s) if (config is None or config.server_per_model) else ""
-        out = ray.get(coordinator(config, model).replicate_group.remote(list(actors), spec, kwargs))
-        drawing = out.pop("plan")
-        return GroupResult(**out, plan=None, plan_drawing=drawing)
+def run_group(actors: Sequence, spec="latest", *, update: bool = True, path: str = "auto",
+              batches: Optional[int] = None, cache: Optional[GraphCache] = None,
+              compile: str = "background", timeout_s: float = 300.0) -> GroupResult:
+    """:func:`tensorhub.graphs.replicate_group` in this process (``where="local"``), with
+    ``cache`` (default: :data:`default_cache`); the server-side coordinator runs this too."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if compile not in ("background", "never"):

@@ -52,22 +52,11 @@ from typing import Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import S
+from tensorhub.sim.known import KNOWN_OPEN
 from tensorhub.sim.observer import CoreObserver
 
 
-KNOWN_OPEN = {
-    "split_effect": "torn or mutated units read from a handle the server and the handle disagree on: the "
-                    "effect of a 'split' violation, counted there",
-    "retention_msg_loss": "a HostCopy offer unanswered reconnects_max + 1 times while the server is up: the "
-                          "server never lists that copy, so a version kept whole only with it is dropped as "
-                          "lost once its listed holders go",
-    "txn_default_rounds": "default round counting is a best effort once a shard's process restarted: its "
-                          "new process cannot know which round its siblings are in (HandleMachine rule 2; "
-                          "exact with replicate(round=)); a replica none of whose shards restarted must "
-                          "stay in step",
-}
-"""Open defects of the shipped code that a checker sees; their violations are counted apart
-(``known_open``) until they are fixed. Remove an entry with its fix."""
+
 
 
 class Checker:

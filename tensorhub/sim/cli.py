@@ -7,7 +7,7 @@
 With ``--json`` the last stdout line is one JSON object: ``runs``, ``faults`` (injections per
 kind), ``violations`` (count; must be 0), ``violation_kinds``, ``requests`` (``completed`` and
 ``failed`` per error code), ``known_open`` (violations of open defects of the shipped code, by
-kind: :data:`tensorhub.sim.checkers.KNOWN_OPEN`; they do not fail the run), ``paths`` (across how
+kind: :data:`tensorhub.sim.known.KNOWN_OPEN`; they do not fail the run), ``paths`` (across how
 many seeds each rare path was taken: :data:`tensorhub.sim.observer.PATHS`), ``seconds`` (wall
 time), ``seconds_per_seed`` (mean, max), ``digest`` (of all trace digests).
 A failing seed prints the command that replays it on stderr. Exit code 1 on any violation.

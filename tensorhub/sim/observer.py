@@ -31,8 +31,10 @@ how many seeds each was taken.
 from __future__ import annotations
 
 import collections
+
 from tensorhub.core import messages as m
 from tensorhub.core.state import COMPLETE, S
+from tensorhub.sim.known import KNOWN_OPEN
 
 PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "default_rounds", "checksums_off",
          "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
@@ -212,8 +214,6 @@ class CoreObserver:
                 num[replica] = shards
         whole = [r for r, shards in by_replica.items() if len(shards) == num[r]]
         if not whole:
-            from tensorhub.sim.checkers import KNOWN_OPEN
-
             self.checker.violate("atomic", f"version {v} committed while no replica holds every shard of it "
                                            f"(shards held per replica: "
                                            f"{ {r: sorted(s) for r, s in sorted(by_replica.items())} })",
@@ -263,8 +263,6 @@ class CoreObserver:
 
 
 def _known_last_copy(checker) -> str:
-    from tensorhub.sim.checkers import KNOWN_OPEN
-
     if checker.split:
         return KNOWN_OPEN["split_effect"]
     return ""

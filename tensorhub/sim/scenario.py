@@ -102,7 +102,7 @@ class ScenarioResult:
     process_crashes: int = 0
     """Crashes that took a shared process's handles together (``shared_processes``)."""
     known_open: list = dataclasses.field(default_factory=list)
-    """Violations of open defects of the shipped code (``checkers.KNOWN_OPEN``), kept apart."""
+    """Violations of open defects of the shipped code (``tensorhub.sim.known.KNOWN_OPEN``), kept apart."""
     paths: Optional[dict] = None
     """Rare paths taken in this run, with how often (:data:`tensorhub.sim.observer.PATHS`)."""
 

@@ -7,13 +7,13 @@
 - :mod:`tensorhub.transport.shm`: the same-host tier (a holder's memory mapped by a reader on its
   host), and :mod:`tensorhub.transport.cuda_ipc`, its CUDA IPC half for GPU tensors.
 
-Their public names are re-exported here. Importing this package does not import nixl (the agent
+Their public names are re-exported here, by name (``tests/test_exports.py`` pins them). Importing this package does not import nixl (the agent
 is created lazily).
 """
 
-from tensorhub.transport import nixl as _nixl
-from tensorhub.transport import reader as _reader
-from tensorhub.transport.nixl import *  # noqa: F401,F403 - the names in nixl.__all__
-from tensorhub.transport.reader import pull
+from tensorhub.transport.nixl import (Agent, Endpoint, MemRegion, Region, Source, decode_endpoint,
+                                     encode_endpoint, get_agent, open_source)
+from tensorhub.transport.reader import KnownProgress, pull
 
-__all__ = list(_nixl.__all__) + list(_reader.__all__)
+__all__ = ["Agent", "Endpoint", "KnownProgress", "MemRegion", "Region", "Source", "decode_endpoint",
+           "encode_endpoint", "get_agent", "open_source", "pull"]
