@@ -300,7 +300,8 @@ def ray_part(args) -> dict:
 
     import ray
 
-    from tensorhub.actors.server import server_handle
+    from tensorhub.server.find import server_handle
+    from tensorhub.server.naming import actor_name
     from tensorhub.config import Config
     from tensorhub.core import messages as m
 
@@ -322,7 +323,7 @@ def ray_part(args) -> dict:
 
     n, g = args.clients, args.generators
     ids = [f"c{i}" for i in range(n)]
-    gens = [LoadGen.remote(config.server_actor_name("pol"), ns, ids[i::g]) for i in range(g)]
+    gens = [LoadGen.remote(actor_name(config, "pol"), ns, ids[i::g]) for i in range(g)]
     out: dict = {"clients": n, "generators": g, "heartbeat_interval_s": config.heartbeat_interval_s}
 
     # capacity: pipelined heartbeats from every generator (clients unknown: answered UnknownClient,
@@ -431,7 +432,7 @@ def death_wave_part(args) -> dict:
 
     import ray
 
-    from tensorhub.actors.server import server_handle
+    from tensorhub.server.find import server_handle
     from tensorhub.config import Config
     from tensorhub.core import messages as m
 
@@ -446,7 +447,7 @@ def death_wave_part(args) -> dict:
     @ray.remote(num_cpus=0)
     class Victim:
         def process(self):
-            from tensorhub.actors.liveness import current_process
+            from tensorhub.server.liveness import current_process
 
             return current_process()
 
@@ -503,7 +504,8 @@ def isolation_part(args) -> dict:
 
     import ray
 
-    from tensorhub.actors.server import server_handle
+    from tensorhub.server.find import server_handle
+    from tensorhub.server.naming import actor_name
     from tensorhub.config import Config
     from tensorhub.core import messages as m
 
@@ -533,7 +535,7 @@ def isolation_part(args) -> dict:
         reply = m.decode_reply(ray.get(small.call.remote(_signed(m.Register("small-0", "small", "small-0", 0, 1, layout, b"s")))))
         assert not isinstance(reply, m.ErrorReply), reply
         idle = timed(small, 200)
-        gens = [LoadGen.remote(config.server_actor_name("big"), ns, [f"c{i}"]) for i in range(args.generators)]
+        gens = [LoadGen.remote(actor_name(config, "big"), ns, [f"c{i}"]) for i in range(args.generators)]
         ray.get([g.burst.remote("Heartbeat", 50) for g in gens])  # warm up
         loads = [g.hammer.remote(args.isolation_s) for g in gens]
         time.sleep(0.5)

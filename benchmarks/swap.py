@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import tensorhub
-    from tensorhub.port import LocalPort
+    from tensorhub.ports import LocalPort
     from tensorhub.testing import inproc, workload
 
     spec = workload.small_spec(args.bytes, big=8, tiny=32)

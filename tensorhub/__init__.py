@@ -40,11 +40,11 @@ def open(  # noqa: A001 - the paper's name for it
     ``num_shards > 1``: all shards of one replica pass the same name). ``spot=True`` marks a
     holder that may vanish at any time (it does not count toward retention). ``config`` defaults
     to ``Config.from_env()``. ``port`` overrides the server connection (tests:
-    ``tensorhub.port.LocalPort``).
+    ``tensorhub.ports.LocalPort``).
     """
     config = config or Config.from_env()
     if port is None:
-        from tensorhub.actors.server import connect
+        from tensorhub.ports import connect
 
         port = connect(config, model)
     return Hub(model, port, shard=shard, num_shards=num_shards, replica=replica,

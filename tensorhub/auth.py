@@ -29,7 +29,7 @@ the cluster. The reference server adds, in front of its table (docs/security.md)
   secret's proof where the server has one.
 
 Capabilities are compared in constant time (:func:`hmac.compare_digest`). :class:`Gate` is the
-server's side, shared by the Ray actor, :class:`tensorhub.port.LocalPort` and the simulated
+server's side, shared by the Ray actor, :class:`tensorhub.ports.LocalPort` and the simulated
 server; :class:`Keyring` is the client's (one per server a process talks to, shared by its
 ports so that one pulse can carry every handle's capability).
 """

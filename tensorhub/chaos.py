@@ -178,7 +178,7 @@ def run_chaos(*, rounds: int, seed: int = 0, rollouts: int = 4, size_mb: int = 1
               address=None, log=sys.stderr, init_ray: bool = True) -> dict:
     import ray
 
-    from tensorhub.actors.server import find_server
+    from tensorhub.server.find import find_server
     from tensorhub.config import Config
     from tensorhub.testing import workload
     from tensorhub.testing.replica import spawn_many

@@ -14,7 +14,7 @@ Every method blocks until done and raises a typed :mod:`tensorhub.errors` error.
 asyncio twin with an ``a`` prefix (``await hub.aupdate("latest")``) that runs the blocking call
 in a worker thread. One handle is not meant to be used by two threads at once.
 
-The handle talks to the reference server through a :class:`~tensorhub.port.ServerPort` and
+The handle talks to the reference server through a :class:`~tensorhub.ports.ServerPort` and
 moves bytes with the NIXL transport; it imports no actor.
 """
 
@@ -42,7 +42,7 @@ from tensorhub.core import messages as m
 from tensorhub.host_copies import HostCopies
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.logs import configure_from_env
-from tensorhub.port import ServerPort
+from tensorhub.ports import ServerPort
 from tensorhub import transport as tx
 from tensorhub.transport import shm
 from tensorhub.transport.storages import distinct_storages

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import urllib.parse
 from typing import Any
 
 from tensorhub.errors import ConfigError
@@ -60,14 +59,14 @@ class Config:
     lease_stretch_max_s: float = 60.0
     """How far a server that falls behind stretches every lease: silence counts from what the
     server could have read, so a client whose pulse waits unread in its queue is not declared
-    dead (the server measures how far behind it is: :class:`tensorhub.port.Backlog`); and while
+    dead (the server measures how far behind it is: :class:`tensorhub.server.requests.Backlog`); and while
     it is behind by more than ``heartbeat_interval_s`` it holds pulses longer (up to twice
     ``pulse_hold_s``). A client that really stopped is still declared dead within
     ``lease_timeout_s + lease_stretch_max_s`` of its last word, however far behind the
     server is (Ray's pushed deaths stay the fast path). 0: leases are never stretched."""
     register_shed_s: float = 2.0
     """Backpressure on new clients: a server behind by more than this (its
-    :class:`~tensorhub.port.Backlog`) refuses a ``Register`` with ``ServerBusy`` and a
+    :class:`~tensorhub.server.requests.Backlog`) refuses a ``Register`` with ``ServerBusy`` and a
     ``retry_after_s`` about as long as its backlog (spread 0.5-1.5x so the retries do not
     return together, at most ``lease_timeout_s``); the handle pauses that long and asks again
     until ``request_timeout_s``. A refused registration costs the server a bounds check, not a
@@ -134,7 +133,7 @@ class Config:
     """Ray namespace of the server actors."""
     server_per_model: bool = True
     """Partitioning: each model is served by its own reference server actor, named
-    ``<server_name>/<model, percent-encoded>`` (:meth:`Config.server_actor_name`),
+    ``<server_name>/<model, percent-encoded>`` (:func:`tensorhub.server.naming.actor_name`),
     so one model's fleet never queues behind another's and a server restart touches only its
     model. False: one server named ``server_name`` serves every model."""
     server_near_creator: bool = True
@@ -205,39 +204,6 @@ class Config:
         need(self.register_shed_s >= 0, "register_shed_s must be >= 0")
         need(isinstance(self.model_secret, str) and len(self.model_secret) <= 4096,
              "model_secret must be a str of at most 4096 characters")
-
-    def server_actor_name(self, model: str) -> str:
-        """The name of the reference server actor that serves ``model`` (in ``namespace``).
-
-        With ``server_per_model``: ``<server_name>/<model>``, the model percent-encoded
-        (``urllib.parse.quote(model, safe="")``: letters, digits and ``_.-~`` stay, every other
-        byte of its UTF-8 becomes ``%XX``, so "/" never appears in the suffix), e.g.
-        ``tensorhub-server/policy`` and ``tensorhub-server/org%2Fpolicy%20v2``. Without:
-        ``server_name`` for every model. Raises ConfigError for an empty model."""
-        if not isinstance(model, str) or not model:
-            raise ConfigError("model must be a non-empty string")
-        if not self.server_per_model:
-            return self.server_name
-        return f"{self.server_name}/{urllib.parse.quote(model, safe='')}"
-
-    def served_model(self, actor_name: str) -> str | None:
-        """The inverse of :meth:`server_actor_name` for any mode: the model a server actor of
-        this ``server_name`` serves by its name, ``""`` for the one-server-for-all actor, None
-        for a name that is not one of ours (``<server_name>-graphs``, another prefix)."""
-        if actor_name == self.server_name:
-            return ""
-        head, sep, tail = actor_name.partition("/")
-        if head != self.server_name or not sep or not tail or tail != urllib.parse.quote(urllib.parse.unquote(tail), safe=""):
-            return None
-        return urllib.parse.unquote(tail)
-
-    def graphs_actor_name(self, model: str = "") -> str:
-        """The compiled-graph coordinator's actor name beside the server of ``model``:
-        ``<server_name>-graphs/<model, encoded as above>`` with ``server_per_model`` and a
-        model, else ``<server_name>-graphs`` (one per namespace)."""
-        if not self.server_per_model or not model:
-            return f"{self.server_name}-graphs"
-        return f"{self.server_name}-graphs/{urllib.parse.quote(model, safe='')}"
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -102,7 +102,7 @@ def find_servers(cfg: Config, model: str = "") -> dict[str, Any]:
     the servers that may serve it (its own, or a shared one)."""
     import ray
 
-    from tensorhub.actors.server import list_servers
+    from tensorhub.server.find import list_servers
 
     out = {}
     for name, served in list_servers(cfg).items():

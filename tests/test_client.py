@@ -11,7 +11,7 @@ import torch
 import tensorhub
 from tensorhub import errors
 from tensorhub.config import Config
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
 
 CFG, SPEC = inproc.CONFIG, inproc.SPEC

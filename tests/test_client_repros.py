@@ -1,5 +1,5 @@
 """Regression tests for the client's data-path defects reproduced in review (``shared/repro/``):
-the real client over an in-process server (:class:`~tensorhub.port.LocalPort`, no Ray), and the
+the real client over an in-process server (:class:`~tensorhub.ports.LocalPort`, no Ray), and the
 transport pieces the client leans on (progress pushes, the drain of a pull, the copy threads).
 
     trainer -> rollout (-> rollout~prefetch, its staging copy)
@@ -21,7 +21,7 @@ from tensorhub import transport as tx
 from tensorhub.config import Config
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
 
 CFG, SPEC = inproc.CONFIG, inproc.SPEC

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tensorhub.config import Config
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
 
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.1, lease_timeout_s=5.0, source_stall_timeout_s=2.0,

@@ -113,7 +113,7 @@ def test_demo_metrics_are_read_back_from_the_prometheus_endpoint_per_model():
 def test_a_holder_state_that_empties_is_shown_as_zero_not_its_last_count():
     """The table drops a state once no node is in it; its gauge must go to 0 (it kept showing,
     say, 3 readers after the last read ended)."""
-    from tensorhub.actors.server import _Metrics
+    from tensorhub.server.actor import _Metrics
 
     class Gauge:
         def __init__(self):

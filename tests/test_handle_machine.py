@@ -16,7 +16,7 @@ from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.core.state import S
 from tensorhub.graphs.member import GraphMember
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import workload
 
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0,
@@ -500,7 +500,7 @@ def test_seed_2160_a_drop_queued_before_a_reannouncement_does_not_free_the_annou
 
 
 def test_an_announcement_supersedes_queued_drops_of_the_copies_it_carries():
-    from tensorhub.port import Mailboxes
+    from tensorhub.server.requests import Mailboxes
 
     mail = Mailboxes()
     mail.route([m.Deliver("c", m.DropHostCopy(3)), m.Deliver("c", m.DropHostCopy(4)),
@@ -593,7 +593,7 @@ def test_an_invalid_state_progress_beat_is_not_a_read_failure():
     next progress beat with InvalidState: the pulse must not hand the handle a Failed note that
     ends its call while the server lists it published. A read the server failed still is one."""
     from tensorhub.core.reference import ReferenceCore
-    from tensorhub.port import Mailboxes, apply_request
+    from tensorhub.server.requests import Mailboxes, apply_request
 
     core, mail = ReferenceCore(CFG), Mailboxes()
     lay = m.LayoutInfo("fp", 4, 400)

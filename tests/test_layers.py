@@ -1,7 +1,8 @@
 """Which package may import which, checked by scanning the source with ``ast`` (no imports run).
 
-    tensorhub.testing  ->  product (core, transport, client, actors, graphs, ...)
-    tensorhub.actors   ->  tensorhub.graphs
+    tensorhub.testing  ->  product (core, transport, client, server, graphs, ...)
+    tensorhub.graphs   -/->  tensorhub.server (but its pure ``naming``)
+    the handle         -/->  tensorhub.server (it talks to a ``ServerPort``: tensorhub.ports)
 
 Arrows point from importer to imported; nothing points back. Fixtures (synthetic weights, the
 ready-made replica actor, the emulated cluster) live in ``tensorhub.testing``, which only the CLI
@@ -64,12 +65,23 @@ def test_scanner_sees_lazy_and_relative_imports():
     assert _imports_package(PACKAGE / "demo.py", "tensorhub.testing")
 
 
-def test_graphs_do_not_import_actors():
+def test_graphs_do_not_import_the_server():
     bad = {}
     for path in sorted((PACKAGE / "graphs").rglob("*.py")):
-        if found := _imports_package(path, "tensorhub.actors"):
+        found = [n for n in _imports_package(path, "tensorhub.server") if n != "tensorhub.server.naming"
+                 and not n.startswith("tensorhub.server.naming.")]
+        if found:
             bad[path.relative_to(ROOT).as_posix()] = found
-    assert not bad, f"graphs import actors: {bad}"
+    assert not bad, f"graphs import the server's side: {bad}"
+
+
+def test_the_handle_does_not_import_the_server():
+    """The handle knows a port, not a server: the server's side may change without it."""
+    bad = {}
+    for rel in ("tensorhub/client.py", "tensorhub/host_copies.py"):
+        if found := _imports_package(ROOT / rel, "tensorhub.server"):
+            bad[rel] = found
+    assert not bad, f"the handle imports the server's side: {bad}"
 
 
 def test_only_fixtures_commands_and_sim_import_testing():

@@ -1,5 +1,5 @@
 """Overload must not kill the fleet: a server that falls behind in reading its queue judges
-leases against what it could have read (:class:`tensorhub.port.Backlog`), so clients whose
+leases against what it could have read (:class:`tensorhub.server.requests.Backlog`), so clients whose
 pulses wait unread are not declared dead, while a client that really stopped still goes within
 ``lease_timeout_s + lease_stretch_max_s`` (issue 22, section 3b)."""
 
@@ -15,7 +15,8 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core import handle as hm
-from tensorhub.port import Backlog, LocalPort, busy_hold, shed_register
+from tensorhub.ports import LocalPort
+from tensorhub.server.requests import Backlog, busy_hold, shed_register
 
 CFG = Config(heartbeat_interval_s=0.2, lease_timeout_s=1.0, server_tick_s=0.05, pulse_hold_s=0.0,
              liveness_check_s=0.0, same_host=False)
@@ -235,7 +236,8 @@ def test_a_ray_server_whose_loop_stalls_past_the_lease_keeps_the_clients_that_pu
     client that stopped is declared dead within a lease of it having caught up. Its probes
     measured the stall (``behind_max_ms``), and a client that registered during the stall was
     shed (``ServerBusy``: ``Config.register_shed_s``)."""
-    from tensorhub.actors.server import connect, find_server
+    from tensorhub.ports import connect
+    from tensorhub.server.find import find_server
 
     ray = ray_cluster
     cfg = Config(heartbeat_interval_s=0.25, lease_timeout_s=2.0, pulse_hold_s=0.0, liveness_check_s=0.0,

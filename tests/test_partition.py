@@ -27,6 +27,7 @@ import pytest
 from tensorhub.config import Config
 from tensorhub.errors import ConfigError
 from tensorhub.testing import workload
+from tensorhub.server.naming import actor_name, graphs_actor_name, served_model
 
 SPEC = workload.small_spec(1 << 20, big=2, tiny=4)
 CFG = dict(unit_bytes=256 << 10, heartbeat_interval_s=0.3, lease_timeout_s=3.0, source_stall_timeout_s=2.0,
@@ -41,10 +42,10 @@ CFG = dict(unit_bytes=256 << 10, heartbeat_interval_s=0.3, lease_timeout_s=3.0, 
     ("a%2Fb", "th/a%252Fb"),                    # a literal "%" is encoded too: no collision with "a/b"
     ("ü-7_x.y~z", "th/%C3%BC-7_x.y~z"),
 ])
-def test_server_actor_name_encodes_the_model_and_decodes_back(model, name):
+def test_actor_name_encodes_the_model_and_decodes_back(model, name):
     cfg = Config(server_name="th")
-    assert cfg.server_actor_name(model) == name
-    assert cfg.served_model(name) == model
+    assert actor_name(cfg, model) == name
+    assert served_model(cfg, name) == model
 
 
 @pytest.mark.parametrize("actor_name, served", [
@@ -62,8 +63,8 @@ def test_served_model_recognises_only_our_server_names(actor_name, served):
 
 def test_one_server_mode_names_one_actor_for_every_model():
     cfg = Config(server_name="th", server_per_model=False)
-    assert {cfg.server_actor_name(m) for m in ("a", "b", "c/d")} == {"th"}
-    assert cfg.graphs_actor_name("a") == "th-graphs"
+    assert {actor_name(cfg, m) for m in ("a", "b", "c/d")} == {"th"}
+    assert graphs_actor_name(cfg, "a") == "th-graphs"
     assert Config(server_name="th").graphs_actor_name("a/b") == "th-graphs/a%2Fb"
 
 
@@ -73,7 +74,7 @@ def test_bad_names_raise_config_errors():
     with pytest.raises(ConfigError):
         Config(server_name="")
     with pytest.raises(ConfigError):
-        Config().server_actor_name("")
+        actor_name(Config(), "")
     assert Config.from_env({"TENSORHUB_SERVER_PER_MODEL": "0"}).server_per_model is False
 
 
@@ -95,7 +96,7 @@ def _fleets(ray, cfg: dict, models: list[str]) -> dict[str, tuple]:
 def _server_tables(ray, cfg: dict) -> dict[str, dict[str, list[str]]]:
     """{server actor name: {model: [client ids]}} for every server of ``cfg`` in the namespace."""
     from tensorhub import status
-    from tensorhub.actors.server import list_servers
+    from tensorhub.server.find import list_servers
 
     out = {}
     for name in list_servers(Config(**cfg)):
@@ -137,7 +138,7 @@ def _status_cli(ray, cfg: dict, *args: str) -> dict:
 
 def _close(ray, fleets: dict, config: Config) -> None:
     """Close every fleet's handles, then kill every server of the namespace."""
-    from tensorhub.actors.server import list_servers
+    from tensorhub.server.find import list_servers
 
     for t, r in fleets.values():
         ray.get([r.close.remote(), t.close.remote()])
@@ -150,7 +151,7 @@ def test_server_placement_falls_back_to_anywhere_when_ray_cannot_name_the_node(m
     this process is on (a Ray Client driver), no affinity rather than a failure."""
     import ray
 
-    from tensorhub.actors import server
+    from tensorhub.server import find as server
 
     class Ctx:
         def get_node_id(self):
@@ -165,7 +166,7 @@ def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_
     """trainer-a -> reader-a on a's server, trainer-b -> reader-b on b's: two server actors,
     each table holds only its model; both readers get their trainer's bytes; ``tensorhub
     status`` shows both models, each with its server, and ``--model`` narrows to one."""
-    from tensorhub.actors.server import list_servers
+    from tensorhub.server.find import list_servers
 
     ray = ray_cluster
     cfg = _cfg()
@@ -177,7 +178,7 @@ def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_
     where = ray.get(fleets[a][0].__ray_call__.remote(lambda self: __import__("tensorhub").__file__))
     assert where.startswith(here), (where, here)
 
-    assert list_servers(config) == {config.server_actor_name(a): a, config.server_actor_name(b): b}
+    assert list_servers(config) == {actor_name(config, a): a, actor_name(config, b): b}
     digests = {m: ray.get(t.publish.remote(1)) for m, (t, _) in fleets.items()}
     reads = {m: ray.get(r.replicate.remote(1), timeout=60) for m, (_, r) in fleets.items()}
     for m, st in reads.items():
@@ -185,11 +186,11 @@ def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_
 
     ids = {m: sorted(ray.get([x.ping.remote() for x in fleets[m]])) for m in fleets}
     tables = _server_tables(ray, cfg)
-    assert tables == {config.server_actor_name(a): {a: ids[a]}, config.server_actor_name(b): {b: ids[b]}}
+    assert tables == {actor_name(config, a): {a: ids[a]}, actor_name(config, b): {b: ids[b]}}
 
     both = _status_cli(ray, cfg)
     assert [(mv["model"], mv["server"]) for mv in both["models"]] == sorted(
-        [(a, config.server_actor_name(a)), (b, config.server_actor_name(b))]), both
+        [(a, actor_name(config, a)), (b, actor_name(config, b))]), both
     assert all(mv["available"] == [1] for mv in both["models"]) and both["unreachable"] == {}
     only_b = _status_cli(ray, cfg, "--model", b)
     assert [(mv["model"], sorted(h["client_id"] for h in mv["holders"])) for mv in only_b["models"]] == [(b, ids[b])]
@@ -203,7 +204,7 @@ def test_killing_one_models_server_affects_only_that_model(ray_cluster, model_na
     b publishes 2 and b's reader updates to it with exact bytes; then a publishes 2 through
     the outage and a's reader moves to it too. b's server is the same actor throughout, its table has the same clients, and not one
     of b's handles reconnected."""
-    from tensorhub.actors.server import find_server
+    from tensorhub.server.find import find_server
 
     ray = ray_cluster
     cfg = _cfg()
@@ -236,7 +237,7 @@ def test_killing_one_models_server_affects_only_that_model(ray_cluster, model_na
     assert find_server(config, b)._actor_id.hex() == server_b
     ids_a = sorted(ray.get([x.ping.remote() for x in fleets[a]]))  # after a's re-registration
     tables = _server_tables(ray, cfg)
-    assert tables == {config.server_actor_name(a): {a: ids_a}, config.server_actor_name(b): {b: ids_b}}
+    assert tables == {actor_name(config, a): {a: ids_a}, actor_name(config, b): {b: ids_b}}
 
     _close(ray, fleets, config)
 
@@ -246,7 +247,7 @@ def test_one_server_mode_serves_both_models_from_one_actor(ray_cluster, model_na
     """server_per_model=False: one actor named ``server_name`` holds both models' tables;
     both transfers work and status narrowed to a model shows that model only."""
     from tensorhub import status
-    from tensorhub.actors.server import list_servers
+    from tensorhub.server.find import list_servers
 
     ray = ray_cluster
     cfg = _cfg(server_per_model=False)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-from tensorhub import port as port_mod
+from tensorhub import ports as port_mod
 from tensorhub.config import Config
 from tensorhub.core import messages as m
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 
 LAYOUT = m.LayoutInfo("fp", 4, 400, (m.TensorMeta("w", "float32", (100,), 400),))
 

@@ -14,7 +14,7 @@ import pytest
 import tensorhub
 from tensorhub import errors, pulse
 from tensorhub.core import messages as m
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
 
 CFG = inproc.CONFIG  # heartbeat_interval_s=0.2
@@ -137,7 +137,7 @@ def test_one_process_with_three_handles_costs_one_call_per_interval_and_dies_who
     heard from past their lease); killing the process removes all three from the server's
     table within a second or two (Ray pushes the worker's death; with a held pulse no silence
     could have told), never at the end of the lease."""
-    from tensorhub.actors.server import find_server
+    from tensorhub.server.find import find_server
     from tensorhub.config import Config
     from tensorhub.testing.replica import spawn_many
 
@@ -193,13 +193,13 @@ def _reg(cid: str, dc: str = "a", process: m.ProcessId = m.ProcessId(), model: s
 
 
 def test_held_pulses_are_released_by_their_process_and_answered_by_events():
-    """The hold rules (:class:`tensorhub.port.PulseHolds`), as every server applies them: a
+    """The hold rules (:class:`tensorhub.server.requests.PulseHolds`), as every server applies them: a
     held process's handles count as heard from; a handle leaving, a registration from its
     process and a reader's report against one of its handles end the hold at once (the probe
     then needs a fresh pulse), a handle's read does not; a background event answers it with
     that event; a handle the server forgot while held is answered unknown."""
     from tensorhub.core.reference import ReferenceCore
-    from tensorhub.port import Mailboxes, PulseHolds, holdable
+    from tensorhub.server.requests import Mailboxes, PulseHolds, holdable
 
     core, mail, holds = ReferenceCore(CFG), Mailboxes(), PulseHolds()
     p1, p2 = m.ProcessId(worker_id="w1", pid=11), m.ProcessId(worker_id="w2", pid=12)
@@ -243,7 +243,7 @@ def test_the_server_answers_a_held_pulse_at_once_with_its_seed_and_on_a_new_hand
     another datacenter stays held; the trainer's publish seeds that datacenter and the held
     pulse comes back at once carrying the SeedAhead; held again, a registration from the same
     process brings it back at once (empty) so the new handle joins the next pulse."""
-    from tensorhub.actors.server import server_handle
+    from tensorhub.server.find import server_handle
     from tensorhub.auth import Keyring
     from tensorhub.config import Config
 
@@ -315,7 +315,7 @@ def test_death_watch_hands_on_dead_workers_dead_nodes_and_ended_jobs():
     hex ids: every worker death, only nodes that are DEAD, only jobs that ended."""
     from types import SimpleNamespace as NS
 
-    from tensorhub.actors.liveness import DeathWatch
+    from tensorhub.server.liveness import DeathWatch
 
     got = []
     w = DeathWatch(lambda workers, nodes: got.append(("dead", workers, nodes)), lambda jobs: got.append(("jobs", jobs)))
@@ -333,7 +333,7 @@ def test_background_events_stay_until_a_beat_acknowledges_them():
     across a server's restarts (``seq_base``), so an old acknowledgement drops nothing new."""
     from tensorhub.config import Config
     from tensorhub.core.reference import ReferenceCore
-    from tensorhub.port import Mailboxes, apply_request, holdable
+    from tensorhub.server.requests import Mailboxes, apply_request, holdable
 
     core, mail = ReferenceCore(Config()), Mailboxes(seq_base=1000)
     lay = m.LayoutInfo("fp", 4, 400)
@@ -364,7 +364,7 @@ def test_the_progress_stream_loses_no_event_with_its_reply():
     the next progress pulse brings it again, and once taken it is acknowledged and gone."""
     from tensorhub.config import Config
     from tensorhub.core.reference import ReferenceCore
-    from tensorhub.port import Mailboxes, apply_request
+    from tensorhub.server.requests import Mailboxes, apply_request
 
     core, mail = ReferenceCore(Config()), Mailboxes(seq_base=0)
     lay = m.LayoutInfo("fp", 4, 400)

@@ -49,7 +49,7 @@ def _pid(ray, actor) -> int:
 
 def _server(cfg: dict, model: str):
     """The running server actor of ``model`` (its own with ``server_per_model``)."""
-    from tensorhub.actors.server import find_server
+    from tensorhub.server.find import find_server
     from tensorhub.config import Config
 
     return find_server(Config(**cfg), model)

@@ -13,7 +13,8 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import S
-from tensorhub.port import LocalPort, Mailboxes, PulseHolds, apply_request, holdable
+from tensorhub.ports import LocalPort
+from tensorhub.server.requests import Mailboxes, PulseHolds, apply_request, holdable
 from tensorhub.sim import run_scenario
 
 LAY = m.LayoutInfo(fingerprint="f", unit_count=4, total_bytes=4096)

@@ -13,7 +13,7 @@ from tensorhub.client import Hub
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import workload
 
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.2, lease_timeout_s=5.0,

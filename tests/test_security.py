@@ -28,7 +28,7 @@ from tensorhub import auth, errors
 from tensorhub.config import Config
 from tensorhub.core import bounds
 from tensorhub.core import messages as m
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 
 LAY = m.LayoutInfo(fingerprint="f", unit_count=4, total_bytes=4096)
 CFG = Config(unit_bytes=4096, unit_count_target=0, heartbeat_interval_s=0.05, lease_timeout_s=2.0,
@@ -45,7 +45,7 @@ class _Server:
     Ray calls)."""
 
     def __init__(self, model: str = "policy", **cfg) -> None:
-        from tensorhub.actors.server import ReferenceServer
+        from tensorhub.server.actor import ReferenceServer
 
         self.config = Config(**{"liveness_check_s": 0, **cfg})
         self.srv = ReferenceServer.__ray_actor_class__(dataclasses.asdict(self.config), model)
@@ -346,6 +346,6 @@ def test_a_second_job_is_refused_and_the_model_goes_on(ray_cluster, model_name, 
     finally:
         rollout.close(drop_last_copy=True)
         trainer.close(drop_last_copy=True)
-        from tensorhub.actors.server import find_server
+        from tensorhub.server.find import find_server
 
         ray.kill(find_server(cfg, model_name))

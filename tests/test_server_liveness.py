@@ -42,7 +42,7 @@ class _NoPushes:
 
 @pytest.fixture
 def slow_server(monkeypatch):
-    import tensorhub.actors.server as server_mod
+    import tensorhub.server.actor as server_mod
 
     monkeypatch.setattr(server_mod, "DeathWatch", _NoPushes)
     made = []

@@ -25,7 +25,7 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.rounds import DEPARTED_ROUNDS_LEASES, DEPARTED_ROUNDS_MAX
-from tensorhub.port import EVICTED_MAILBOXES_MAX, Mailboxes, apply_request
+from tensorhub.server.requests import EVICTED_MAILBOXES_MAX, Mailboxes, apply_request
 
 LAY = m.LayoutInfo(fingerprint="f", unit_count=4, total_bytes=4096)
 RATIO_MAX = 3.0
@@ -162,7 +162,7 @@ def _server_wave_s(n: int, wave: int) -> float:
     """Seconds the real server class (no Ray cluster) spends on Ray pushing the deaths of
     ``wave`` worker processes among ``n`` clients (one client per worker), until all are
     removed; checks that a live client is still served."""
-    from tensorhub.actors.server import ReferenceServer
+    from tensorhub.server.actor import ReferenceServer
     from tensorhub.auth import Keyring
 
     srv = ReferenceServer.__ray_actor_class__(dataclasses.asdict(Config(liveness_check_s=0)), "policy")
@@ -217,7 +217,7 @@ def test_death_watch_hands_a_wave_over_in_one_call():
     reach the server as one ``on_deaths``: it removes them in one pass."""
     from types import SimpleNamespace as NS
 
-    from tensorhub.actors.liveness import DeathWatch
+    from tensorhub.server.liveness import DeathWatch
 
     got = []
 

@@ -16,7 +16,7 @@ import tensorhub
 from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.layout import Layout, checksum_all
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import workload
 from tensorhub.transport import Agent, Region, decode_endpoint, encode_endpoint, shm
 

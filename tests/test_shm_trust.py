@@ -29,7 +29,7 @@ import tensorhub
 from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.layout import Layout, checksum_all
-from tensorhub.port import LocalPort
+from tensorhub.ports import LocalPort
 from tensorhub.testing import workload
 from tensorhub.transport import shm
 

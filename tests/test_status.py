@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from tensorhub.actors.server import find_server
+from tensorhub.server.find import find_server
 from tensorhub.config import Config
 from tensorhub.testing import workload
 from tensorhub.testing.replica import spawn_many

@@ -298,7 +298,7 @@ def assert_same(got: list, want: list) -> None:
 def _server_table(ray, cfg: dict) -> dict:
     from tensorhub.core import messages as m
 
-    from tensorhub.actors.server import find_server
+    from tensorhub.server.find import find_server
     from tensorhub.config import Config
 
     kw = cfg["engine_kwargs"]["tensorhub"]

@@ -121,7 +121,7 @@ class Beat(msgspec.Struct, frozen=True, array_like=True):
 class Pulse(_Msg, frozen=True):
     """The liveness of every handle of one process on this server (one call, however many
     handles): each handle's heartbeat or read progress. Sent with ``wait_s`` > 0, an idle
-    process's pulse is held by the server (``Config.pulse_hold_s``, :class:`tensorhub.port.PulseHolds`). The reply
+    process's pulse is held by the server (``Config.pulse_hold_s``, :class:`tensorhub.server.requests.PulseHolds`). The reply
     (:class:`PulseReply`) carries the handles the server does not know and the background events
     waiting for each handle, so there is no separate ``notes`` poll."""
 

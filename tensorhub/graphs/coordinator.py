@@ -4,7 +4,7 @@ The reference server itself is an async actor that must never block, and a compi
 only be executed by the process that compiled it; so graphs are built, cached and executed by
 this companion actor, one group at a time: ``<server_name>-graphs/<model>`` beside each model's
 server with ``Config.server_per_model`` (one model's compiles never queue behind another's),
-``<server_name>-graphs`` otherwise (:meth:`Config.graphs_actor_name`). It
+``<server_name>-graphs`` otherwise (:func:`tensorhub.server.naming.graphs_actor_name`). It
 turns the plan the core produced (the chain of assignments the members received) into a Ray
 Compiled Graph, keeps it across versions while the members stay the same, and tears it down
 when membership changes or a member fails. ``replicate_group(..., where="server")`` uses it.
@@ -19,6 +19,7 @@ import ray
 
 from tensorhub.config import Config
 from tensorhub.graphs.pipeline import GraphCache, run_group
+from tensorhub.server.naming import graphs_actor_name
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)
@@ -49,7 +50,7 @@ def coordinator(config: Optional[Config] = None, model: str = ""):
     namespace), created on first use (detached, named). Blocks until it answers."""
     config = config or Config.from_env()
     handle = GraphCoordinator.options(
-        name=config.graphs_actor_name(model), namespace=config.namespace, lifetime="detached",
+        name=graphs_actor_name(config, model), namespace=config.namespace, lifetime="detached",
         get_if_exists=True,
     ).remote()
     ray.get(handle.stats.remote())

@@ -33,7 +33,7 @@ def replicate_group(actors: Sequence, spec="latest", *, update: bool = True, pat
     ``where``: ``"server"`` (the default when no ``cache`` is given) builds, caches and runs the
     graph in the server-side :class:`~tensorhub.graphs.coordinator.GraphCoordinator` of the
     members' model (found by ``config``'s server name and namespace, and the model the first
-    member reports; :meth:`~tensorhub.Config.graphs_actor_name`), so every driver shares one cache and
+    member reports; :func:`~tensorhub.server.naming.graphs_actor_name`), so every driver shares one cache and
     compiled graphs outlive the calling process; ``"local"`` (the default with a ``cache``) runs
     them in this process with ``cache``. With ``"server"`` the result's ``plan`` is None and
     ``plan_drawing`` shows the chain."""

@@ -370,7 +370,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     def _server(self):
         if self._port is None:
-            from tensorhub.actors.server import connect
+            from tensorhub.ports import connect
 
             self._port = connect(self.config, self.model)
         return self._port

@@ -1,11 +1,11 @@
 """The simulated reference server: the server actor's request path in virtual time.
 
-Requests go through :func:`tensorhub.port.apply_request` and :class:`~tensorhub.port.Mailboxes`
+Requests go through :func:`tensorhub.server.requests.apply_request` and :class:`~tensorhub.server.requests.Mailboxes`
 like in the Ray actor: a blocking request (``wait``) whose reply is ``Waiting`` is held as a long
 poll and answered with the client's next terminal event, or ``Waiting`` after
 ``request_timeout_s``; background events (DropHostCopy, Evicted) wait in the mailbox for the
 client's next pulse. An idle process's pulse is held (``pulse_hold_s``) under the actor's rules
-(:class:`~tensorhub.port.PulseHolds`): released by its handles' requests, answered by an event
+(:class:`~tensorhub.server.requests.PulseHolds`): released by its handles' requests, answered by an event
 or at its deadline, its handles stamped as heard from on every tick while held. The server
 ticks every ``server_tick_s``.
 
@@ -29,7 +29,7 @@ from tensorhub.auth import Gate, Keyring
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.port import Mailboxes, PulseHolds, apply_request, holdable
+from tensorhub.server.requests import Mailboxes, PulseHolds, apply_request, holdable
 from tensorhub.sim import faults
 
 CoreFactory = Callable[[Config], ReferenceCore]

@@ -93,7 +93,7 @@ class DcReplica(Replica):
 
     def server_node(self) -> str:
         """The node of this handle's reference server actor."""
-        from tensorhub.actors.server import find_server
+        from tensorhub.server.find import find_server
 
         server = find_server(self.hub.config, self.hub.model)
         return ray.get(server.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()))
@@ -292,7 +292,7 @@ def seeder_dies(args) -> dict:
 
 
 def _server(s: Setup):
-    from tensorhub.actors.server import find_server
+    from tensorhub.server.find import find_server
     from tensorhub.config import Config
 
     return find_server(Config(**s.config), MODEL)

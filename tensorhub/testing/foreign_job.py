@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+from tensorhub.server.naming import actor_name
+
 
 def _code(reply) -> str:
     from tensorhub.core import messages as m
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
 
     ray.init(address=args.address, namespace="tensorhub-foreign-job", log_to_driver=False, logging_level="ERROR")
     cfg = Config(server_name=args.server_name, namespace=args.namespace)
-    server = ray.get_actor(cfg.server_actor_name(args.model), namespace=args.namespace)
+    server = ray.get_actor(actor_name(cfg, args.model), namespace=args.namespace)
     res = attack(server, args.model, args.victim, args.reader)
     res["job_id"] = ray.get_runtime_context().get_job_id()
     print(json.dumps(res), flush=True)

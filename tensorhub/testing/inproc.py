@@ -1,4 +1,4 @@
-"""Handles against an in-process server (:class:`~tensorhub.port.LocalPort`), for tests.
+"""Handles against an in-process server (:class:`~tensorhub.ports.LocalPort`), for tests.
 
 ``CONFIG`` keeps the units small and the timeouts short and uses the NIXL data path (every
 handle of one process shares one host, so the same-host tier would otherwise take over);

@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Optional
 
+from tensorhub.server.naming import actor_name
+
 CONFIG = dict(unit_bytes=256 << 10, heartbeat_interval_s=0.5, lease_timeout_s=60.0,
               source_stall_timeout_s=5.0)
 """A long lease on purpose: the server must find the dead holders through Ray, not by waiting."""
@@ -80,7 +82,7 @@ def _server_counts(model: str, config: dict) -> dict:
 
     cfg = Config(**config)
     try:
-        server = ray.get_actor(cfg.server_actor_name(model), namespace=cfg.namespace)
+        server = ray.get_actor(actor_name(cfg, model), namespace=cfg.namespace)
         return ray.get(server.counts.remote(), timeout=30)
     except Exception as e:  # noqa: BLE001 - diagnostics only
         return {"unavailable": repr(e)[:200]}

@@ -2,23 +2,23 @@
 
 It decodes a msgspec request, hands it to the core with the current time, routes the core's
 effects into per-client mailboxes and replies. It never touches tensor bytes. A timer task
-calls ``core.tick`` every ``server_tick_s`` (lease expiry). ``connect(config, model)`` finds the
-server of ``model`` by name in the configured namespace, creating it on first use.
+calls ``core.tick`` every ``server_tick_s`` (lease expiry). :func:`tensorhub.server.find.server_handle`
+finds the server of ``model`` by name in the configured namespace, creating it on first use;
+clients reach it through :class:`tensorhub.ports.RayPort`.
 
 Partitioning (``Config.server_per_model``, on by default): every model has its own server
-actor, named ``<server_name>/<model percent-encoded>`` (:meth:`Config.server_actor_name`). A
+actor, named ``<server_name>/<model percent-encoded>`` (:func:`tensorhub.server.naming.actor_name`). A
 model's clients only ever talk to their model's server, so its request rate, table size, lease
 ticks and liveness sweeps are that model's alone; no TensorHub state is shared between servers
 (each is a separate process with its own event loop, and a restart of one loses only its
 model's soft state; they share Ray's GCS and their nodes' CPUs). Off: one server named ``server_name`` serves every model, as before.
-:func:`list_servers` finds every server of a namespace by its name.
+:func:`tensorhub.server.find.list_servers` finds every server of a namespace by its name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import random
 import time
@@ -26,15 +26,14 @@ from typing import Optional
 
 import ray
 
-from tensorhub.actors.liveness import DeathWatch, RayLiveness, current_process
-from tensorhub.auth import Gate, keyring_for, operator_proof
+from tensorhub.server.liveness import DeathWatch, RayLiveness
+from tensorhub.auth import Gate
 from tensorhub.config import Config
 from tensorhub.core import bounds
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.errors import ServerUnavailable, from_code
 from tensorhub.logs import configure_from_env
-from tensorhub.port import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable, shed_register
+from tensorhub.server.requests import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable, shed_register
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def _current_actor():
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class ReferenceServer:
-    """Thin shell: ``call(request_bytes, wait_s) -> reply_bytes`` (see :mod:`tensorhub.port`)."""
+    """Thin shell: ``call(request_bytes, wait_s) -> reply_bytes`` (see :mod:`tensorhub.ports`)."""
 
     def __init__(self, config: dict, model: str = "") -> None:
         configure_from_env()
@@ -101,7 +100,7 @@ class ReferenceServer:
         """Clients removed because Ray pushed their worker's or node's death."""
         self._backlog = Backlog(self.config.lease_stretch_max_s, time.monotonic(), probed=True)
         """How far behind this server reads its queue (probes it sends itself): leases stretch
-        by it (:class:`~tensorhub.port.Backlog`)."""
+        by it (:class:`~tensorhub.server.requests.Backlog`)."""
         self._probes: set[asyncio.Task] = set()
         self._me = None
         """This actor's own handle (its probes go through it)."""
@@ -172,7 +171,7 @@ class ReferenceServer:
 
     async def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
         """Keep an idle process's pulse until an event for it, a release or ``hold_s``
-        (:class:`~tensorhub.port.PulseHolds`). A hold that runs out stamps its handles as heard
+        (:class:`~tensorhub.server.requests.PulseHolds`). A hold that runs out stamps its handles as heard
         from now: the process was waiting on us until the answer leaves, and its next pulse
         gets a whole lease (plus the server's backlog) to arrive."""
         hold = self._holds.start(pulse, self.core, time.monotonic() + hold_s)
@@ -186,7 +185,7 @@ class ReferenceServer:
 
     async def probe(self, token: int) -> None:
         """The server's own call to itself, through the queue its clients' calls wait in: read
-        now (:class:`~tensorhub.port.Backlog`). Unknown tokens are ignored."""
+        now (:class:`~tensorhub.server.requests.Backlog`). Unknown tokens are ignored."""
         self._backlog.read(token)
 
     async def _probe(self) -> None:
@@ -292,9 +291,7 @@ class ReferenceServer:
         by_job = self._clients_by("job_id")
         cids = tuple(cid for j in jobs for cid in by_job.get(j, ()) if cid in self.core.nodes)
         if cids:
-            task = asyncio.get_running_loop().create_task(self._sweep(targeted=cids))
-            self._job_checks.add(task)
-            task.add_done_callback(self._swept)
+            self._spawn_check(self._sweep(targeted=cids))
 
     def _on_deaths(self, workers: set[str], nodes: set[str]) -> None:
         """Ray pushed these workers' (processes') or nodes' deaths: their clients go now."""
@@ -318,9 +315,9 @@ class ReferenceServer:
         actor, declared gone with its ended job while Ray had not yet killed it, re-announced
         itself; its announcement opened a recovery window on a server that never restarted,
         and the next job's reader waited 39 s for an answer)."""
-        processes = self.core.processes()
         for cid in gone:
-            key = _process_key(processes.get(cid))
+            node = self.core.nodes.get(cid)
+            key = _process_key(node.process if node is not None and not node.host else None)
             if key is not None:
                 self._gone_processes[key] = None
                 self._gone_processes.move_to_end(key)
@@ -348,15 +345,21 @@ class ReferenceServer:
         after the report, sooner than a slow GCS would answer) and the sweep finishes on its own,
         applying what it finds when it does. A GCS call that hangs never holds a reader's
         report, nor its failover, until the lease runs out."""
-        task = asyncio.get_running_loop().create_task(self._sweep(targeted))
-        self._job_checks.add(task)
-        task.add_done_callback(self._swept)
+        task = self._spawn_check(self._sweep(targeted))
         try:
             await asyncio.wait_for(asyncio.shield(task), self.config.heartbeat_interval_s)
         except asyncio.TimeoutError:
             self._counts["sweeps_slow"] = self._counts.get("sweeps_slow", 0) + 1
             log.warning("a liveness check took over %.1f s: the request goes on without it",
                         self.config.heartbeat_interval_s)
+
+    def _spawn_check(self, check) -> asyncio.Task:
+        """Run a liveness check (a coroutine) as a task of its own, kept until done; its failure
+        is logged (:meth:`_swept`)."""
+        task = asyncio.get_running_loop().create_task(check)
+        self._job_checks.add(task)
+        task.add_done_callback(self._swept)
+        return task
 
     def _swept(self, task: asyncio.Task) -> None:
         self._job_checks.discard(task)
@@ -400,9 +403,7 @@ class ReferenceServer:
                     and (self._periodic is None or self._periodic.done())):
                 # Off the tick: a slow GCS must not stop leases and probes from being judged.
                 # Its failure is logged (_swept); liveness is best effort, leases remain.
-                self._periodic = asyncio.get_running_loop().create_task(self._sweep())
-                self._job_checks.add(self._periodic)
-                self._periodic.add_done_callback(self._swept)
+                self._periodic = self._spawn_check(self._sweep())
 
 
 class _Waiter:
@@ -451,133 +452,3 @@ class _Metrics:
             avail = core.available(model)
             if avail:
                 self.versions.set(avail[-1], tags={"model": model})
-
-
-class RayPort:
-    """A :class:`~tensorhub.port.ServerPort` over the ReferenceServer actor of one model."""
-
-    def __init__(self, handle, config: Config, model: str) -> None:
-        self.handle = handle
-        self.config = config
-        self.model = model
-        self.keys = keyring_for(self.pulse_key())
-        """The capabilities of this process's handles on this server (shared by its ports)."""
-
-    def call(self, request: m.Request, wait_s: float = 0.0) -> object:
-        """Send ``request`` signed with its handles' capabilities (and the model secret's
-        proof on a registration) and return the reply. Raises Unauthorized if the server
-        cannot prove the model secret this port's config holds."""
-        signed = self.keys.sign(request, self.config.model_secret)
-        ref = self.handle.call.remote(m.encode(signed), float(wait_s))
-        try:
-            data = ray.get(ref, timeout=wait_s + self.config.request_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise ServerUnavailable(f"reference server did not answer {type(signed.request).__name__}") from e
-        except ray.exceptions.RayActorError as e:
-            raise ServerUnavailable(f"reference server is gone: {e}") from e
-        reply = m.decode_reply(data)
-        self.keys.answered(signed, reply, self.config.model_secret)
-        return reply
-
-    def notes(self, client_id: str) -> list:
-        try:
-            ref = self.handle.notes.remote(client_id, self.keys.cap(client_id))
-            return [m.decode_reply(b) for b in ray.get(ref, timeout=self.config.request_timeout_s)]
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
-            raise ServerUnavailable(str(e)) from e
-
-    def process(self) -> m.ProcessId:
-        return current_process()
-
-    def pulse_key(self) -> tuple:
-        """The handles of this process on this model's server share one liveness loop."""
-        return ("ray", self.config.namespace, self.config.server_actor_name(self.model))
-
-    def reconnect(self) -> None:
-        """Find (or create) this model's server under its name again (blocks up to
-        ``request_timeout_s``, then ServerUnavailable). Other models' servers are not touched."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        delay = 0.1
-        while True:
-            try:
-                self.handle = server_handle(self.config, self.model)
-                return
-            except Exception as e:  # noqa: BLE001 - the old actor's name may still be held
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"cannot reach or recreate the reference server: {e}") from e
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
-    def status(self, model: str = "") -> m.Status:
-        """The operator view (every holder), proving the model secret if the config has one;
-        raises Unauthorized where the server refuses it."""
-        proof = operator_proof(self.config.model_secret, model) if self.config.model_secret else b""
-        reply = m.decode_reply(ray.get(self.handle.status.remote(model, proof), timeout=self.config.request_timeout_s))
-        if isinstance(reply, m.ErrorReply):
-            raise from_code(reply.code, reply.message)
-        return reply
-
-
-_MAX_CONCURRENCY = 1_000_000
-"""Calls the server may have open at once: every idle process keeps one pulse held there
-(Ray's default for an async actor, 1,000, would queue the fleet's other calls behind them)."""
-
-
-def server_handle(config: Config, model: str):
-    """The server actor of ``model`` (:meth:`Config.server_actor_name`), created on first use
-    (detached, named, get-if-exists; ``ray.init()`` first if Ray is not initialised), on the
-    caller's node with ``server_near_creator``. Blocks until it answers a ping. The first
-    caller's ``config`` becomes the server's."""
-    if not ray.is_initialized():
-        ray.init(namespace=config.namespace, log_to_driver=False)
-    name = config.server_actor_name(model)
-    placement = {}
-    node_id = _creator_node() if config.server_near_creator else None
-    if node_id:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # Hard affinity: the creator's node is alive (the creator runs there) and a zero-CPU
-        # actor fits it. Ray 2.60 places a *soft*-affine detached actor on the head node
-        # whatever the node named (measured on the emulated cluster: 3 of 3 placements).
-        placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-    handle = ReferenceServer.options(
-        name=name, namespace=config.namespace, lifetime="detached", get_if_exists=True,
-        max_concurrency=_MAX_CONCURRENCY, **placement,
-    ).remote(dataclasses.asdict(config), model if config.server_per_model else "")
-    ray.get(handle.ping.remote())
-    return handle
-
-
-def _creator_node() -> Optional[str]:
-    """This process's Ray node (hex id), or None where Ray cannot say (a Ray Client driver):
-    then the server goes wherever Ray puts it."""
-    try:
-        return ray.get_runtime_context().get_node_id() or None
-    except Exception:  # noqa: BLE001 - placement is a preference, never a reason to fail
-        return None
-
-
-def connect(config: Config, model: str) -> RayPort:
-    """A port to the server of ``model``, created on first use (see :func:`server_handle`)."""
-    return RayPort(server_handle(config, model), config, model)
-
-
-def find_server(config: Config, model: str):
-    """The running server actor of ``model``; never creates one. Raises ValueError (as
-    ``ray.get_actor``) when there is none. For tools and tests (kill it, read its status)."""
-    return ray.get_actor(config.server_actor_name(model), namespace=config.namespace)
-
-
-def list_servers(config: Config) -> dict[str, str]:
-    """Every live server actor of ``config.server_name`` in ``config.namespace``, both modes:
-    ``{actor name: model it serves}`` ("" for a one-server-for-all actor). One GCS call
-    (``ray.util.list_named_actors(all_namespaces=True)``: the caller's namespace may differ);
-    a killed actor's name is released, so it is not listed."""
-    out = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != config.namespace:
-            continue
-        model = config.served_model(entry["name"])
-        if model is not None:
-            out[entry["name"]] = model
-    return dict(sorted(out.items()))

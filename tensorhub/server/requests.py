@@ -1,50 +1,29 @@
-"""How a client talks to the reference server: a small port with two implementations.
+"""The server's request path, shared by every server (the Ray actor, ``LocalPort``, the simulator).
 
-``ServerPort.call(request, wait_s)`` sends one request and returns the reply; when the reply is
-``Waiting`` and ``wait_s`` > 0 it instead returns the next *terminal* event for this client
-(an Assignment, UnpublishDone, OffloadOrder or Failed) that arrives within ``wait_s``, or the
-``Waiting`` reply itself on timeout. ``notes(client_id)`` returns background events
-(DropHostCopy, Evicted) queued for the client.
+- :class:`Mailboxes`: per-client queues of the core's effects (terminal events a blocking call
+  waits for; background notes a pulse carries).
+- :class:`PulseHolds`: idle processes' pulses held until an event, a release or ``pulse_hold_s``.
+- :class:`Backlog`: how far behind a server reads its queue (leases stretch by it).
+- :func:`apply_request`, :func:`shed_register`, :func:`holdable`, :func:`busy_hold`: serving one
+  request, the same everywhere; each server supplies only its waiting.
 
-- :class:`LocalPort` runs a :class:`ReferenceCore` in this process (tests, single-process use).
-- ``tensorhub.actors.server.RayPort`` talks to the detached ``ReferenceServer`` actor.
-
-The mailbox logic is shared by both (:class:`Mailboxes`), so the Ray actor stays a thin shell.
+The client side of the conversation (``ServerPort``, ``LocalPort``, ``RayPort``) is
+:mod:`tensorhub.ports`.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import random
 import threading
 import time
-from typing import Optional, Protocol
+from typing import Optional
 
-from tensorhub.auth import Gate, Keyring
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 
 TERMINAL = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed, m.Evicted)
 BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted, m.Demoted)
-
-
-class ServerPort(Protocol):
-    def call(self, request: m.Request, wait_s: float = 0.0) -> object: ...
-
-    def notes(self, client_id: str) -> list: ...
-
-    def reconnect(self) -> None: ...
-
-    def process(self) -> m.ProcessId:
-        """Who runs the caller, for the server's liveness checks."""
-        ...
-
-    def pulse_key(self) -> tuple:
-        """Which server this port reaches: the handles of a process with the same key share one
-        liveness loop (:mod:`tensorhub.pulse`)."""
-        ...
 
 
 EVICTED_MAILBOXES_MAX = 1024
@@ -447,160 +426,3 @@ def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: floa
         if events:
             notes[beat.client_id] = events
     return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks), woken
-
-
-class LocalPort:
-    """The core in this process, guarded by one lock; ticks on every call and from ``tick()``.
-    A blocking call waits on its client's own condition: an event wakes only the calls waiting
-    for that client (and each waiting call wakes every ``server_tick_s`` to tick the core)."""
-
-    def __init__(self, config: Optional[Config] = None, core: Optional[ReferenceCore] = None) -> None:
-        self.config = config or Config()
-        self.core = core or ReferenceCore(self.config)
-        self.mail = Mailboxes()
-        self._lock = threading.RLock()
-        self._waiters: dict[str, _Waiter] = {}
-        self.holds = PulseHolds()
-        """Pulses held here (``pulse_hold_s``), with the actor's rules."""
-        self._held = threading.Condition(self._lock)
-        self.backlog = Backlog(self.config.lease_stretch_max_s, time.monotonic())
-        """Callers waiting for the lock, by arrival: leases stretch while they wait."""
-        self.gate = Gate(self.config.model_secret)
-        """The server's check of each request (:mod:`tensorhub.auth`), as in the actor."""
-        self.shed = 0
-        """Registrations refused ``ServerBusy`` (``Config.register_shed_s``)."""
-        self.keys = Keyring()
-        """The client side: the capabilities of the handles on this port."""
-
-    def _apply(self, effects: list[m.Deliver]) -> None:
-        self._wake(self.mail.route(effects))
-
-    def _wake(self, client_ids) -> None:
-        for cid in client_ids:
-            w = self._waiters.get(cid)
-            if w is not None:
-                w.cond.notify_all()
-        if self.holds.of and self.holds.held(client_ids, self.mail):
-            self._held.notify_all()
-
-    def _tick(self) -> None:
-        now = time.monotonic()
-        if self.holds.of:
-            self.core.touch(self.holds.attended(), now)
-        self._apply(self.core.tick(now, self.backlog.behind_s(now)))
-
-    def tick(self) -> None:
-        with self._lock:
-            self._tick()
-
-    def call(self, request: m.Request, wait_s: float = 0.0) -> object:
-        """Sign ``request`` with its handles' capabilities (a :class:`~m.Signed` one goes as it
-        is), then serve it as the actor does: the gate first, a refusal changes nothing."""
-        signed = self.keys.sign(request, self.config.model_secret)
-        # Arrived now, read once applied: while it waits for the lock, no lease runs out for
-        # what it (or any other waiting caller) carries.
-        token = self.backlog.arrived(time.monotonic())
-        try:
-            with self._lock:
-                return self._call(signed, wait_s, token)
-        finally:
-            self.backlog.read(token)
-
-    def _call(self, signed: object, wait_s: float, token: int) -> object:
-        """:meth:`call` under the lock."""
-        request, refused = self.gate.admit(self.core, signed)
-        if refused is not None:
-            return refused
-        shed = shed_register(request, self.core, self.backlog.behind_s(time.monotonic()), self.config,
-                             random.random())
-        if shed is not None:
-            self.shed += 1
-            return shed
-        client_id = getattr(request, "client_id", None)
-        if self.holds.releases(request):
-            self._held.notify_all()
-        self._tick()
-        reply, woken = apply_request(self.core, self.mail, request, time.monotonic())
-        self.backlog.read(token)
-        reply = self.gate.answered(self.core, signed, reply)
-        self.keys.answered(signed, reply, self.config.model_secret)
-        self._wake(woken)
-        hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
-        if hold_s:
-            behind = self.backlog.behind_s(time.monotonic())
-            return self._hold(request, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
-                                                 self.config.request_timeout_s))
-        if not isinstance(reply, m.Waiting) or wait_s <= 0 or not client_id:
-            return reply
-        deadline = time.monotonic() + wait_s
-        w = self._waiters.get(client_id)
-        if w is None:
-            w = self._waiters[client_id] = _Waiter(threading.Condition(self._lock))
-        w.calls += 1
-        try:
-            while True:
-                ev = self.mail.pop_terminal(client_id)
-                if ev is not None:
-                    return ev
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return reply
-                w.cond.wait(min(left, self.config.server_tick_s))
-                self._tick()
-        finally:
-            w.calls -= 1
-            if not w.calls:
-                del self._waiters[client_id]
-
-    def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
-        """Keep an idle process's pulse (the caller holds the lock) until an event, a release
-        or ``hold_s``; ticks every ``server_tick_s`` meanwhile (:class:`PulseHolds`)."""
-        hold = self.holds.start(pulse, self.core, time.monotonic() + hold_s)
-        core = self.core
-        while not hold.over and self.core is core:
-            left = hold.deadline - time.monotonic()
-            if left <= 0:
-                break
-            self._held.wait(min(left, self.config.server_tick_s))
-            if not hold.over:
-                self._tick()
-        if self.core is not core:  # restarted while held: as a dead actor, every handle unknown
-            return m.PulseReply(unknown=hold.client_ids)
-        return self.holds.answer(hold, self.core, self.mail)
-
-    def notes(self, client_id: str) -> list:
-        """The client's background events; Unauthorized without its capability."""
-        with self._lock:
-            self.gate.check_notes(self.core, client_id, self.keys.cap(client_id))
-            return self.mail.pop_background(client_id)
-
-    def pulse_key(self) -> tuple:
-        """Handles on this port share one liveness loop (:mod:`tensorhub.pulse`)."""
-        return ("local", id(self))
-
-    def reconnect(self) -> None:
-        """Nothing to do in process (see :meth:`restart`)."""
-
-    def process(self) -> m.ProcessId:
-        return m.ProcessId(pid=os.getpid())
-
-    def restart(self) -> None:
-        """Replace the core by a fresh one, as if the server died and a new one started:
-        every client is unknown until it re-announces."""
-        with self._lock:
-            self.core = ReferenceCore(self.config)
-            self.gate = Gate(self.config.model_secret)
-            self.mail = Mailboxes()
-            self.holds = PulseHolds()
-            self._held.notify_all()
-            self._wake(list(self._waiters))
-
-
-class _Waiter:
-    """The blocking calls of one client waiting in a :class:`LocalPort`."""
-
-    __slots__ = ("cond", "calls")
-
-    def __init__(self, cond: threading.Condition) -> None:
-        self.cond = cond
-        self.calls = 0
