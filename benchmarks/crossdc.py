@@ -3,7 +3,7 @@
     python benchmarks/crossdc.py --json [--dcs 3] [--readers-per-dc 2] [--mib 32] [--versions 5]
                                  [--inter-dc-gbit 0.1] [--plot benchmarks/crossdc.png]
 
-Builds an emulated cluster with datacenters (:mod:`tensorhub.testing.cluster`; needs root): the
+Builds an emulated cluster with datacenters (:mod:`tensorhub.emucluster`; needs root): the
 trainer alone on datacenter 0, ``--readers-per-dc`` rollouts (one host each) in every other
 datacenter; 1 Gbit/s inside a datacenter, one ``--inter-dc-gbit`` link with ``--inter-dc-ms``
 one-way latency from datacenter 0 to each other. Then runs itself as the driver. Per path, fresh

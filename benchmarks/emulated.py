@@ -1,6 +1,6 @@
 """The benchmarks' outer half on an emulated cluster: build it, run the script as its driver.
 
-A benchmark's ``main`` builds the cluster (:func:`tensorhub.testing.cluster.emulated_cluster`,
+A benchmark's ``main`` builds the cluster (:func:`tensorhub.emucluster.emulated_cluster`,
 needs root) and runs itself inside with ``--driver`` (plus ``--quiet`` for ``--json``: no live
 progress); the driver prints its summary as the last stdout line.
 """
@@ -17,7 +17,7 @@ def run_driver(script: str, argv: Optional[Sequence[str]], json_mode: bool, **cl
     """Run ``script --driver ARGV`` (``ARGV``: this process's arguments without ``--json``)
     inside an emulated cluster built from ``cluster`` (keywords of ``emulated_cluster``); returns
     the driver's JSON summary (also shown on stderr), or None if the driver failed."""
-    from tensorhub.testing.cluster import emulated_cluster
+    from tensorhub.emucluster import emulated_cluster
 
     with emulated_cluster(**cluster) as c:
         argv2 = [sys.executable, script, "--driver", *[a for a in (argv or sys.argv[1:]) if a != "--json"],

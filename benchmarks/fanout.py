@@ -3,7 +3,7 @@
     python benchmarks/fanout.py --json [--gbit 0.1] [--bytes 64MiB] [--ns 1,2,4,8] [--reps 2]
                                 [--paths pull,graph,none,rdt,broadcast] [--plot benchmarks/fanout.png]
 
-Builds an emulated cluster (:mod:`tensorhub.testing.cluster`: one network namespace, raylet and
+Builds an emulated cluster (:mod:`tensorhub.emucluster`: one network namespace, raylet and
 rate-limited NIC per host; needs root) with the trainer on host 0 and reader i on host i, then
 runs itself as the driver (``--driver``). For each N, the first N readers take part; before every
 measured run the trainer publishes a fresh version. Paths:

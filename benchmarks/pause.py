@@ -2,7 +2,7 @@
 
     python benchmarks/pause.py --json [--gbit 1.0] [--bytes 512MiB] [--reps 3]
 
-Builds an emulated cluster (:mod:`tensorhub.testing.cluster`: one network namespace, raylet and
+Builds an emulated cluster (:mod:`tensorhub.emucluster`: one network namespace, raylet and
 rate-limited NIC per host; needs root) with the trainer on host 0 and the rollout on host 1 (its
 own host: its bytes cross the emulated link), then runs itself as the driver (``--driver``). Per
 repetition, in one run:

@@ -4,7 +4,7 @@
                                       [--local]
 
 One trainer rank on host 0 and ``--rollouts`` rollout ranks on hosts 1..N of an emulated cluster
-(:mod:`tensorhub.testing.cluster`: one network namespace, raylet and rate-limited NIC per host;
+(:mod:`tensorhub.emucluster`: one network namespace, raylet and rate-limited NIC per host;
 needs root), or with ``--local`` on one local Ray cluster (no links, no byte counters). Every rank
 builds its checkpoint engines as verl 0.9 does (``CheckpointEngineConfig``, ``custom_backend_module``
 imported, ``CheckpointEngineRegistry.new``). One update of a bf16 transformer-shaped model:
@@ -145,7 +145,7 @@ class Bench:
         self.nbytes = workload.spec_bytes(self.spec)
         self.cluster = None
         if not args.local:
-            from tensorhub.testing.cluster import EmulatedCluster
+            from tensorhub.emucluster import EmulatedCluster
 
             self.cluster = EmulatedCluster.attach(args.name)
         # versions_retained=1: a rollout moving to v+1 never offloads v, so no host buffer is made

@@ -15,7 +15,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from tensorhub import chaos, demo, status
     from tensorhub.sim import cli as sim_cli
-    from tensorhub.testing import cluster_cli
+    from tensorhub.emucluster import cli as cluster_cli
 
     demo.add_arguments(sub.add_parser("demo", help="trainer + rollouts on a local Ray cluster (the main job)"))
     sim_cli.add_arguments(sub.add_parser("simulate", help="run seeded deterministic simulations of the protocol"))

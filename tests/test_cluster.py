@@ -1,4 +1,4 @@
-"""The emulated multi-host cluster (tensorhub.testing.cluster).
+"""The emulated multi-host cluster (tensorhub.emucluster.cluster).
 
 Pure tests (spec validation, layout, tc arguments) run everywhere. The ``cluster`` tests need
 root, ``ip netns`` and /dev/net/tun; they build real namespaces and Ray nodes on this machine,
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tensorhub.testing.cluster_layout import ClusterError, ClusterSpec, layout_of, parse_datacenters, shaping_commands
-from tensorhub.testing.cluster_net import unavailable_reason
+from tensorhub.emucluster.plan import ClusterError, ClusterSpec, plan_of, parse_datacenters, shaping_commands
+from tensorhub.emucluster.net import unavailable_reason
 
 STATE_DIR = "/tmp/tensorhub-cluster"
 GBIT = 0.2
@@ -63,7 +63,7 @@ def test_spec_rejects_bad_input_with_cluster_error(fields, fragment):
 
 
 def test_layout_places_hosts_by_datacenter_and_fits_interface_names():
-    lay = layout_of(ClusterSpec(hosts=5, datacenters=(3, 2), name="abcdef", subnet="10.77.0.0/16",
+    lay = plan_of(ClusterSpec(hosts=5, datacenters=(3, 2), name="abcdef", subnet="10.77.0.0/16",
                                 latency_ms=2, inter_dc_latency_ms=30))
     assert lay.head_ip == "10.77.0.1"
     assert [(h.dc, h.ip) for h in lay.hosts] == [(0, "10.77.1.1"), (0, "10.77.1.2"), (0, "10.77.1.3"),
@@ -76,7 +76,7 @@ def test_layout_places_hosts_by_datacenter_and_fits_interface_names():
 
 
 def test_layout_without_latency_has_no_wires():
-    assert layout_of(ClusterSpec(hosts=3, datacenters=(2, 1))).wires == ()
+    assert plan_of(ClusterSpec(hosts=3, datacenters=(2, 1))).wires == ()
 
 
 @pytest.mark.parametrize("gbit, rtt_s, burst, limit", [
@@ -111,7 +111,7 @@ def test_parse_datacenters():
 
 
 def _owned_pids(name: str) -> set[int]:
-    from tensorhub.testing.cluster_procs import MARKER_ENV
+    from tensorhub.emucluster.procs import MARKER_ENV
 
     needle = f"{MARKER_ENV}={name}:".encode()
     out = set()
@@ -126,7 +126,7 @@ def _owned_pids(name: str) -> set[int]:
 
 
 def _assert_nothing_left(name: str) -> None:
-    from tensorhub.testing.cluster_net import existing_netns
+    from tensorhub.emucluster.net import existing_netns
 
     assert not [ns for ns in existing_netns() if ns.startswith(f"{name}-")]
     assert not [d for d in os.listdir("/sys/class/net") if d.startswith(f"{name}-")]
@@ -143,7 +143,7 @@ def _cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
 def cluster():
     if _SKIP:
         pytest.skip(_SKIP)
-    from tensorhub.testing.cluster import emulated_cluster
+    from tensorhub.emucluster.cluster import emulated_cluster
 
     with emulated_cluster(hosts=3, gbit=GBIT, datacenters=[2, 1], inter_dc_gbit=INTER_DC_GBIT,
                           inter_dc_latency_ms=INTER_DC_LATENCY_MS, cpus_per_host=1, name="thtm",
@@ -154,7 +154,7 @@ def cluster():
 
 @_cluster_mark
 def test_tcp_stream_between_hosts_runs_at_the_configured_rate(cluster):
-    from tensorhub.testing.cluster_nettest import measure_stream
+    from tensorhub.emucluster.nettest import measure_stream
 
     nbytes = 8 << 20
     before = cluster.nic_bytes(0)
@@ -173,7 +173,7 @@ def test_tcp_stream_between_hosts_runs_at_the_configured_rate(cluster):
 
 @_cluster_mark
 def test_inter_dc_link_adds_latency_and_counts_bytes(cluster):
-    from tensorhub.testing.cluster_nettest import measure_rtt_ms, measure_stream
+    from tensorhub.emucluster.nettest import measure_rtt_ms, measure_stream
 
     near = measure_rtt_ms(cluster, 0, 1)["rtt_ms_min"]
     far = measure_rtt_ms(cluster, 0, 2)["rtt_ms_min"]
@@ -251,7 +251,7 @@ def test_status_lists_hosts_and_live_nodes(cluster):
 
 @_cluster_mark
 def test_overlapping_subnet_is_refused_before_anything_is_built(cluster):
-    from tensorhub.testing.cluster import start_cluster
+    from tensorhub.emucluster.cluster import start_cluster
 
     with pytest.raises(ClusterError, match="overlaps"):
         start_cluster(ClusterSpec(hosts=1, name="thto", subnet="10.76.0.0/16", ray=False))
@@ -260,8 +260,8 @@ def test_overlapping_subnet_is_refused_before_anything_is_built(cluster):
 
 @_cluster_mark
 def test_context_manager_leaves_nothing_behind_and_host_wire_adds_latency():
-    from tensorhub.testing.cluster import emulated_cluster
-    from tensorhub.testing.cluster_nettest import measure_rtt_ms, measure_stream
+    from tensorhub.emucluster.cluster import emulated_cluster
+    from tensorhub.emucluster.nettest import measure_rtt_ms, measure_stream
 
     # network only (the module fixture's teardown checks that Ray processes go too)
     with emulated_cluster(hosts=1, gbit=GBIT, latency_ms=4.0, name="thtx", subnet="10.76.32.0/20", ray=False) as c:
@@ -275,7 +275,7 @@ def test_context_manager_leaves_nothing_behind_and_host_wire_adds_latency():
 
 @_cluster_mark
 def test_head_that_misses_its_start_timeout_raises_with_log_tail_and_cleans_up():
-    from tensorhub.testing.cluster import start_cluster
+    from tensorhub.emucluster.cluster import start_cluster
 
     with pytest.raises(ClusterError, match="did not start") as e:
         start_cluster(ClusterSpec(hosts=1, name="thtt", subnet="10.76.48.0/20", start_timeout_s=1.0))
@@ -294,7 +294,7 @@ def _fake_starts(mp, node: int, attempts: set[int], script: str) -> None:
     """The seam: the `ray start` of node ``node`` (a host index, or -1: the head) of each
     attempt in ``attempts`` is ``script`` (in the host's namespace) instead; the other nodes
     and attempts start for real."""
-    from tensorhub.testing.cluster import EmulatedCluster
+    from tensorhub.emucluster.cluster import EmulatedCluster
 
     real_host, real_head = EmulatedCluster._host_argv, EmulatedCluster._head_argv
 
@@ -315,12 +315,12 @@ def _fake_starts(mp, node: int, attempts: set[int], script: str) -> None:
 @pytest.mark.parametrize("node, who, log_name", [(1, "host 1", "host-1-1.log"), (-1, "the head", "head-1.log")])
 def test_a_node_whose_ray_start_times_out_is_started_again_once_with_a_warning(monkeypatch, caplog, tmp_path,
                                                                                node, who, log_name):
-    from tensorhub.testing.cluster import RETRY_TIMEOUT_FACTOR, emulated_cluster
-    from tensorhub.testing.cluster_procs import is_running
+    from tensorhub.emucluster.cluster import RETRY_TIMEOUT_FACTOR, emulated_cluster
+    from tensorhub.emucluster.procs import is_running
 
     pidfile = tmp_path / "leftover.pid"
     _fake_starts(monkeypatch, node, attempts={0}, script=FAKE_TIMED_OUT_START.format(pidfile=pidfile))
-    with caplog.at_level(logging.WARNING, logger="tensorhub.testing.cluster"), \
+    with caplog.at_level(logging.WARNING, logger="tensorhub.emucluster.cluster"), \
             emulated_cluster(hosts=2, gbit=GBIT, cpus_per_host=1, name="thtr", subnet="10.76.96.0/20") as c:
         s = c.status()
         assert s["nodes_alive"] == s["nodes_expected"] == 3
@@ -328,7 +328,7 @@ def test_a_node_whose_ray_start_times_out_is_started_again_once_with_a_warning(m
         assert all(p["running"] for p in s["processes"])  # the failed attempt is no longer listed
         assert not is_running(int(pidfile.read_text()))  # what it left behind was killed
         retry = next(p for p in s["processes"] if p["host"] == node and p["role"] == ("head" if node < 0 else "host"))
-        assert "cluster_raystart.py" in Path(f"/proc/{retry['pid']}/cmdline").read_text()
+        assert "raystart.py" in Path(f"/proc/{retry['pid']}/cmdline").read_text()
         assert Path(c.state_path.parent, "thtr", "logs", log_name).exists()
     # (on a busy machine another node may time out for real, and be retried too)
     warned = [r.getMessage() for r in caplog.records if f"{who}'s `ray start` timed out" in r.getMessage()]
@@ -345,7 +345,7 @@ def test_a_node_whose_ray_start_times_out_is_started_again_once_with_a_warning(m
 ])
 def test_a_host_start_that_fails_again_or_not_by_timeout_raises_with_its_log_and_cleans_up(
         monkeypatch, tmp_path, attempts, script, fragment):
-    from tensorhub.testing.cluster import start_cluster
+    from tensorhub.emucluster.cluster import start_cluster
 
     _fake_starts(monkeypatch, 0, attempts=attempts, script=script.format(pidfile=tmp_path / "pid"))
     with pytest.raises(ClusterError, match=fragment) as e:
@@ -356,8 +356,8 @@ def test_a_host_start_that_fails_again_or_not_by_timeout_raises_with_its_log_and
 
 @_cluster_mark
 def test_cli_up_status_env_down():
-    from tensorhub.testing.cluster import teardown
-    from tensorhub.testing.cluster_cli import format_status
+    from tensorhub.emucluster.cluster import teardown
+    from tensorhub.emucluster.cli import format_status
 
     name, subnet = "thtc", "10.76.64.0/20"
     # a node that times out during startup is started again, with a longer wait (up to ~5 min in all)
@@ -382,7 +382,7 @@ def test_cli_up_status_env_down():
 
 CRASHING_OWNER = textwrap.dedent("""
     import time
-    from tensorhub.testing.cluster import emulated_cluster
+    from tensorhub.emucluster.cluster import emulated_cluster
     with emulated_cluster(hosts=1, cpus_per_host=1, name="thtk", subnet="10.76.80.0/20") as c:
         print("ready", flush=True)
         time.sleep(600)
@@ -391,7 +391,7 @@ CRASHING_OWNER = textwrap.dedent("""
 
 @_cluster_mark
 def test_cluster_of_a_killed_owner_is_cleaned_by_the_next_up_and_down():
-    from tensorhub.testing.cluster import ClusterSpec as Spec, start_cluster
+    from tensorhub.emucluster.cluster import ClusterSpec as Spec, start_cluster
 
     owner = subprocess.Popen([sys.executable, "-c", CRASHING_OWNER], stdout=subprocess.PIPE, text=True)
     try:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tensorhub.testing.cluster_net import unavailable_reason
+from tensorhub.emucluster.net import unavailable_reason
 
 _SKIP = unavailable_reason()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -21,7 +21,7 @@ MIB = 16
 
 @pytest.fixture(scope="module")
 def dcs():
-    from tensorhub.testing.cluster import emulated_cluster
+    from tensorhub.emucluster import emulated_cluster
 
     # The link-down test cuts the Ray control plane of dc1 too: the head must not declare its
     # nodes dead within seconds (Ray's default node health check), as it would a lost host.

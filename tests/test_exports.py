@@ -94,3 +94,13 @@ def test_every_code_the_package_names_is_an_error_class():
             if code not in ERRORS and code not in MACHINE_OUTCOMES:
                 bad.append(f"{py.relative_to(ROOT)}: {code}")
     assert not bad, bad
+
+
+def test_old_import_paths_still_work_for_one_release():
+    """Moved modules keep their old names as thin re-exports (the issue-23 layout)."""
+    import tensorhub.emucluster as emucluster
+    from tensorhub.testing import cluster as old
+
+    assert old.emulated_cluster is emucluster.emulated_cluster
+    assert old.EmulatedCluster is emucluster.EmulatedCluster
+    assert set(old.__all__) <= set(emucluster.__all__)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorhub.testing.cluster_net import unavailable_reason
+from tensorhub.emucluster.net import unavailable_reason
 
 _SKIP = unavailable_reason()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -31,7 +31,7 @@ GBIT = 0.1
 @pytest.fixture(scope="module")
 def head_only():
     """``ray start --head`` alone (no emulated hosts): the plain long-running cluster."""
-    from tensorhub.testing.cluster import emulated_cluster
+    from tensorhub.emucluster import emulated_cluster
 
     with emulated_cluster(hosts=0, name="thhead", subnet="10.79.0.0/16") as c:
         yield c
@@ -39,7 +39,7 @@ def head_only():
 
 @pytest.fixture(scope="module")
 def four_hosts():
-    from tensorhub.testing.cluster import emulated_cluster
+    from tensorhub.emucluster import emulated_cluster
 
     with emulated_cluster(hosts=4, gbit=GBIT, name="thmh", subnet="10.78.0.0/16") as c:
         yield c

@@ -48,7 +48,7 @@ def test_actor_name_encodes_the_model_and_decodes_back(model, name):
     assert served_model(cfg, name) == model
 
 
-@pytest.mark.parametrize("actor_name, served", [
+@pytest.mark.parametrize("name, served", [
     ("th", ""),              # the one-server-for-all actor
     ("th-graphs", None),     # the graph coordinator is not a server
     ("th-graphs/policy", None),
@@ -57,15 +57,15 @@ def test_actor_name_encodes_the_model_and_decodes_back(model, name):
     ("th/", None),
     ("other/policy", None),
 ])
-def test_served_model_recognises_only_our_server_names(actor_name, served):
-    assert Config(server_name="th").served_model(actor_name) == served
+def test_served_model_recognises_only_our_server_names(name, served):
+    assert served_model(Config(server_name="th"), name) == served
 
 
 def test_one_server_mode_names_one_actor_for_every_model():
     cfg = Config(server_name="th", server_per_model=False)
     assert {actor_name(cfg, m) for m in ("a", "b", "c/d")} == {"th"}
     assert graphs_actor_name(cfg, "a") == "th-graphs"
-    assert Config(server_name="th").graphs_actor_name("a/b") == "th-graphs/a%2Fb"
+    assert graphs_actor_name(Config(server_name="th"), "a/b") == "th-graphs/a%2Fb"
 
 
 def test_bad_names_raise_config_errors():

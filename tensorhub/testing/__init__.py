@@ -5,7 +5,8 @@ the simulator and the ``demo``/``chaos``/``cluster`` commands may.
 
 ``tensorhub.testing.workload``: synthetic transformer-shaped weights, version fill, digests.
 ``tensorhub.testing.replica``: a ready-made replica actor that plays trainer or rollout.
-``tensorhub.testing.cluster``: an emulated multi-host Ray cluster on one machine (network
-namespaces, rate-limited veth links, one raylet per emulated host). Nothing is imported here,
-so importing this package has no side effects and needs neither root nor Ray.
+The scenarios run on the emulated cluster (``crossdc``, ``stale_job``, ``foreign_job``) live
+here too; the emulated cluster itself is a shipped tool, :mod:`tensorhub.emucluster`
+(``tensorhub.testing.cluster`` re-exports it for one release). Nothing is imported here, so
+importing this package has no side effects and needs neither root nor Ray.
 """

@@ -2,7 +2,7 @@
 
     RAY_ADDRESS=... python -m tensorhub.testing.crossdc SCENARIO --cluster NAME [--mib 16] ...
 
-Run as a driver inside an emulated cluster (:meth:`tensorhub.testing.cluster.EmulatedCluster.
+Run as a driver inside an emulated cluster (:meth:`tensorhub.emucluster.EmulatedCluster.
 run_driver`): the trainer on datacenter 0's first host, readers on the other datacenters' hosts
 (one Ray actor each, on its own host). The driver attaches to the cluster's state file to read
 the inter-datacenter links' interface counters (bytes that really crossed) and to take a link
@@ -115,7 +115,7 @@ Actor = ray.remote(num_cpus=0)(DcReplica)
 
 class Setup:
     def __init__(self, args, config: Optional[dict] = None, per_dc_names: bool = False) -> None:
-        from tensorhub.testing.cluster import EmulatedCluster
+        from tensorhub.emucluster import EmulatedCluster
 
         self.cluster = EmulatedCluster.attach(args.cluster)
         self.spec = workload.small_spec(args.mib << 20, big=4, tiny=8)

@@ -19,7 +19,7 @@ bulk queue limit) that sends small packets (ACKs) ahead of bulk data. A host NIC
 both directions: upload on ``eth0`` inside the namespace, download on the root-side end. The inter-datacenter link is shaped on both ends.
 
 Latency: this machine's kernel has no ``sch_netem`` (nor ``fq``, so no EDT delay either), so
-delay is added in user space by a *wire* (:mod:`tensorhub.testing.cluster_wire`): a link
+delay is added in user space by a *wire* (:mod:`tensorhub.emucluster.wire`): a link
 with delay is a pair of TAP devices instead of a veth pair, and one process copies frames
 between them after the delay, keeping GSO frames whole (64 KiB per read, so a few thousand
 frames per second per Gbit/s). ``latency_ms`` is the one-way delay added between two hosts of
@@ -125,7 +125,9 @@ def _spec_errors(s: ClusterSpec):
 
 
 @dataclasses.dataclass(frozen=True)
-class HostLayout:
+class HostPlan:
+    """One host of a :class:`NetPlan`: its namespace, address and NIC."""
+
     index: int
     dc: int
     netns: str
@@ -161,12 +163,16 @@ class InterDcLink:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class NetPlan:
+    """Every name and address an emulated cluster creates (its namespaces, devices, bridges,
+    links), computed from its :class:`ClusterSpec` by :func:`plan_of`. Not a tensor layout
+    (that is :class:`tensorhub.layout.Layout`)."""
+
     name: str
     prefix_len: int
     head_ip: str
     bridges: tuple[str, ...]  # index = datacenter
-    hosts: tuple[HostLayout, ...]
+    hosts: tuple[HostPlan, ...]
     links: tuple[InterDcLink, ...]
 
     @property
@@ -187,7 +193,7 @@ class Layout:
         return tuple(veths + links + list(self.bridges))
 
 
-def layout_of(spec: ClusterSpec) -> Layout:
+def plan_of(spec: ClusterSpec) -> NetPlan:
     net = ipaddress.IPv4Network(spec.subnet)
     base = net.network_address
     hosts = []
@@ -195,12 +201,12 @@ def layout_of(spec: ClusterSpec) -> Layout:
     for dc, size in enumerate(spec.dc_sizes):
         for _ in range(size):
             ip = base + 256 * (dc + 1) + k + 1
-            hosts.append(HostLayout(index=k, dc=dc, netns=f"{spec.name}-h{k}", ip=str(ip),
+            hosts.append(HostPlan(index=k, dc=dc, netns=f"{spec.name}-h{k}", ip=str(ip),
                                     root_dev=f"{spec.name}-v{k}", delay_ms=spec.latency_ms / 2))
             k += 1
     links = tuple(InterDcLink(0, d, f"{spec.name}-l{d}a", f"{spec.name}-l{d}b", spec.inter_dc_latency_ms)
                   for d in range(1, len(spec.dc_sizes)))
-    out = Layout(name=spec.name, prefix_len=net.prefixlen, head_ip=str(base + 1),
+    out = NetPlan(name=spec.name, prefix_len=net.prefixlen, head_ip=str(base + 1),
                  bridges=tuple(f"{spec.name}-br{d}" for d in range(len(spec.dc_sizes))),
                  hosts=tuple(hosts), links=links)
     assert all(len(i) <= IFNAME_BYTES_MAX for i in out.interfaces), out.interfaces

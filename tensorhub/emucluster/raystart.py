@@ -1,6 +1,6 @@
 """``ray start`` that waits up to WAIT_S, not Ray's fixed 30 s, for its node to register.
 
-    python cluster_raystart.py WAIT_S start --address ... --block ...
+    python raystart.py WAIT_S start --address ... --block ...
 
 The emulated cluster starts a node again with this after its plain ``ray start`` timed out
 ("The current node timed out during startup ... GCS has become overloaded"): on a busy machine
@@ -28,7 +28,7 @@ class RayletExited(Exception):
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: cluster_raystart.py WAIT_S RAY_ARGS...", file=sys.stderr)
+        print("usage: raystart.py WAIT_S RAY_ARGS...", file=sys.stderr)
         return 2
     wait_s = float(argv[0])
     import ray._private.node as node_mod

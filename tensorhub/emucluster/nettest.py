@@ -1,4 +1,4 @@
-"""``python -m tensorhub.testing.cluster_nettest``: plain-TCP probes for emulated links.
+"""``python -m tensorhub.emucluster.nettest``: plain-TCP probes for emulated links.
 
 Run the ends inside host namespaces (``EmulatedCluster.host_argv``); each prints one JSON
 object on its last stdout line.
@@ -95,7 +95,7 @@ def rtt(to: str, count: int, timeout_s: float) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.cluster_nettest", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tensorhub.emucluster.nettest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("sink", "listen"):

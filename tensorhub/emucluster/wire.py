@@ -1,4 +1,4 @@
-"""``python -m tensorhub.testing.cluster_wire WIRE...``: delay lines between TAP devices.
+"""``python -m tensorhub.emucluster.wire WIRE...``: delay lines between TAP devices.
 
 Each ``WIRE`` is ``netns_a:dev_a:netns_b:dev_b:delay_ms`` (an empty netns is the root
 namespace). The process attaches to both TAP devices (which must exist, persistent, created

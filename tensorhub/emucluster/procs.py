@@ -28,7 +28,7 @@ LOG_TAIL_BYTES = 4000
 class Role(str, enum.Enum):
     HEAD = "head"  # `ray start --head --block` in the root namespace
     HOST = "host"  # `ray start --block` inside a host's namespace
-    WIRE = "wire"  # the delay-wire process (cluster_wire)
+    WIRE = "wire"  # the delay-wire process (emucluster.wire)
 
 
 class ProcRecord(msgspec.Struct, frozen=True):

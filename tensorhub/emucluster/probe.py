@@ -1,4 +1,4 @@
-"""``python -m tensorhub.testing.cluster_probe``: lists an emulated cluster's Ray nodes.
+"""``python -m tensorhub.emucluster.probe``: lists an emulated cluster's Ray nodes.
 
 Run as a subprocess with the cluster's driver environment (its token): it talks to the GCS
 directly and never calls ``ray.init``, so it neither joins the cluster nor disturbs another
@@ -36,7 +36,7 @@ def nodes(address: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tensorhub.testing.cluster_probe", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tensorhub.emucluster.probe", description=__doc__)
     p.add_argument("--address", required=True)
     p.add_argument("--expect-nodes", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=0.0)

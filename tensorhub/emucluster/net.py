@@ -1,6 +1,6 @@
 """Builds and removes an emulated cluster's network (namespaces, veths, bridges, tc) with ``ip``.
 
-Needs root. Touches only the names a :class:`~tensorhub.testing.cluster_layout.Layout` lists;
+Needs root. Touches only the names a :class:`~tensorhub.emucluster.plan.NetPlan` lists;
 :func:`conflicts` refuses to build over any of them, or over a subnet some route already
 covers, so a developer's own namespaces and bridges are never modified.
 """
@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from tensorhub.testing.cluster_layout import ClusterError, ClusterSpec, Layout, rtt_budget_s, shaping_commands
+from tensorhub.emucluster.plan import ClusterError, ClusterSpec, NetPlan, rtt_budget_s, shaping_commands
 
 IP_TIMEOUT_S = 20.0
 SYS_NET = Path("/sys/class/net")
@@ -73,7 +73,7 @@ def existing_netns() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def conflicts(layout: Layout, subnet: str) -> list[str]:
+def conflicts(layout: NetPlan, subnet: str) -> list[str]:
     """What already exists under our names, and routes that overlap ``subnet``."""
     found = [f"network namespace {ns}" for ns in sorted(set(layout.namespaces) & existing_netns())]
     found += [f"interface {i}" for i in layout.interfaces if (SYS_NET / i).exists()]
@@ -92,9 +92,9 @@ def conflicts(layout: Layout, subnet: str) -> list[str]:
     return found
 
 
-def build(spec: ClusterSpec, layout: Layout) -> None:
+def build(spec: ClusterSpec, layout: NetPlan) -> None:
     """Creates bridges, inter-datacenter links and hosts. Not idempotent: call on a clean slate
-    (:func:`conflicts` empty); on error the caller tears down what :class:`Layout` lists.
+    (:func:`conflicts` empty); on error the caller tears down what :class:`NetPlan` lists.
     Links with delay are TAP pairs that carry nothing until the wire process attaches."""
     rtt_s = rtt_budget_s(spec)
     for br in layout.bridges:

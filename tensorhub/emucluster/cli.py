@@ -17,7 +17,7 @@ import json
 import shlex
 import sys
 
-from tensorhub.testing.cluster_layout import ClusterError, ClusterSpec, parse_datacenters
+from tensorhub.emucluster.plan import ClusterError, ClusterSpec, parse_datacenters
 
 DRIVER_ENV_KEYS = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "UCX_TLS", "UCX_NET_DEVICES",
                    "GLOO_SOCKET_IFNAME")
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorhub.testing.cluster import EmulatedCluster, start_cluster, teardown
+    from tensorhub.emucluster.cluster import EmulatedCluster, start_cluster, teardown
 
     try:
         if args.cluster_command == "up":
