@@ -36,6 +36,7 @@ import torch
 
 from tensorhub import errors, metrics, pulse
 from tensorhub.config import Config
+from tensorhub.core import background as bg
 from tensorhub.core import bounds
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
@@ -562,9 +563,9 @@ class Hub(HostCopies):
     def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
                         seed: Optional[int]) -> "concurrent.futures.Future[ReadStats]":
         """``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked before
-        this one starts); its round is :func:`_seed_round` (see :meth:`_seed_asked`)."""
+        this one starts); its round is :func:`tensorhub.core.background.seed_round`."""
         if seed is not None:
-            round_no = _seed_round(seed)
+            round_no = bg.seed_round(seed)
         if self._stage_for:
             raise errors.InvalidState("a prefetch staging handle does not prefetch")
         with self._stage_lock:
@@ -650,21 +651,17 @@ class Hub(HostCopies):
         datacenter; receive it into the staging copy in the background, unless the handle is
         not in a state to (closed, not registered, a staging copy itself) or already has it.
 
-        The seed is the staging copy's round ``version + 1`` (:func:`_seed_round`), not the next
-        count: every shard of the replica is asked the same version, but each may skip a seed on
-        its own (a newer one came while it was busy, it had the version already), and a count
-        would then put the shards in different rounds for good (each later seed of the shard
-        behind failing with ``TransactionMismatch``). A staging copy whose rounds are past that
-        number already (its own ``prefetch()`` calls counted ahead) does not seed."""
-        if (self._stage_for or self._layout is None or self._machine.phase is HubState.CLOSED
-                or (self._machine.published is not None and self._machine.published >= version)):
-            return
+        Whether to seed is :func:`tensorhub.core.background.seed_decision` (the simulator's
+        seeders apply the same rule); the seed is the staging copy's round
+        :func:`~tensorhub.core.background.seed_round`."""
         stage = self._stage
-        if (stage is not None and stage.version is not None and stage.version >= version) or self._seeding >= version:
-            return
-        if stage is not None and stage._machine.seq >= _seed_round(version):
-            log.info("model=%s shard=%d: not seeding version %d: the staging copy's rounds are past %d",
-                     self.model, self.shard, version, _seed_round(version))
+        why = bg.seed_decision(version, bg.SeedView(
+            staging=bool(self._stage_for), registered=self._layout is not None,
+            closed=self._machine.phase is HubState.CLOSED, published=self._machine.published,
+            seeding=self._seeding, stage_version=stage.version if stage is not None else None,
+            stage_seq=stage._machine.seq if stage is not None else 0))
+        if why is not None:
+            log.debug("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, why)
             return
         self._seeding = version
         try:
@@ -1175,22 +1172,21 @@ class Hub(HostCopies):
             # Events the server sent before it forgot this handle come first (a host copy it
             # dropped must not be announced again).
             self._apply_notes(notes, in_call=False)
-            self._notes_acked = max(self._notes_acked, acked)
-            if known:
-                if self._unoffered:
-                    self._reoffer_host_copies()
-                return
             with self._mlock:
                 reading = self._machine.reading
-            # A reader announces its edge at once (the holder's drain waits for it); an idle
-            # handle only when no call is in flight (that call re-announces itself).
-            if reading:
-                self._announce_now()
-            elif self._lock.acquire(blocking=False):
-                try:
-                    if self._machine.phase in (HubState.IDLE, HubState.PUBLISHED):
-                        self._announce_now()
-                finally:
+            # No call in flight (that call re-announces itself): the user lock is free.
+            free = not known and not reading and self._lock.acquire(blocking=False)
+            try:
+                answer = bg.after_pulse(known=known, acked_before=self._notes_acked, acked=acked, reading=reading,
+                                        idle=free and bg.registered_phase(self._machine.phase),
+                                        unoffered=bool(self._unoffered))
+                self._notes_acked = answer.acked
+                if answer.reoffer:
+                    self._reoffer_host_copies()
+                if answer.announce:
+                    self._announce_now()
+            finally:
+                if free:
                     self._lock.release()
 
     def _take_notes(self, in_call: bool = False) -> None:
@@ -1203,10 +1199,11 @@ class Hub(HostCopies):
     def _apply_notes(self, notes: list, in_call: bool) -> None:
         """Carry out background events; the caller holds ``_notes_lock``."""
         for note in notes:
-            if isinstance(note, m.MakeHostCopy):
+            kind = bg.kind_of(note)
+            if kind is bg.Kind.HOST_COPY:
                 self._host_copy_asked(note.version, in_call)
                 continue
-            if isinstance(note, m.SeedAhead):
+            if kind is bg.Kind.SEED:
                 self._seed_asked(note.version)
                 continue
             for cmd in self._feed(hm.Noted(note)):
@@ -1268,11 +1265,6 @@ def _share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
         if any(dev == st.device and lo < end and start < hi for dev, start, end in spans):
             return True
     return False
-
-
-def _seed_round(version: int) -> int:
-    """The staging copy's round of a seed of ``version`` (rounds start at 1; versions at 0)."""
-    return version + 1
 
 
 def _check_round(round_no: Optional[int]) -> Optional[int]:

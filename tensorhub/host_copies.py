@@ -24,6 +24,7 @@ import torch
 
 from tensorhub import errors
 from tensorhub import transport as tx
+from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 
@@ -75,19 +76,21 @@ class HostCopies:
         Only between calls (a call in progress may change the tensors) and only while the handle
         still publishes that version; otherwise the request is dropped (the last holder will
         offload instead)."""
-        if not in_call and not self._lock.acquire(blocking=False):
-            return
+        between_calls = in_call or self._lock.acquire(blocking=False)
         try:
-            if self._machine.phase is HubState.PUBLISHED and self._machine.published == version:
+            if bg.host_copy_wanted(version, between_calls=between_calls, phase=self._machine.phase,
+                                   published=self._machine.published, spot=self.spot,
+                                   host_copy_ahead=self.config.host_copy_ahead,
+                                   versions_retained=self.config.versions_retained,
+                                   pooled=self._pool_thread is not None):
                 self._start_host_copy(version)
         finally:
-            if not in_call:
+            if between_calls and not in_call:
                 self._lock.release()
 
     def _start_host_copy(self, version: int) -> None:
-        if (self.spot or not self.config.host_copy_ahead or self.config.versions_retained < 2
-                or self._pool_thread is None):
-            return
+        """Start the background copy :func:`~tensorhub.core.background.host_copy_wanted` asked
+        for, unless one is under way or the version is in host memory already."""
         if self._eager is not None and self._eager[0].is_alive():
             return
         with self._host_lock:

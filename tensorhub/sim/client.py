@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.sim.transport import TORN, SimTransport
@@ -414,11 +415,11 @@ class SimClient:
         self._feed(hm.Offloaded(version, f"host:{self.cid}:{version}".encode()))
 
     def _start_host_copy(self, version: int) -> None:
-        """What ``Hub`` starts on ``MakeHostCopy``: a background copy of the held version to
-        host memory, offered to the server as its retention copy (``HostCopy``)."""
+        """What ``Hub`` starts on ``MakeHostCopy`` (:func:`~tensorhub.core.background.host_copy_wanted`):
+        a background copy of the held version to host memory, offered to the server as its
+        retention copy (``HostCopy``); none when it has that copy already."""
         w = self.world
-        if (self.spot or not w.config.host_copy_ahead or w.config.versions_retained < 2
-                or version in self.host_copies or w.config.host_copies_pooled <= 0):
+        if version in self.host_copies:
             return
         self.copy_gen += 1
         w.sim.after(self.units * self.unit_bytes / w.params.host_bw, self._host_copied, version, self.copy_gen)
@@ -505,28 +506,32 @@ class SimClient:
             # Pulse._send: a liveness pulse that got no answer reconnects and announces every
             # handle, as if the server did not know them (it may have restarted).
             reply = m.PulseReply(unknown=(self.cid,))
-        self._notes(list(reply.notes.get(self.cid, ())))  # Hub: notes first, then announce
-        self.notes_acked = max(self.notes_acked, reply.acks.get(self.cid, -1))
-        if self.cid not in reply.unknown and self.unoffered:
+        self._notes(list(reply.notes.get(self.cid, ())))  # the rule's order: notes first
+        answer = bg.after_pulse(known=self.cid not in reply.unknown or not announce, acked_before=self.notes_acked,
+                                acked=reply.acks.get(self.cid, -1), reading=self.machine.reading,
+                                idle=self.op is None and self.registered, unoffered=bool(self.unoffered))
+        self.notes_acked = answer.acked
+        if answer.reoffer and self.cid not in reply.unknown:
             pending, self.unoffered = sorted(self.unoffered), set()
             for v in pending:
                 endpoint = self.machine.host_copies.get(v)
                 if endpoint is not None:
                     self._offer_host_copy(v, endpoint, self.world.config.reconnects_max, self.copy_gen)
-        if announce and self.cid in reply.unknown:
-            # A reader announces its edge at once; an idle handle only when no operation is in
-            # flight (that operation re-announces itself).
-            if self.machine.reading or (self.op is None and self.registered):
-                self.world.stats_recoveries += 1
-                self.world.server.call(self, self.machine.announce_request(reading_units=self.region_progress),
-                                       False, None)
+        if answer.announce:
+            self.world.stats_recoveries += 1
+            self.world.server.call(self, self.machine.announce_request(reading_units=self.region_progress),
+                                   False, None)
 
     def _notes(self, notes: list) -> None:
         for note in notes:
-            if isinstance(note, m.SeedAhead):
-                continue  # offload seeding needs a prefetch staging copy: not modelled here
-            if isinstance(note, m.MakeHostCopy):
-                if self.op is None and self.published == note.version:  # Hub: only between calls
+            kind = bg.kind_of(note)
+            if kind is bg.Kind.SEED:
+                continue  # offload seeding needs a prefetch staging copy: SeedingClient
+            if kind is bg.Kind.HOST_COPY:
+                c = self.world.config
+                if bg.host_copy_wanted(note.version, between_calls=self.op is None, phase=self.machine.phase,
+                                       published=self.published, spot=self.spot, host_copy_ahead=c.host_copy_ahead,
+                                       versions_retained=c.versions_retained, pooled=c.host_copies_pooled > 0):
                     self._start_host_copy(note.version)
                 continue
             if isinstance(note, m.Evicted):

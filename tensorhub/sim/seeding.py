@@ -26,16 +26,10 @@ from typing import Optional
 
 import msgspec
 
+from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.sim.client import DIRTY_VERSION, Op, SimClient
-
-
-def seed_round(version: int) -> int:
-    """``tensorhub.client._seed_round``: a seed of ``version`` is the staging copy's round
-    ``version + 1``, whichever seeds each shard skipped (a count would put the shards of a
-    replica in different rounds for good); a user prefetch lets the staging copy count."""
-    return version + 1
 
 
 class StagingClient(SimClient):
@@ -84,13 +78,15 @@ class SeedingClient(SimClient):
     def _seed_asked(self, version: int) -> None:
         if self.unsettled is not None:
             return  # Hub._prefetch_now settles the swap first; here the seed is skipped
-        if not self.alive or (self.published is not None and self.published >= version) or self.seeding >= version:
+        if not self.alive:
             return
         st = self.stage
-        if st is not None and st.published is not None and st.published >= version:
+        if bg.seed_decision(version, bg.SeedView(
+                staging=False, registered=self.machine.phase is not hm.Phase.OPEN,
+                closed=self.machine.phase is hm.Phase.CLOSED, published=self.published, seeding=self.seeding,
+                stage_version=st.published if st is not None else None,
+                stage_seq=st.machine.seq if st is not None else 0)) is not None:
             return
-        if st is not None and st.machine.seq >= seed_round(version):
-            return  # Hub: the staging copy's rounds are past this seed's (prefetch() counted ahead)
         self.seeding = version
         if st is not None and st.op is not None:
             self.seed_next = version  # Hub: prefetches run one after the other
@@ -142,7 +138,7 @@ class SeedingClient(SimClient):
             nxt, self.seed_next = self.seed_next, None
             if nxt is not None and nxt > version:
                 self._prefetch(nxt)
-        self.stage.replicate(spec, True, done, round=seed_round(spec) if isinstance(spec, int) else None)
+        self.stage.replicate(spec, True, done, round=bg.seed_round(spec) if isinstance(spec, int) else None)
 
     # ------------------------------------------------------------------ a double buffer's swap
 

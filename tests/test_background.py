@@ -1,0 +1,89 @@
+"""The handle's background rules (:mod:`tensorhub.core.background`), pure, and that both drivers
+(the Hub and the simulator's clients) take them from there instead of stating them again."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from tensorhub.core import background as bg
+from tensorhub.core import messages as m
+from tensorhub.core.handle import Phase
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "tensorhub"
+
+
+def test_every_background_event_has_one_owner():
+    assert bg.kind_of(m.MakeHostCopy(version=3)) is bg.Kind.HOST_COPY
+    assert bg.kind_of(m.SeedAhead(version=3)) is bg.Kind.SEED
+    assert bg.kind_of(m.DropHostCopy(version=3)) is bg.Kind.MACHINE
+
+
+_WANT = dict(between_calls=True, phase=Phase.PUBLISHED, published=4, spot=False, host_copy_ahead=True,
+             versions_retained=2, pooled=True)
+
+
+def test_host_copy_wanted_only_between_calls_for_the_version_it_publishes():
+    assert bg.host_copy_wanted(4, **_WANT)
+    for change in (dict(between_calls=False), dict(phase=Phase.IDLE), dict(published=5), dict(spot=True),
+                   dict(host_copy_ahead=False), dict(versions_retained=1), dict(pooled=False)):
+        assert not bg.host_copy_wanted(4, **{**_WANT, **change}), change
+
+
+_SEED = bg.SeedView(staging=False, registered=True, closed=False, published=2, seeding=-1)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(staging=True), "staging copy"),
+    (dict(registered=False), "not registered"),
+    (dict(closed=True), "closed"),
+    (dict(published=5), "publishes version 5"),
+    (dict(stage_version=5), "holds version 5"),
+    (dict(seeding=5), "under way"),
+    (dict(stage_seq=6), "rounds are past 6"),
+])
+def test_seed_decision_says_why_it_skips(change, reason):
+    assert bg.seed_decision(5, _SEED) is None
+    import dataclasses
+
+    why = bg.seed_decision(5, dataclasses.replace(_SEED, **change))
+    assert why is not None and reason in why
+
+
+def test_seed_round_is_the_version_plus_one_whatever_was_skipped():
+    assert [bg.seed_round(v) for v in (0, 1, 7)] == [1, 2, 8]
+    assert bg.seed_decision(5, bg.SeedView(staging=False, registered=True, closed=False, published=None,
+                                           seeding=-1, stage_version=3, stage_seq=5)) is None
+
+
+def test_after_pulse_reoffers_when_known_and_announces_when_not():
+    known = bg.after_pulse(known=True, acked_before=3, acked=7, reading=True, idle=True, unoffered=True)
+    assert (known.acked, known.reoffer, known.announce) == (7, True, False)
+    assert bg.after_pulse(known=True, acked_before=9, acked=7, reading=False, idle=True, unoffered=False).acked == 9
+    reader = bg.after_pulse(known=False, acked_before=0, acked=0, reading=True, idle=False, unoffered=True)
+    assert (reader.reoffer, reader.announce) == (False, True)
+    busy = bg.after_pulse(known=False, acked_before=0, acked=0, reading=False, idle=False, unoffered=False)
+    assert not busy.announce  # the call in flight announces itself
+    assert bg.after_pulse(known=False, acked_before=0, acked=0, reading=False, idle=True, unoffered=False).announce
+
+
+def _calls(path: pathlib.Path) -> set[str]:
+    """Every ``bg.<name>`` a module uses."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "bg":
+            out.add(node.attr)
+    return out
+
+
+def test_both_drivers_take_the_rules_from_the_core():
+    """The Hub and the simulator's clients call the same rules (a rule stated twice drifts)."""
+    hub = _calls(ROOT / "client.py") | _calls(ROOT / "host_copies.py")
+    sim = _calls(ROOT / "sim" / "client.py") | _calls(ROOT / "sim" / "seeding.py")
+    rules = {"kind_of", "host_copy_wanted", "seed_decision", "seed_round", "after_pulse"}
+    assert rules <= hub, rules - hub
+    assert rules <= sim, rules - sim
+    for path in (ROOT / "client.py", ROOT / "sim" / "seeding.py"):
+        assert "def _seed_round" not in path.read_text() and "def seed_round" not in path.read_text()
