@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tensorhub.client import Hub, HubState, ReadStats
+from tensorhub.handle import Hub, HubState, ReadStats
 from tensorhub.config import Config
 from tensorhub.errors import TensorHubError
 

@@ -41,7 +41,7 @@ __all__ = ["Member", "Pulse", "join", "leave"]
 
 
 class Member(Protocol):
-    """What a pulse needs of a handle (:class:`tensorhub.client.Hub` implements it)."""
+    """What a pulse needs of a handle (:class:`tensorhub.Hub` implements it)."""
 
     client_id: str
     _port: object

@@ -207,7 +207,7 @@ def test_bad_call_raises_typed_error_and_changes_nothing(port, state, call, erro
     owner, ot = _hub(port, replica="owner")
     workload.fill_version(ot, 1)
     owner.publish(1)
-    owner._stop_host_copy(cancel_it=False)  # its background host copy lands before the snapshot
+    owner.host_copies.stop_copy(cancel_it=False)  # its background host copy lands before the snapshot
     named = workload.allocate(SPEC)
     tensors = [t for _, t in named]
     workload.fill_version(tensors, 9)
@@ -237,14 +237,14 @@ def test_server_restart_during_offload_of_an_update_recovers():
     t.unpublish()
     workload.fill_version(tt, 2)
     t.publish(2)
-    real_offload = r._offload
+    real_offload = r.host_copies.offload
 
     def offload_then_crash(version):
         done = real_offload(version)
         port.restart()
         return done
 
-    r._offload = offload_then_crash
+    r.host_copies.offload = offload_then_crash
     st = r.update("latest")
     assert st.version == 2 and workload.digest(rt) == workload.digest(tt)
     assert any(h.host and h.version == 1 for h in port.core.status("m").models[0].holders)
@@ -277,12 +277,12 @@ def test_second_offload_of_the_same_version_reuses_the_host_copy(port):
     workload.fill_version(tt, 1)
     t.publish(1)
     t.unpublish()  # last holder: host copy of 1
-    first = t._host[1][0]
+    first = t.host_copies.by_version[1][0]
     t.replicate(1)  # back from its own host copy
     t.unpublish()  # last GPU holder again; the host copy still serves, no new offload needed
-    assert t._host[1][0] is first
-    done = t._offload(1)
-    assert t._host[1][0] is first and done == tx_endpoint(first)
+    assert t.host_copies.by_version[1][0] is first
+    done = t.host_copies.offload(1)
+    assert t.host_copies.by_version[1][0] is first and done == tx_endpoint(first)
     r, rt = _hub(port, replica="r")
     r.replicate(1)
     assert workload.digest(rt) == workload.digest(tt)
@@ -311,7 +311,7 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
     rn = workload.allocate(SPEC)
     r.register(rn)
     spot, _ = _hub(port, replica="s", spot=True)
-    assert len(t._host_pool) == 1 and len(r._host_pool) == 1 and spot._host_pool == []
+    assert len(t.host_copies.pool) == 1 and len(r.host_copies.pool) == 1 and spot.host_copies.pool == []
     workload.fill_version(tt, 1)
     t.publish(1)
     r.replicate(1)
@@ -321,9 +321,9 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
     assert r.host_buffers_inline == 0, "the offload used the ready buffer"
     assert ("m/r" in _host_holders(port)[0][0]) and _host_holders(port)[0][1] == 1
     deadline = time.monotonic() + 10
-    while len(r._host_pool) < 1 and time.monotonic() < deadline:
+    while len(r.host_copies.pool) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(r._host_pool) == 1, "refilled in the background"
+    assert len(r.host_copies.pool) == 1, "refilled in the background"
     for h in (r, t, spot):
         h.close(drop_last_copy=True)
 
@@ -340,9 +340,9 @@ def test_a_host_copy_freed_by_a_commit_refills_the_pool_instead_of_a_fresh_buffe
     for v in (2, 3, 4):
         t.unpublish(); workload.fill_version(tt, v); t.publish(v)
         deadline = time.monotonic() + 10  # the drop of v-2's copy reaches r with its heartbeat
-        while v >= 3 and not r._host_pool and time.monotonic() < deadline:
+        while v >= 3 and not r.host_copies.pool and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert v < 3 or len(r._host_pool) == 1, "the freed host copy went back to the pool"
+        assert v < 3 or len(r.host_copies.pool) == 1, "the freed host copy went back to the pool"
         st = r.update("latest")  # r holds the last copy of v-1: it offloads into the pooled buffer
         assert st.version == v and st.offload_s > 0
         assert r.host_buffers_inline == 0 and r.host_buffers_allocated == 1
@@ -359,13 +359,13 @@ def test_the_first_reader_copies_the_version_ahead_so_the_last_holder_need_not_o
     v1 = workload.digest(tt)
     t.publish(1)
     r.replicate(1)
-    r._stop_host_copy(cancel_it=False)  # (the test waits for the background copy)
-    assert _host_holders(port) == [(f"{r.client_id}#host1", 1)] and t._host == {}
+    r.host_copies.stop_copy(cancel_it=False)  # (the test waits for the background copy)
+    assert _host_holders(port) == [(f"{r.client_id}#host1", 1)] and t.host_copies.by_version == {}
     t.unpublish()
     workload.fill_version(tt, 2)
     t.publish(2)
     st = r.update("latest")
-    assert st.version == 2 and st.offload_s == 0.0 and list(r._host) == [1]
+    assert st.version == 2 and st.offload_s == 0.0 and list(r.host_copies.by_version) == [1]
     late, lt = _hub(port, replica="late")
     assert late.replicate(1).sources == (f"{r.client_id}#host1",) and workload.digest(lt) == v1
     for h in (late, r, t):
@@ -378,26 +378,26 @@ def test_unpublish_cancels_a_background_copy_still_waiting_for_a_buffer(port):
     which takes the buffer being touched (rather than touching a second one alongside it)."""
     t, tt = _hub(port, replica="t")
     gate = threading.Event()
-    real = t._new_host_buffer
+    real = t.host_copies.new_buffer
 
     def slow(touch):
         if touch:
             gate.wait(10)
         return real(touch)
 
-    t._new_host_buffer = slow
-    with t._host_lock:
-        taken = t._host_pool.pop()
-    t._pool_wake.set()  # the pool thread starts touching a buffer (held at the gate)
+    t.host_copies.new_buffer = slow
+    with t.host_copies.lock:
+        taken = t.host_copies.pool.pop()
+    t.host_copies.pool_wake.set()  # the pool thread starts touching a buffer (held at the gate)
     workload.fill_version(tt, 1)
     t.publish(1)
-    t._start_host_copy(1)  # as on MakeHostCopy: it waits for the pool thread's buffer
-    copier = t._eager[0]
+    t.host_copies.start_copy(1)  # as on MakeHostCopy: it waits for the pool thread's buffer
+    copier = t.host_copies.copying[0]
     threading.Timer(0.5, gate.set).start()  # the touch in progress ends in 0.5 s
     t0 = time.monotonic()
     t.unpublish()  # last holder of retained 1: offloads itself
     assert 0.3 < time.monotonic() - t0 < 5 and not copier.is_alive()
-    assert t.host_buffers_inline == 0 and list(t._host) == [1]
+    assert t.host_buffers_inline == 0 and list(t.host_copies.by_version) == [1]
     assert _host_holders(port) == [(f"{t.client_id}#host1", 1)]
     taken[0].close()
     t.close(drop_last_copy=True)

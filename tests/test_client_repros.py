@@ -250,7 +250,7 @@ def test_a_failure_closing_the_staging_copy_still_closes_the_handle():
         port.call = real
     assert stage.state is tensorhub.HubState.CLOSED and rollout.state is tensorhub.HubState.CLOSED
     assert rollout._region is None and rollout._stage is None
-    assert not rollout._pool_thread.is_alive()
+    assert not rollout.host_copies.pool_thread.is_alive()
     assert not any(rollout.client_id in p._members for p in pulse._pulses.values())
     assert rollout.client_id not in port.core.nodes
     with pytest.raises(errors.HandleClosed):

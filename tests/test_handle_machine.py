@@ -300,7 +300,7 @@ def test_publish_waits_for_queued_device_work(monkeypatch):
     port = LocalPort(CFG)
     t, tt = _hub(port, replica="t")
     order = []
-    monkeypatch.setattr(tensorhub.client, "_sync_devices", lambda ts: order.append(("sync", len(ts))))
+    monkeypatch.setattr(tensorhub.handle.hub, "_sync_devices", lambda ts: order.append(("sync", len(ts))))
     real_call = port.call
     monkeypatch.setattr(port, "call", lambda req, wait_s=0.0: (order.append(type(req).__name__), real_call(req, wait_s))[1])
     t.publish(1)
@@ -437,9 +437,9 @@ def test_hub_keeps_a_background_host_copy_whose_offer_failed_and_announces_it():
     port.call = call
     workload.fill_version(tt, 1)
     t.publish(1)
-    t._start_host_copy(1)  # as on MakeHostCopy
-    t._stop_host_copy(cancel_it=False)
-    assert list(t._host) == [1] and 1 in t._machine.host_copies, "kept"
+    t.host_copies.start_copy(1)  # as on MakeHostCopy
+    t.host_copies.stop_copy(cancel_it=False)
+    assert list(t.host_copies.by_version) == [1] and 1 in t._machine.host_copies, "kept"
     port.call = real
     deadline = time.monotonic() + 10
     while not any("#host1" in n for n in port.core.nodes) and time.monotonic() < deadline:
@@ -477,13 +477,13 @@ def test_hub_offers_a_background_host_copy_again_when_its_offer_got_no_answer(un
     try:
         workload.fill_version(tt, 1)
         t.publish(1)
-        t._start_host_copy(1)  # as on MakeHostCopy
+        t.host_copies.start_copy(1)  # as on MakeHostCopy
         if stop_retries:
-            t._stop_host_copy(cancel_it=False)
+            t.host_copies.stop_copy(cancel_it=False)
         deadline = time.monotonic() + 10
         while f"{t.client_id}#host1" not in port.core.nodes and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(lost) == unanswered and f"{t.client_id}#host1" in port.core.nodes and not t._unoffered
+        assert len(lost) == unanswered and f"{t.client_id}#host1" in port.core.nodes and not t.host_copies.unoffered
     finally:
         port.call = real
         t.close(drop_last_copy=True)

@@ -76,13 +76,13 @@ def test_a_pulse_carries_read_progress_and_brings_background_events():
     # server tells r to drop its host copy -- through the pulse.
     inproc.publish(t, tt, 2)
     r.update("latest")
-    assert list(r._host) == [1]
+    assert list(r.host_copies.by_version) == [1]
     polls = port.note_polls
     inproc.publish(t, tt, 3)
     deadline = time.monotonic() + 5
-    while r._host and time.monotonic() < deadline:
+    while r.host_copies.by_version and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not r._host and port.note_polls == polls
+    assert not r.host_copies.by_version and port.note_polls == polls
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 

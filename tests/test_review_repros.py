@@ -9,7 +9,7 @@ import pytest
 
 import tensorhub
 from tensorhub import errors
-from tensorhub.client import Hub
+from tensorhub.handle import Hub
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore

@@ -255,7 +255,7 @@ def test_hub_reads_a_same_host_holder_through_shared_memory_not_nixl(monkeypatch
     def no_nixl(*a, **k):
         raise AssertionError("the NIXL read loop was used")
 
-    monkeypatch.setattr(tensorhub.client.tx, "pull", no_nixl)
+    monkeypatch.setattr(tensorhub.handle.hub.tx, "pull", no_nixl)
     st = r.replicate(1)
     assert st.version == 1 and workload.digest(rt) == workload.digest(tt)
     t.unpublish(); workload.fill_version(tt, 2); t.publish(2)

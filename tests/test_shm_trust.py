@@ -419,8 +419,8 @@ def test_a_hub_reads_by_nixl_when_the_holder_file_is_not_the_published_one(monke
 
     monkeypatch.setattr(shm, "share", forged)
     nixl_pulls, shm_pulls = [], []
-    real_nixl, real_shm = tensorhub.client.tx.pull, shm.pull
-    monkeypatch.setattr(tensorhub.client.tx, "pull", lambda *a, **k: nixl_pulls.append(1) or real_nixl(*a, **k))
+    real_nixl, real_shm = tensorhub.handle.hub.tx.pull, shm.pull
+    monkeypatch.setattr(tensorhub.handle.hub.tx, "pull", lambda *a, **k: nixl_pulls.append(1) or real_nixl(*a, **k))
     monkeypatch.setattr(shm, "pull", lambda *a, **k: shm_pulls.append(1) or real_shm(*a, **k))
     port = LocalPort(cfg)
     spec = workload.small_spec(2 << 20, big=2, tiny=12)

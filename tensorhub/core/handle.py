@@ -1,6 +1,6 @@
 """A shard handle's decisions as a pure state machine: events in, commands out.
 
-The shipped handle (:class:`tensorhub.client.Hub`) and the simulator's client
+The shipped handle (:class:`tensorhub.Hub`) and the simulator's client
 (:mod:`tensorhub.sim.client`) are two drivers of this one machine: they carry out its commands
 (send a request, pull units, offload to host memory, sleep) and feed back what happened (the
 reply, the pull's outcome, the timer). Nothing here touches a clock, a thread, a transport or

@@ -350,7 +350,7 @@ class Probe(_Msg, frozen=True):
 
 class SeedAhead(_Msg, frozen=True):
     """Background (offload seeding): receive ``version`` into a staging copy now
-    (:meth:`tensorhub.client.Hub.prefetch`), while the registered tensors keep serving the
+    (:meth:`tensorhub.Hub.prefetch`), while the registered tensors keep serving the
     current one. Sent to one replica per remote datacenter when a version is committed, so the
     one cross-datacenter copy starts at once; the datacenter's other readers then read it there.
     A client may ignore it (the first reader to ask then seeds, in its own update)."""

@@ -58,7 +58,7 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 import tensorhub
 from tensorhub import errors
-from tensorhub.client import Hub, ReadStats
+from tensorhub.handle import Hub, ReadStats
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 
@@ -127,7 +127,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         """This rollout rank's replica name: fixed for the engine's life, not tied to its rank
         (ranks are renumbered whenever rollouts join or leave)."""
         self.last_reads: list[ReadStats] = []
-        """Rollout: the :class:`~tensorhub.client.ReadStats` of the last receive, one per shard."""
+        """Rollout: the :class:`~tensorhub.handle.ReadStats` of the last receive, one per shard."""
         self._port = None
         self._hubs: list[Hub] = []
         self._buffers: list[list[tuple[str, torch.Tensor]]] = []
@@ -202,7 +202,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     def close(self, drop_last_copy: bool = False) -> None:
         """Leave TensorHub (not called by verl: a rank that goes away simply stops heartbeating).
-        ``drop_last_copy``: as :meth:`tensorhub.client.Hub.close`."""
+        ``drop_last_copy``: as :meth:`tensorhub.Hub.close`."""
         hubs, self._hubs, self._buffers = self._hubs, [], []
         for hub in hubs:
             hub.close(drop_last_copy=drop_last_copy)

@@ -307,7 +307,7 @@ class ShmSource:
 
 class LocalSource:
     """A region of this very process as a source: a handle's prefetch staging copy read by the
-    handle itself (:meth:`tensorhub.client.Hub.prefetch`). Same read loop as a mapped same-host
+    handle itself (:meth:`tensorhub.Hub.prefetch`). Same read loop as a mapped same-host
     source, over the region's own tensors (CPU or GPU) and control block; the units are not
     hashed again (they were verified when they landed in the staging copy, in this process):
     their checksums are carried over from the staging control block."""

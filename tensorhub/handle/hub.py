@@ -1,0 +1,1314 @@
+"""The handle users program against: one shard of one replica of one model.
+
+    hub = tensorhub.open("policy", shard=rank, num_shards=tp, replica="trainer")
+    hub.register(model.state_dict())   # the tensors this shard holds (ordered, fixed layout)
+    hub.publish(step)                  # trainer: the tensors hold version `step`; I won't write them
+    hub.unpublish()                    # returns once no reader reads them any more
+    hub.replicate("latest")            # rollout: fetch into the registered tensors; now a holder
+    hub.update("latest")               # no-op if current, else unpublish + replicate
+    hub.prefetch("latest")             # rollout: receive the next version in the background...
+    hub.update("latest")               # ...then update() only copies it locally
+    hub.close()
+
+Every method blocks until done and raises a typed :mod:`tensorhub.errors` error. Each has an
+asyncio twin with an ``a`` prefix (``await hub.aupdate("latest")``) that runs the blocking call
+in a worker thread. One handle is not meant to be used by two threads at once.
+
+The handle talks to the reference server through a :class:`~tensorhub.ports.ServerPort` and
+moves bytes with the NIXL transport; it imports no actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import threading
+import time
+import uuid
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import msgspec
+import torch
+
+from tensorhub import errors, metrics, pulse
+from tensorhub.config import Config
+from tensorhub.core import background as bg
+from tensorhub.core import bounds
+from tensorhub.core import handle as hm
+from tensorhub.core import messages as m
+from tensorhub.handle.host_copies import Held, HostCopies
+from tensorhub.layout import Layout, checksum_all, checksum_unit
+from tensorhub.logs import configure_from_env
+from tensorhub.ports import ServerPort
+from tensorhub import transport as tx
+from tensorhub.transport import shm
+from tensorhub.transport.storages import distinct_storages
+
+log = logging.getLogger("tensorhub.client")
+"""The handle's log (its name from before the handle package, kept for users' log filters)."""
+
+_SOURCES_KEPT = 4
+"""Sources a handle keeps open across reads (its recent holders)."""
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
+
+
+HubState = hm.Phase
+"""The handle's lifecycle phase (``OPEN`` until register, ``IDLE``, ``PUBLISHED``, ``CLOSED``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """What one replicate/update did."""
+
+    action: str
+    """``"replicated"`` (bytes moved) or ``"noop"`` (update: already current)."""
+    version: int
+    seconds: float = 0.0
+    """Wall time of the whole call (queueing, drain of the old version, offload, transfer)."""
+    transfer_s: float = 0.0
+    """Time from the first assignment to the last byte."""
+    bytes: int = 0
+    sources: tuple[str, ...] = ()
+    """Source client ids in order (more than one after a failover)."""
+    partial_source: bool = False
+    """The first source was itself still receiving (pipeline replication)."""
+    cross_datacenter: bool = False
+    failovers: int = 0
+    finished_at: float = 0.0
+    """Wall-clock time (``time.time()``) when the last byte was in place."""
+    stall_s: float = 0.0
+    """Part of ``seconds`` this call was blocked waiting for bytes: before its first source
+    (queueing for one, and the drain of the version it left, but not its own offload copy) and,
+    mid-read, starved by a source that had no further unit yet."""
+    offload_s: float = 0.0
+    """Part of ``seconds`` this handle spent copying its old version to host memory (it was the
+    last holder of a retained version)."""
+    prefetched: bool = False
+    """The bytes came from this handle's own prefetch staging copy (:meth:`Hub.prefetch`): a
+    local copy, complete or still arriving."""
+    swapped: bool = False
+    """A double buffer (:meth:`Hub.register`): the handle took over its complete staging copy's
+    memory instead of copying it; :attr:`Hub.tensors` are the other set of tensors now."""
+    skipped_in_flight: Optional[int] = None
+    """Smart skipping: ``"latest"`` gave ``version``, the newest complete in this datacenter,
+    because this newer version is still being seeded into it (None: no skip)."""
+
+    @property
+    def gbps(self) -> float:
+        """Transfer rate (bytes over ``transfer_s``)."""
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+
+
+class Hub:
+    """One shard handle. Build with :func:`tensorhub.open`.
+
+    A thin driver of :class:`tensorhub.core.handle.HandleMachine`: the machine decides (rounds,
+    retries, failover, re-announce, aborts); this class carries out its commands with the server
+    port, the NIXL transport and threads, and feeds back what happened."""
+
+    def __init__(self, model: str, port: ServerPort, *, shard: int = 0, num_shards: int = 1,
+                 replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
+                 config: Optional[Config] = None) -> None:
+        configure_from_env()
+        if not isinstance(model, str) or not model:
+            raise errors.ConfigError("model must be a non-empty string")
+        if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
+            raise errors.ConfigError(f"shard {shard!r} of {num_shards!r} is out of range")
+        if num_shards > 1 and not replica:
+            raise errors.ConfigError("a sharded replica needs replica=<name shared by its shards>")
+        bounds.check_name("model", model)  # OutOfBounds (tensorhub.core.bounds), as the server would
+        bounds.check_int("num_shards", num_shards, 1, bounds.SHARDS_MAX)
+        if replica:
+            bounds.check_name("replica", replica, max_chars=bounds.NAME_CHARS_MAX - bounds.REPLICA_SUFFIX_CHARS)
+        if datacenter:
+            bounds.check_name("datacenter", datacenter)
+        self.model = model
+        self.shard = shard
+        self.num_shards = num_shards
+        self.replica = replica or f"replica-{uuid.uuid4().hex[:8]}"
+        self.datacenter = datacenter or "default"
+        self.spot = bool(spot)
+        self.config = config or Config()
+        self.client_id = f"{model}/{self.replica}/{shard}/{uuid.uuid4().hex[:6]}"
+        self._port = port
+        self._machine = hm.HandleMachine(self.client_id, request_timeout_s=self.config.request_timeout_s,
+                                         reconnects_max=self.config.reconnects_max,
+                                         failovers_max=self.config.failovers_max)
+        self._layout: Optional[Layout] = None
+        self._tensors: list[torch.Tensor] = []
+        self._region: Optional[tx.Region] = None
+        self._checksums: list[int] = []
+        self._sources: "collections.OrderedDict[bytes, tx.Source]" = collections.OrderedDict()
+        """Sources kept open across reads, by endpoint (see ``_open_source``)."""
+        self._pending_pull: Optional[hm.Pull] = None
+        """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
+        self._read_t0 = 0.0
+        self._t_assigned = 0.0
+        self._offload_s = 0.0
+        self._starved0 = 0.0
+        self._progress: Optional[Callable[[int, int], None]] = None
+        self._finished_at = 0.0
+        self._pull_from = 0
+        self._hb_stop = threading.Event()
+        self._lock = threading.Lock()  # one blocking call at a time
+        self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
+        self._sources_lock = threading.Lock()  # the open sources (a failed read drops one)
+        self._notes_lock = threading.RLock()
+        """Taking and applying background notes vs. announcing: a drop fetched before an
+        announcement is applied before it (the announcement then leaves the copy out)."""
+        self._notes_acked = 0
+        """The newest background event taken from a pulse (the next beat acknowledges it)."""
+        self._stage_for = ""
+        """Set on a prefetch staging handle: the client id of the handle it stages for."""
+        self._stage: Optional["Hub"] = None
+        """The prefetch staging handle (a second holder in this process), made by the first
+        :meth:`prefetch`."""
+        self._stage_lock = threading.Lock()
+        self._seeding = -1
+        """The newest version a SeedAhead asked this handle to prefetch."""
+        self._prefetcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._prefetching = 0
+        """Prefetch jobs running now (under ``_stage_lock``): an update does not wait for one."""
+        self._closing = False
+        """close() has begun (under ``_stage_lock``): no prefetch or staging copy starts any more."""
+        self._verify_left: Optional[int] = None
+        """Verify mode, during an update: the version it leaves, checked before its first pull."""
+        self._unsettled_swap: Optional[m.Swap] = None
+        """A swap the server did not answer: it may have made it. Settled before the next call."""
+        self._double: Optional[list[tuple[str, torch.Tensor]]] = None
+        """The second set of tensors registered as a double buffer: prefetches land there and an
+        update swaps the two sets instead of copying."""
+        self.host_copies = HostCopies(
+            model=model, shard=shard, client_id=self.client_id, spot=self.spot, config=self.config, port=port,
+            held=lambda: Held(self._tensors, self._layout, self._region), take_notes=self._take_notes,
+            record=self._record_host_copy, endpoint_of=self._host_copy_endpoint)
+        """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def host_buffers_allocated(self) -> int:
+        """Retention buffers this handle allocated (touched and registered), in the background or
+        -- when none was ready -- on an offload's critical path (``host_buffers_inline``)."""
+        return self.host_copies.allocated
+
+    @property
+    def host_buffers_inline(self) -> int:
+        return self.host_copies.inline
+
+    @property
+    def state(self) -> HubState:
+        return self._machine.phase
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version this handle currently publishes, or None."""
+        return self._machine.published
+
+    @property
+    def _published(self) -> Optional[int]:
+        return self._machine.published
+
+    @property
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The registered tensors that hold :attr:`version`, as ``(name, tensor)`` in layout
+        order. With a double buffer they alternate between the two sets after each swapped
+        update (``ReadStats.swapped``): hand these to the engine after such an update."""
+        if self._layout is None:
+            return []
+        return [(meta.name, t) for meta, t in zip(self._layout.metas, self._tensors)]
+
+    def register(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
+        """Declare the tensors this shard holds, in order (a state dict works). Registers their
+        memory with the transport once. The layout must match the model's layout for this shard
+        index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle.
+
+        ``double_buffer``: a second set of tensors with the same layout (e.g. spare GPU memory).
+        Prefetches (:meth:`prefetch`) then land there, and an :meth:`update` to the prefetched
+        version swaps the two sets instead of copying: no byte moves, :attr:`tensors` names the
+        set that holds the new version, and the next prefetch overwrites the other set (the engine
+        must have moved to the new one). Unsharded handles only (sharded replicas copy, in rounds);
+        an update that cannot swap (the prefetch is incomplete or not the version asked, others
+        read the staging copy) copies as without a double buffer.
+
+        ``tensors`` and ``double_buffer`` may be any iterable of ``(name, tensor)`` pairs (a
+        generator such as ``model.named_parameters()`` included): each is read once. Every client
+        of a model must run with the same ``checksums`` setting (a holder without them publishes
+        none for its readers to verify): ``ConfigError`` otherwise, nothing registered.
+
+        A server too far behind sheds new clients (``Config.register_shed_s``): ``register``
+        then pauses as the server asks and tries again, until ``request_timeout_s``
+        (``ServerBusy`` then, nothing registered)."""
+        with self._lock:
+            if self._machine.phase is not HubState.OPEN:
+                self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
+            items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+            layout = Layout.for_config(items, self.config)
+            bounds.check_layout(_layout_info(layout, self.config.checksums))
+            spare = None
+            if double_buffer is not None:
+                spare = self._like(double_buffer, layout, "double_buffer")
+                if _share_memory([t for _, t in spare], [t for _, t in items]):
+                    raise errors.LayoutMismatch("double_buffer: shares memory with the tensors")
+            ts = [t for _, t in items]
+            region = tx.Region.register(ts, layout, self.config)
+            try:
+                msg = m.Register(
+                    client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
+                    num_shards=self.num_shards, layout=_layout_info(layout, self.config.checksums),
+                    endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
+                    process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
+                )
+            except BaseException:
+                region.close()  # nothing registered: the transport registration goes too
+                raise
+            self._layout, self._tensors, self._region = layout, ts, region
+            self._machine.unit_count = layout.unit_count
+            try:
+                bounds.check_endpoint("endpoint", msg.endpoint)
+                self._run(hm.RegisterOp(msg))
+            except BaseException as exc:
+                self._layout, self._tensors, self._region = None, [], None
+                region.close()
+                if isinstance(exc, errors.LayoutMismatch):
+                    self._explain_mismatch(msg.layout, exc)
+                raise
+            self._double = spare
+            self._start_heartbeat()
+            self.host_copies.start_pool()
+            log.info("model=%s replica=%s shard=%d registered %d tensors, %d bytes, %d units",
+                     self.model, self.replica, self.shard, len(ts), layout.total_bytes, layout.unit_count)
+
+    def publish(self, version: int) -> None:
+        """Declare that the registered tensors hold ``version``; from now until ``unpublish()``
+        returns the caller must not write them. Idempotent for the same version. Raises
+        ``InvalidState`` if another version is published (unpublish first).
+
+        CUDA tensors: the current stream is synchronized first, so that readers never see bytes
+        of kernels still queued (with checksums off nothing else would catch them)."""
+        with self._lock:
+            if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+                raise errors.BadVersionSpec(f"publish() needs an int version >= 0, got {version!r}")
+            bounds.check_version("version", version)
+            if self._machine.phase in (HubState.IDLE, HubState.PUBLISHED) and self._machine.published is None:
+                _sync_devices(self._tensors)
+                need_sums = self.config.checksums or self.config.verify_mutability
+                sums = checksum_all(self._tensors, self._layout) if need_sums else []
+            else:
+                sums = []
+            self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
+            if self._machine.published == version and sums:
+                self._checksums = sums
+            metrics.record_publish(self.model)
+            log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
+
+    def unpublish(self) -> None:
+        """Hide this holder from new readers and wait until its in-flight readers finish (and,
+        for the last non-spot copy of a retained version, until a host copy is published).
+        After it returns the caller may write the tensors. Idempotent."""
+        with self._lock:
+            self._unpublish_locked()
+
+    def _unpublish_locked(self) -> None:
+        self.host_copies.stop_copy()
+        out = self._run(hm.UnpublishOp())
+        if out.was_published is not None and self.config.verify_mutability:
+            self._verify_unchanged(out.was_published)
+
+    def replicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                  progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        """Fetch version ``spec`` (an int, ``"latest"``, ``"latest-k"``) into the registered
+        tensors, then serve it as a holder. Raises ``InvalidState`` while a version is published
+        (use ``update()``), ``VersionNotFound`` / ``VersionExpired`` / ``VersionLost``.
+
+        ``round`` (sharded replicas): the call's round number, the same on every shard of the
+        replica (e.g. the rollout iteration); the shards' calls of one round get one version. By
+        default the handle counts its calls, which is exact while the shards call in lock step;
+        pass ``round`` when shard processes may restart on their own (a restarted process cannot
+        know which round its siblings are in).
+
+        ``progress(units_done, units_total)``: called in this thread as units land (verified),
+        for a long read; it must be quick and must not call this handle."""
+        with self._lock:
+            return self._replicate(spec, update=False, round_no=_check_round(round), progress=progress)
+
+    def update(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+               progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        """Atomically move to ``spec``: a no-op (``action="noop"``) when this handle already
+        publishes that version; otherwise drain and unpublish the current version, then
+        replicate the new one. If the version is lost mid-read and ``spec`` is relative,
+        retries once in the same round (the shards of a replica stay in one transaction).
+        ``round``, ``progress``: as for :meth:`replicate`.
+
+        All or nothing: an update that fails before a byte of the new version is written keeps
+        the current version published. With a double buffer it swaps when it can (see
+        :meth:`register`); it never waits for a prefetch in flight (it copies behind it).
+        Verify mode (``verify_mutability``): the version it leaves is checked once drained,
+        before the new one is written (``MutabilityViolation``; the handle is idle then)."""
+        with self._lock:
+            if self._double is not None and round is None:
+                st = self._swap(spec)
+                if st is not None:
+                    return st
+            return self._replicate(spec, update=True, round_no=_check_round(round), progress=progress)
+
+    def _swap(self, spec: m.VersionSpec) -> Optional[ReadStats]:
+        """update() with a double buffer: take over the complete staging copy's memory (the
+        server exchanges the two holders' endpoints) instead of copying it. None: not possible
+        (sharded, no staging copy, a prefetch in flight -- the update must not wait for it: it
+        follows it, pipelined, and smart skipping may answer at once), the staging copy is
+        incomplete, or ``spec`` names another version. The server accepts a swap only from a
+        handle that publishes nothing, so the current version is unpublished first; if the server
+        then refuses, it is published again before this returns None: a refused swap changes
+        nothing. A swap the server may or may not have made (no answer) is asked again until
+        it answers; still unanswered after ``request_timeout_s``, ``ServerUnavailable`` is
+        raised and the next call settles it first (:meth:`_settle_swap`)."""
+        if self._unsettled_swap is not None:
+            self._settle_swap()
+        stage = self._stage
+        if stage is None or self.num_shards > 1:
+            return None
+        with self._stage_lock:
+            if self._prefetching:
+                return None
+        with stage._lock:  # no prefetch may start on the staging copy meanwhile
+            v = stage._machine.published
+            old = self._machine.published
+            if (v is None or stage._region is None or stage._region.progress != self._layout.unit_count
+                    or old == v or self._machine.reading or (isinstance(spec, int) and spec != v)):
+                return None
+            t0 = time.perf_counter()
+            stage.host_copies.stop_copy(cancel_it=False)
+            self.host_copies.stop_copy()
+            if old is not None:
+                self._unpublish_locked()
+            req = m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v, spec=spec,
+                         endpoint=stage._machine.register_msg.endpoint)  # as the server has it
+            reply = self._swap_call(req)
+            if isinstance(reply, m.ErrorReply):
+                log.info("model=%s replica=%s shard=%d: no swap, copying instead: %s", self.model, self.replica,
+                         self.shard, reply.message)
+                if old is not None:
+                    self._publish_again(old)
+                return None
+            self._swapped(stage, v)
+        dt = time.perf_counter() - t0
+        log.info("model=%s replica=%s shard=%d: swapped to prefetched version %d in %.4fs", self.model,
+                 self.replica, self.shard, v, dt)
+        st = ReadStats(action="replicated", version=v, seconds=dt, sources=(stage.client_id,), prefetched=True,
+                       swapped=True, finished_at=time.time())
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers, stall_s=0.0)
+        return st
+
+    def _swap_call(self, req: m.Swap) -> object:
+        """Send ``req`` until the server answers (the same swap again is answered ``Ok`` where it
+        was made: :class:`m.Swap`); a refusal comes back as its ``ErrorReply``. No answer within
+        ``request_timeout_s``: the swap is left unsettled and ``ServerUnavailable`` raised."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        pause = hm.RETRY_PAUSE_S
+        while True:
+            try:
+                reply = self._port.call(req)
+                self._unsettled_swap = None
+                return reply
+            except (errors.ServerUnavailable, errors.RequestTimeout) as e:
+                if time.monotonic() + pause >= deadline:
+                    self._unsettled_swap = req
+                    raise errors.ServerUnavailable(
+                        f"{self.client_id}: no answer to a swap to version {req.version} ({e}); the next "
+                        "call asks again before it touches either set of tensors") from e
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                try:
+                    self._port.reconnect()
+                except errors.TensorHubError:
+                    pass
+            except errors.TensorHubError as e:
+                self._unsettled_swap = None
+                return m.ErrorReply(code=type(e).__name__, message=str(e))
+
+    def _swapped(self, stage: "Hub", v: int) -> None:
+        """The server made the swap: the two tensor sets (and their control blocks) change hands."""
+        with self._mlock, stage._mlock:
+            self._region, stage._region = stage._region, self._region
+            self._tensors, stage._tensors = stage._tensors, self._tensors
+            stage._region.set_progress(0)
+            stage._region.set_version(-1)
+            # The endpoints change hands as the server exchanged them (the same bytes).
+            mine, theirs = self._machine.register_msg.endpoint, stage._machine.register_msg.endpoint
+            self._machine.swapped_in(v, msgspec.structs.replace(self._machine.register_msg, endpoint=theirs))
+            stage._machine.swapped_out(msgspec.structs.replace(stage._machine.register_msg, endpoint=mine))
+        if self.config.checksums or self.config.verify_mutability:
+            self._checksums = (self._region.checksums() if self.config.checksums
+                               else checksum_all(self._tensors, self._layout))
+
+    def _settle_swap(self) -> None:
+        """A swap left unanswered (:meth:`_swap_call`) is asked again before anything touches
+        either set of tensors: made (``Ok``), the sets change hands now; refused, it was not
+        made. Raises ``ServerUnavailable`` while there is still no answer."""
+        req, stage = self._unsettled_swap, self._stage
+        if req is None or stage is None:
+            self._unsettled_swap = None  # no staging copy left: nothing to settle
+            return
+        with stage._lock:
+            reply = self._swap_call(req)
+            if isinstance(reply, m.ErrorReply):
+                log.info("model=%s replica=%s shard=%d: the unanswered swap was not made: %s", self.model,
+                         self.replica, self.shard, reply.message)
+                return
+            self._swapped(stage, req.version)
+        log.info("model=%s replica=%s shard=%d: the unanswered swap to version %d was made", self.model,
+                 self.replica, self.shard, req.version)
+
+    def _publish_again(self, version: int) -> None:
+        """A refused swap: publish ``version`` again from the tensors, which still hold it (it
+        was unpublished only for the swap, and verified unchanged in verify mode). If the server
+        cannot be told, the handle stays unpublished and the update copies from there."""
+        try:
+            self._run(hm.PublishOp(version, tuple(self._checksums) if self.config.checksums else ()))
+        except errors.TensorHubError as e:
+            log.warning("model=%s replica=%s shard=%d: version %d not published again after a refused swap: %s",
+                        self.model, self.replica, self.shard, version, e)
+
+    def close(self, drop_last_copy: bool = False) -> None:
+        """Unpublish (draining readers), leave the server, release registrations. A second
+        close raises ``HandleClosed``.
+
+        If this handle serves the last live non-spot copy of a retained version while other
+        clients of the model remain, the server refuses: ``LastCopyHeld`` is raised and the
+        handle stays open (unpublished, serving its host copy) -- close again once another holder
+        has the version, or pass ``drop_last_copy=True`` to drop it. Any other failure still
+        closes the handle (and raises).
+
+        A prefetch staging copy (:meth:`prefetch`) is closed first, after its prefetch in
+        flight ends; it follows the same last-copy rule (its ``LastCopyHeld`` leaves both open).
+        Any other failure of the staging copy's close still closes the handle, then is raised.
+        No prefetch starts once close() has begun (a seed asked meanwhile is dropped).
+
+        Verify mode (``verify_mutability``): the version this call unpublished is checked like
+        :meth:`unpublish` checks it, once the handle is closed (``MutabilityViolation``)."""
+        if self._unsettled_swap is not None:  # which set of tensors is whose, before either goes
+            with self._lock:
+                try:
+                    self._settle_swap()
+                except errors.ServerUnavailable as e:
+                    log.warning("model=%s replica=%s shard=%d: closing with a swap unanswered: %s", self.model,
+                                self.replica, self.shard, e)
+        try:
+            self._close_stage(drop_last_copy)
+        except errors.LastCopyHeld:
+            with self._stage_lock:
+                self._closing = False  # both stay open, as they were
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the handle closes first, then this is raised
+            stage_error: Optional[BaseException] = exc
+        else:
+            stage_error = None
+        with self._lock:
+            self.host_copies.stop_copy()
+            was = self._machine.published
+            try:
+                self._run(hm.CloseOp(drop_last_copy=drop_last_copy))
+            except errors.LastCopyHeld:
+                with self._stage_lock:
+                    self._closing = False  # the handle stays open (it serves its host copy)
+                raise
+            except errors.HandleClosed:
+                raise
+            except BaseException:
+                with self._mlock:
+                    self._machine.phase = HubState.CLOSED
+                try:
+                    self._port.call(m.Leave(self.client_id, drop_last_copy=True))
+                except errors.TensorHubError:
+                    pass
+                self._stop_threads()
+                self._release()
+                raise
+            self._stop_threads()
+            self._release()
+            if stage_error is not None:
+                raise stage_error
+            if was is not None and self.config.verify_mutability:
+                self._verify_unchanged(was)
+
+    def prefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                 buffer: Optional[NamedTensors] = None) -> "concurrent.futures.Future[ReadStats]":
+        """Start receiving ``spec`` into this handle's staging copy in the background and return
+        at once; the registered tensors keep their version and keep serving it. The next
+        :meth:`update` (or :meth:`replicate`) of that version then copies it locally instead of
+        fetching it (``ReadStats.prefetched``); called while the prefetch is still arriving, it
+        copies behind it (pipelined).
+
+        The staging copy is a holder of its own (replica ``<replica>~prefetch``, registered once,
+        on the first prefetch): others may read from it, partial or complete, and it follows
+        every holder rule (drain, retention, failover). ``buffer``: tensors with this handle's
+        layout to stage into (e.g. a spare device buffer), used by the first prefetch only;
+        default: host memory allocated (and touched) once, in the background. ``round``: as for
+        :meth:`replicate` (sharded replicas prefetch in rounds of their own).
+
+        Returns a future of the staging copy's :class:`ReadStats`, done once the staging copy is
+        complete (and any retention copy the server asked of it is made); a failed prefetch sets its
+        exception and costs nothing else (the next :meth:`update` reads as if there had been
+        none). Prefetches run one after the other. Raises ``InvalidState`` before
+        :meth:`register`, ``LayoutMismatch`` for a ``buffer`` of another layout, and
+        ``HandleClosed``; nothing changes then. A ``buffer`` that shares memory with the registered
+        tensors is a ``LayoutMismatch`` too."""
+        return self._start_prefetch(spec, _check_round(round), buffer, seed=None)
+
+    def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
+                        seed: Optional[int]) -> "concurrent.futures.Future[ReadStats]":
+        """``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked before
+        this one starts); its round is :func:`tensorhub.core.background.seed_round`."""
+        if seed is not None:
+            round_no = bg.seed_round(seed)
+        if self._stage_for:
+            raise errors.InvalidState("a prefetch staging handle does not prefetch")
+        with self._stage_lock:
+            if self._machine.phase is HubState.CLOSED or self._closing:
+                raise errors.HandleClosed(f"{self.client_id} is closed")
+            if self._layout is None:
+                raise errors.InvalidState("prefetch() needs register() first")
+            if buffer is not None:
+                if self._double is not None:
+                    raise errors.InvalidState("prefetches land in the registered double buffer: no buffer= here")
+                if self._stage is not None or self._prefetcher is not None:
+                    raise errors.InvalidState("the staging buffer is set by the first prefetch() only")
+                buffer = self._like(buffer, self._layout, "prefetch buffer")
+                if _share_memory([t for _, t in buffer], self._tensors):
+                    # The prefetch would write the published tensors while readers fetch them.
+                    raise errors.LayoutMismatch("prefetch buffer: shares memory with the registered tensors")
+            if self._prefetcher is None:
+                self._prefetcher = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"tensorhub-prefetch-{self.client_id}")
+                first_buffer = buffer
+            else:
+                first_buffer = None
+            return self._prefetcher.submit(self._prefetch_job, spec, round_no, first_buffer, seed)
+
+    async def aprefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                        buffer: Optional[NamedTensors] = None) -> ReadStats:
+        """:meth:`prefetch`, awaited until the staging copy is complete (its ReadStats)."""
+        return await asyncio.wrap_future(self.prefetch(spec, round=round, buffer=buffer))
+
+    def _prefetch_job(self, spec: m.VersionSpec, round_no: Optional[int],
+                      buffer: Optional[list], seed: Optional[int] = None) -> ReadStats:
+        with self._stage_lock:
+            self._prefetching += 1
+        try:
+            return self._prefetch_now(spec, round_no, buffer, seed)
+        finally:
+            with self._stage_lock:
+                self._prefetching -= 1
+
+    def _prefetch_now(self, spec: m.VersionSpec, round_no: Optional[int],
+                      buffer: Optional[list], seed: Optional[int]) -> ReadStats:
+        if seed is not None and seed < self._seeding:
+            # A seed asked while an older one was crossing: only the newest is worth the link.
+            return ReadStats(action="noop", version=seed)
+        if self._unsettled_swap is not None:  # the staging tensors may be this handle's now
+            with self._lock:
+                self._settle_swap()
+        stage = self._stage
+        if stage is None:
+            stage = self._open_stage(buffer if buffer is not None else self._double)
+        st = stage.update(spec, round=round_no)
+        with stage._lock:
+            # A retention copy the server asked of the staging copy (MakeHostCopy) is part of
+            # the prefetch: the update that follows then copies in a quiet process.
+            stage.host_copies.stop_copy(cancel_it=False)
+        return st
+
+    def _open_stage(self, buffer: Optional[list]) -> "Hub":
+        """The staging handle: same model, shard, datacenter, spot flag and config, replica
+        ``<replica>~prefetch``. Like any holder it may be asked to copy a retained version to
+        host memory ahead (it is often the first in its process to finish a version)."""
+        stage = Hub(self.model, self._port, shard=self.shard, num_shards=self.num_shards,
+                    replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
+                    config=self.config)
+        stage._stage_for = self.client_id
+        stage._machine.incomplete_wait_s = self.config.lease_timeout_s
+        if buffer is None:  # touched here, in the background, not in the update that reads it
+            buffer = [(meta.name, c) for meta, c in zip(self._layout.metas, self.host_copies.host_like(touch=True))]
+        stage.register(buffer)
+        with self._stage_lock:
+            closing = self._machine.phase is HubState.CLOSED or self._closing
+            if not closing:
+                self._stage = stage
+        if closing:
+            stage.close(drop_last_copy=True)
+            raise errors.HandleClosed(f"{self.client_id} closed during its first prefetch")
+        log.info("model=%s replica=%s shard=%d: prefetch staging copy %s registered",
+                 self.model, self.replica, self.shard, stage.client_id)
+        return stage
+
+    def _seed_asked(self, version: int) -> None:
+        """Offload seeding (``SeedAhead``): this replica was chosen to bring ``version`` into its
+        datacenter; receive it into the staging copy in the background, unless the handle is
+        not in a state to (closed, not registered, a staging copy itself) or already has it.
+
+        Whether to seed is :func:`tensorhub.core.background.seed_decision` (the simulator's
+        seeders apply the same rule); the seed is the staging copy's round
+        :func:`~tensorhub.core.background.seed_round`."""
+        stage = self._stage
+        why = bg.seed_decision(version, bg.SeedView(
+            staging=bool(self._stage_for), registered=self._layout is not None,
+            closed=self._machine.phase is HubState.CLOSED, published=self._machine.published,
+            seeding=self._seeding, stage_version=stage.version if stage is not None else None,
+            stage_seq=stage._machine.seq if stage is not None else 0))
+        if why is not None:
+            log.debug("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, why)
+            return
+        self._seeding = version
+        try:
+            fut = self._start_prefetch(version, None, None, seed=version)
+        except errors.TensorHubError as e:
+            log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
+            return
+        fut.add_done_callback(functools.partial(_log_seed, self.model, self.shard, version))
+
+    def _like(self, named: NamedTensors, layout: Layout, what: str) -> list[tuple[str, torch.Tensor]]:
+        """``named`` as a list, if its layout is ``layout``'s (else ``LayoutMismatch``)."""
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        if _layout_info(Layout.for_config(items, self.config)) != _layout_info(layout):
+            raise errors.LayoutMismatch(f"{what}: its layout differs from the registered tensors' (names, "
+                                        "dtypes, shapes and order must match)")
+        return items
+
+    def _explain_mismatch(self, mine: m.LayoutInfo, refused: errors.LayoutMismatch) -> None:
+        """The server refused this registration's layout: if the model's layout for this shard
+        differs from ours only in the ``checksums`` setting, raise ``ConfigError`` saying so
+        (the server's message could only name a fingerprint). Else return: ``refused`` stands.
+        Costs one query, on this failure path only."""
+        try:
+            status = self._port.call(m.Query(model=self.model, layouts=True))
+        except errors.TensorHubError:
+            return
+        if not isinstance(status, m.Status):
+            return
+        view = next((v for v in status.models if v.model == self.model), None)
+        known = next((sl.layout for sl in (view.layouts if view is not None else ()) if sl.shard == self.shard), None)
+        if known is None:
+            return
+        ours = self.config.checksums
+        if known.fingerprint == mine.fingerprint.removesuffix(_SUMS_TAG[ours]) + _SUMS_TAG[not ours]:
+            raise errors.ConfigError(
+                f"model={self.model} shard={self.shard}: this handle runs with checksums={ours}, the model's "
+                f"other clients with checksums={not ours}; every client of a model must use the same setting "
+                f"(Config.checksums, TENSORHUB_CHECKSUMS)") from refused
+
+    def _close_stage(self, drop_last_copy: bool) -> None:
+        """close(), first step: no prefetch starts from now on; the one in flight ends; the
+        staging copy closes (``LastCopyHeld``: kept, raised; any other failure closes it and
+        is raised)."""
+        with self._stage_lock:
+            self._closing = True
+            prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.shutdown(wait=True, cancel_futures=True)
+        with self._stage_lock:
+            stage = self._stage
+        try:
+            if stage is not None and stage.state is not HubState.CLOSED:
+                stage.close(drop_last_copy=drop_last_copy)
+        finally:
+            with self._stage_lock:
+                if self._stage is stage and (stage is None or stage.state is HubState.CLOSED):
+                    self._stage = None
+
+    # asyncio twins
+    async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
+        await asyncio.to_thread(lambda: self.register(tensors, double_buffer=double_buffer))
+
+    async def apublish(self, version: int) -> None:
+        await asyncio.to_thread(self.publish, version)
+
+    async def aunpublish(self) -> None:
+        await asyncio.to_thread(self.unpublish)
+
+    async def areplicate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                         progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        return await asyncio.to_thread(lambda: self.replicate(spec, round=round, progress=progress))
+
+    async def aupdate(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
+                      progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        return await asyncio.to_thread(lambda: self.update(spec, round=round, progress=progress))
+
+    async def aclose(self, drop_last_copy: bool = False) -> None:
+        await asyncio.to_thread(self.close, drop_last_copy)
+
+    def __enter__(self) -> "Hub":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._machine.phase is not HubState.CLOSED:
+            self.close()
+
+    # ------------------------------------------------------------------ the driver
+
+    def _feed(self, event: hm.Event) -> list:
+        with self._mlock:
+            return self._machine.handle(event, time.monotonic())
+
+    def _run(self, op: hm.Op) -> hm.Outcome:
+        """Carry out one operation (the caller holds ``_lock``); an unanswered swap is settled
+        first (:meth:`_settle_swap`)."""
+        if self._unsettled_swap is not None:
+            self._settle_swap()
+        return self._drive(self._feed(hm.Start(op)))
+
+    def _drive(self, cmds: list, *, pause_at_pull: bool = False):
+        """Carry out the machine's commands until the operation ends: returns its
+        :class:`~tensorhub.core.handle.Outcome`, raises its typed error. ``pause_at_pull``:
+        return the first :class:`~tensorhub.core.handle.Pull` instead of running it (resume
+        with ``_drive([pull])``). Any exception of the driver itself (KeyboardInterrupt, a
+        bug) is fed to the machine, which ends the operation (aborting a read on the server),
+        and re-raised."""
+        while True:
+            awaiting = None
+            for cmd in cmds:
+                match cmd:
+                    case hm.Done(outcome):
+                        return outcome
+                    case hm.Fail(code, message):
+                        raise errors.from_code(code, message)
+                    case hm.SetRegion():
+                        self._set_region(cmd)
+                    case hm.DropHost(version):
+                        self.host_copies.drop(version)
+                    case hm.Send(request, fire=True):
+                        self._fire(request)
+                    case _:
+                        awaiting = cmd
+            assert awaiting is not None, f"{self.client_id}: the machine stopped without an outcome"
+            if isinstance(awaiting, hm.Pull) and self._verify_left is not None:
+                # Verify mode: the server drained the version this update leaves; its bytes must
+                # still be what was published, checked before the first byte of the new one lands.
+                left, self._verify_left = self._verify_left, None
+                try:
+                    self._verify_unchanged(left)
+                except BaseException as exc:
+                    self._finish_interrupted(exc)
+                    raise
+            if pause_at_pull and isinstance(awaiting, hm.Pull):
+                return awaiting
+            try:
+                event = self._execute(awaiting)
+            except BaseException as exc:
+                self._finish_interrupted(exc)
+                raise
+            cmds = self._feed(event)
+
+    def _finish_interrupted(self, exc: BaseException) -> None:
+        """The machine's clean-up after the driver's own exception: aborts, region, and an
+        update's old version published again (best effort: a failure here is logged, the
+        original exception is what the caller sees)."""
+        cmds = self._feed(hm.Interrupted(f"{type(exc).__name__}: {exc}"))
+        while cmds:
+            awaiting = None
+            for cmd in cmds:
+                match cmd:
+                    case hm.Send(request, fire=True):
+                        self._fire(request)
+                    case hm.SetRegion():
+                        self._set_region(cmd)
+                    case hm.DropHost(version):
+                        self.host_copies.drop(version)
+                    case hm.Send():
+                        awaiting = cmd
+            if awaiting is None:
+                return
+            try:
+                reply = self._port.call(awaiting.request)
+            except errors.TensorHubError as e:
+                reply = m.ErrorReply(code=type(e).__name__, message=str(e))
+            cmds = self._feed(hm.Replied(reply))
+
+    def _fire(self, request: m.Request) -> None:
+        try:
+            self._port.call(request)
+        except errors.TensorHubError:
+            log.info("model=%s shard=%d: %s not delivered", self.model, self.shard, type(request).__name__)
+
+    def _execute(self, cmd) -> hm.Event:
+        match cmd:
+            case hm.Send(request, wait):
+                try:
+                    if isinstance(request, m.Announce):
+                        with self._notes_lock:
+                            return hm.Replied(self._port.call(self._current_hosts(request)))
+                    return hm.Replied(self._port.call(request, self.config.request_timeout_s if wait else 0.0))
+                except errors.ServerUnavailable as e:
+                    log.warning("model=%s shard=%d: reference server unavailable", self.model, self.shard)
+                    return hm.Unavailable(str(e))
+            case hm.Reconnect(delay_s):
+                time.sleep(delay_s)
+                self._port.reconnect()
+                return hm.TimerFired()
+            case hm.Sleep(delay_s):
+                time.sleep(delay_s)
+                return hm.TimerFired()
+            case hm.Recheck(version, units):
+                return hm.Rechecked(self._recheck(version, units))
+            case hm.Pull(assignment, _start):
+                return self._pull(assignment)
+            case hm.Offload(version):
+                t0 = time.perf_counter()
+                endpoint = self.host_copies.offload(version)
+                self._offload_s += time.perf_counter() - t0
+                return hm.Offloaded(version, endpoint)
+        raise AssertionError(f"unknown command {cmd!r}")
+
+    def _set_region(self, cmd: hm.SetRegion) -> None:
+        region = self._region
+        if region is None:
+            return
+        if cmd.version < 0:
+            region.set_progress(0)
+            region.set_version(-1)
+        elif self._layout is not None and cmd.progress >= self._layout.unit_count:
+            region.publish_complete(cmd.version, list(cmd.checksums) if cmd.checksums else None)
+        else:
+            region.set_version(cmd.version)
+            region.set_progress(cmd.progress)
+
+    def _pull(self, a: m.Assignment) -> hm.Pulled:
+        """One source, no failover (the machine decides that): every posted read is terminal
+        when this returns, unless ``not_terminal`` says otherwise."""
+        if not self._t_assigned:
+            self._t_assigned = time.perf_counter()
+            self._pull_from = self._resume_point(a.version)  # units this call did not fetch
+        if not self._region.settle(self.config.source_stall_timeout_s):
+            # An earlier pull left reads that NIXL never reported ended: none of this region's
+            # units past its progress can be trusted yet.
+            return hm.Pulled(self._region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
+        try:
+            self._pull_range(a, self._layout.unit_count, on_unit=self._unit_landed if self._progress else None)
+        except errors.ReadsNotTerminal as err:
+            log.error("model=%s version=%d shard=%d: %s", self.model, a.version, self.shard, err)
+            return hm.Pulled(self._region.progress, str(err), not_terminal=True)
+        except (errors.TransferError, errors.ChecksumMismatch) as err:
+            log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
+                        self.model, a.version, self.shard, a.source_id, self._region.progress, err)
+            return hm.Pulled(self._region.progress, str(err) or type(err).__name__,
+                             unreachable=isinstance(err, errors.SourceUnreachable))
+        self._finished_at = time.time()
+        return hm.Pulled(self._region.progress)
+
+    def _unit_landed(self, _unit: int) -> None:
+        cb = self._progress
+        if cb is not None:
+            cb(self._region.progress, self._layout.unit_count)
+
+    def _recheck(self, version: int, units: int) -> int:
+        """A partial read left by an earlier call is resumed only as far as it is still intact:
+        between calls the handle is idle and the user may have written its tensors. Keeps the
+        leading units whose bytes still match the checksums recorded when they landed (none
+        without checksums)."""
+        region = self._region
+        keep = 0
+        if self.config.checksums:
+            # The control block's header may say "nothing" (hidden after the failed call); its
+            # checksum slots still hold what the units had when they landed.
+            sums = region.checksums()
+            layout_units = self._layout.units
+            while keep < units and checksum_unit(self._tensors, layout_units[keep]) == sums[keep]:
+                keep += 1
+        if keep < units:
+            log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "
+                     "(the rest changed since)", self.model, self.shard, keep, units, version)
+        return keep
+
+    def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None,
+                   progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        self.host_copies.stop_copy()
+        self._read_t0 = time.perf_counter()
+        self._t_assigned = self._offload_s = 0.0
+        self._starved0 = self._region.starved_s if self._region is not None else 0.0
+        self._progress = progress
+        self._verify_left = self._machine.published if update and self.config.verify_mutability else None
+        try:
+            out = self._run(hm.ReplicateOp(spec, update, round_no))
+        finally:
+            self._progress = None
+            self._verify_left = None
+        st = self._read_stats(out)
+        if st.action == "replicated" and not st.prefetched:
+            # The server may ask this new holder for the version's retention copy at once (not
+            # after a prefetch: its staging copy, first to finish the version, was asked instead).
+            try:
+                self._take_notes(in_call=True)
+            except errors.TensorHubError:
+                pass
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
+                            stall_s=st.stall_s)
+        return st
+
+    def _read_stats(self, out: hm.Outcome) -> ReadStats:
+        t_end = time.perf_counter()
+        dt = t_end - self._read_t0
+        if out.action == "noop":
+            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=self._offload_s,
+                             skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
+        if self.config.checksums or self.config.verify_mutability:
+            self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
+        nbytes = self._units_bytes(self._pull_from, self._layout.unit_count)  # each unit fetched once
+        log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
+                 self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
+        first = out.first
+        waited = max(0.0, (self._t_assigned or t_end) - self._read_t0 - self._offload_s)
+        stall = waited + max(0.0, self._region.starved_s - self._starved0)
+        return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
+                         transfer_s=t_end - (self._t_assigned or t_end), bytes=nbytes, sources=out.sources,
+                         partial_source=bool(first and first.source_partial),
+                         cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
+                         finished_at=self._finished_at, offload_s=self._offload_s,
+                         prefetched=bool(self._stage is not None and out.sources
+                                         and out.sources[0] == self._stage.client_id),
+                         skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
+
+    # ---- a compiled graph's member moves the bytes of the first pull itself
+
+    def _begin_read(self, spec: m.VersionSpec, update: bool) -> Union[m.Assignment, m.NoChange]:
+        """Phase 1 of a read: resolve, drain the old version if updating, get a source; the read
+        pauses at its first pull (the caller moves bytes, then :meth:`_finish_read`, or
+        :meth:`_abort_read`). Returns ``NoChange`` if there is nothing to read."""
+        self.host_copies.stop_copy()
+        self._read_t0 = time.perf_counter()
+        self._t_assigned = self._offload_s = 0.0
+        self._starved0 = self._region.starved_s if self._region is not None else 0.0
+        self._verify_left = self._machine.published if update and self.config.verify_mutability else None
+        try:
+            res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+        finally:
+            self._verify_left = None
+        if isinstance(res, hm.Outcome):
+            return m.NoChange(version=res.version)
+        self._pending_pull = res
+        return res.assignment
+
+    def _finish_read(self) -> ReadStats:
+        """Phase 2: pull what is missing (failover included), report done, become a holder."""
+        pull, self._pending_pull = self._pending_pull, None
+        assert pull is not None, "no read paused"
+        st = self._read_stats(self._drive([pull]))
+        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
+                            stall_s=st.stall_s)
+        return st
+
+    def _abort_read(self, why: str) -> None:
+        """End a paused read (the graph's driver is gone): the server must not keep a reader
+        that never finishes."""
+        if self._pending_pull is None:
+            return
+        self._pending_pull = None
+        self._finish_interrupted(errors.TransferError(why))
+
+    # ------------------------------------------------------------------ transport helpers
+    def _open_source(self, a: m.Assignment) -> tx.Source:
+        """The source of ``a``, kept open across reads (opening one prepares a descriptor per
+        piece of the layout: about 40 ms for a 1 GiB shard of 660 tensors, a sixth of its
+        transfer). Owned by the handle: callers never close it; a failed read drops it."""
+        key = a.source_endpoint
+        with self._sources_lock:
+            src = self._sources.pop(key, None)
+            if src is not None:
+                self._sources[key] = src  # most recently used last
+                return src
+        try:
+            src = tx.open_source(key, config=self.config)
+        except errors.TransferError as e:
+            raise errors.SourceUnreachable(str(e)) from e
+        with self._sources_lock:
+            self._sources[key] = src
+            while len(self._sources) > _SOURCES_KEPT:
+                self._sources.pop(next(iter(self._sources))).close()
+        return src
+
+    def _open_same_host(self, a: m.Assignment) -> Optional[shm.ShmSource]:
+        """The source's memory mapped here if it lives on this host (the same-host tier), kept
+        with the other open sources; None: read it through NIXL."""
+        key = b"shm:" + a.source_endpoint
+        with self._sources_lock:
+            src = self._sources.pop(key, None)
+            if src is not None:
+                self._sources[key] = src
+                return src
+        try:
+            info = tx.decode_endpoint(a.source_endpoint).shm
+        except msgspec.ValidationError:
+            return None
+        if not self.config.same_host or not shm.usable(info):
+            return None
+        try:
+            src = shm.ShmSource(info)
+        except errors.TransferError as e:
+            log.info("model=%s shard=%d: same-host source %s not mappable (%s): NIXL instead",
+                     self.model, self.shard, a.source_id, e)
+            return None
+        with self._sources_lock:
+            self._sources[key] = src
+            while len(self._sources) > _SOURCES_KEPT:
+                self._sources.pop(next(iter(self._sources))).close()
+        return src
+
+    def _drop_source(self, a: m.Assignment) -> None:
+        """A read from ``a``'s source failed: open it afresh (and load its peer's metadata
+        again) if it is assigned again."""
+        with self._sources_lock:
+            src = self._sources.pop(a.source_endpoint, None)
+            near = self._sources.pop(b"shm:" + a.source_endpoint, None)
+        if near is not None:
+            near.close()
+        if src is not None:
+            src.agent.reload_remote(src.name)
+            src.close()
+
+    def _source_checksums(self, source: tx.Source, version: int) -> Optional[list[int]]:
+        """The checksums of a complete source holding ``version`` (one control read), or None if
+        it does not (yet) hold all of it."""
+        v, progress, sums = source.read_control(self.config.source_stall_timeout_s)
+        return sums if v == version and progress == self._layout.unit_count else None
+
+    def _pull_range(self, a: m.Assignment, end_unit: int, *, source: Optional[tx.Source] = None,
+                    source_sums=None, should_stop=None, on_unit=None) -> int:
+        """Read units [own progress, end_unit) of ``a.version`` from ``a``'s source, without
+        failover (a caller that coordinates the pipeline itself, e.g. a compiled graph, falls
+        back to :meth:`_read` on error, which resumes from the same progress). ``source``: an
+        open source to use (kept open); ``source_sums``: checksums of the source's units known
+        final, a list or a growing :class:`~tensorhub.transport.KnownProgress` (then the
+        source's control block is not read); ``should_stop``/``on_unit``: as for ``pull``."""
+        if source is None and source_sums is None:
+            stage = self._stage
+            if stage is not None and a.source_id == stage.client_id and stage._region is not None:
+                own = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}")
+                return shm.pull(self._region, own, self._layout, expect_version=a.version, config=self.config,
+                                start_unit=self._resume_point(a.version), end_unit=end_unit,
+                                should_stop=should_stop, on_unit=on_unit)
+            near = self._open_same_host(a)
+            if near is not None:
+                try:
+                    return shm.pull(self._region, near, self._layout, expect_version=a.version, config=self.config,
+                                    start_unit=self._resume_point(a.version), end_unit=end_unit,
+                                    should_stop=should_stop, on_unit=on_unit)
+                except (errors.TransferError, errors.ChecksumMismatch):
+                    self._drop_source(a)
+                    raise
+        if source is None:
+            source = self._open_source(a)
+        try:
+            return tx.pull(self._region, source, self._layout, expect_version=a.version, config=self.config,
+                           start_unit=self._resume_point(a.version), end_unit=end_unit, source_sums=source_sums,
+                           should_stop=should_stop, on_unit=on_unit)
+        except (errors.TransferError, errors.ChecksumMismatch) as e:
+            self._drop_source(a)  # a source that failed is opened afresh if assigned again
+            if (isinstance(e, errors.ChecksumMismatch) or source.reached or source_sums is not None
+                    or isinstance(e, errors.SourceUnreachable)):
+                raise
+            raise errors.SourceUnreachable(str(e)) from e
+
+    def _units_bytes(self, start: int, end: int) -> int:
+        return sum(self._layout.unit_nbytes(u) for u in range(start, end))
+
+    def _resume_point(self, version: int) -> int:
+        """Units of ``version`` already in place: a read after a failover refetches nothing."""
+        return self._region.progress if self._region.version == version else 0
+
+    def _verify_unchanged(self, version: Optional[int]) -> None:
+        """Verify mode: the bytes must still be what was published (or replicated)."""
+        if not self._checksums:
+            return
+        for u, unit in enumerate(self._layout.units):
+            if checksum_unit(self._tensors, unit) != self._checksums[u]:
+                names = sorted({self._layout.metas[p.tensor_index].name for p in unit})
+                raise errors.MutabilityViolation(
+                    f"{self.model} version {version} shard {self.shard}: unit {u} ({', '.join(names)}) "
+                    f"was written while published")
+
+    def _stop_threads(self) -> None:
+        self._hb_stop.set()
+        pulse.leave(self)
+        self.host_copies.stop()
+
+
+    def _start_heartbeat(self) -> None:
+        """Join this process's liveness loop for the server (:mod:`tensorhub.pulse`): one call
+        carries every handle's heartbeat (held by the server while idle) and brings back its
+        background events; a second pulse carries read progress while a handle reads."""
+        pulse.join(self)
+
+    def _beat_interval(self) -> float:
+        return self.config.heartbeat_interval_s
+
+    def _pulse_hold(self) -> float:
+        return self.config.pulse_hold_s
+
+    def _beat(self) -> Optional[m.Beat]:
+        """This interval's heartbeat: read progress while reading (the pulse sends it)."""
+        if self._hb_stop.is_set():
+            return None
+        with self._mlock:
+            reading = self._machine.reading
+        region = self._region
+        if region is None:
+            return None
+        return m.Beat(self.client_id, region.progress if reading else -1, acked=self._notes_acked)
+
+    def _after_beat(self, known: bool, notes: list, acked: int = -1) -> None:
+        """The pulse's answer for this handle: announce again if the server does not know it,
+        then apply the background events it brought (numbered up to ``acked``: the next beat
+        acknowledges them; one that comes again, its reply having been lost, is done already)."""
+        if self._hb_stop.is_set():
+            return
+        with self._notes_lock:
+            # Events the server sent before it forgot this handle come first (a host copy it
+            # dropped must not be announced again).
+            self._apply_notes(notes, in_call=False)
+            with self._mlock:
+                reading = self._machine.reading
+            # No call in flight (that call re-announces itself): the user lock is free.
+            free = not known and not reading and self._lock.acquire(blocking=False)
+            try:
+                answer = bg.after_pulse(known=known, acked_before=self._notes_acked, acked=acked, reading=reading,
+                                        idle=free and bg.registered_phase(self._machine.phase),
+                                        unoffered=bool(self.host_copies.unoffered))
+                self._notes_acked = answer.acked
+                if answer.reoffer:
+                    self.host_copies.reoffer()
+                if answer.announce:
+                    self._announce_now()
+            finally:
+                if free:
+                    self._lock.release()
+
+    def _take_notes(self, in_call: bool = False) -> None:
+        """Background events (host copies to make ahead or past retention, evictions) waiting at
+        the server, fetched now (the pulse brings them otherwise). ``in_call``: the caller holds
+        ``_lock`` (a user call that just finished)."""
+        with self._notes_lock:
+            self._apply_notes(self._port.notes(self.client_id), in_call)
+
+    def _apply_notes(self, notes: list, in_call: bool) -> None:
+        """Carry out background events; the caller holds ``_notes_lock``."""
+        for note in notes:
+            kind = bg.kind_of(note)
+            if kind is bg.Kind.HOST_COPY:
+                self._host_copy_asked(note.version, in_call)
+                continue
+            if kind is bg.Kind.SEED:
+                self._seed_asked(note.version)
+                continue
+            for cmd in self._feed(hm.Noted(note)):
+                if isinstance(cmd, hm.DropHost):
+                    self.host_copies.drop(cmd.version)
+                elif isinstance(cmd, hm.SetRegion):
+                    self._set_region(cmd)  # Demoted: advertise nothing
+
+    def _host_copy_asked(self, version: int, in_call: bool) -> None:
+        """The server asks this holder to copy ``version`` to host memory ahead (MakeHostCopy).
+        Only between calls (a call in progress may change the tensors) and only while the handle
+        still publishes that version; otherwise the request is dropped (the last holder will
+        offload instead)."""
+        between_calls = in_call or self._lock.acquire(blocking=False)
+        try:
+            if bg.host_copy_wanted(version, between_calls=between_calls, phase=self._machine.phase,
+                                   published=self._machine.published, spot=self.spot,
+                                   host_copy_ahead=self.config.host_copy_ahead,
+                                   versions_retained=self.config.versions_retained,
+                                   pooled=self.host_copies.pool_thread is not None):
+                self.host_copies.start_copy(version)
+        finally:
+            if between_calls and not in_call:
+                self._lock.release()
+
+    def _record_host_copy(self, version: int, endpoint: bytes) -> None:
+        with self._mlock:
+            self._machine.host_copies[version] = endpoint
+
+    def _host_copy_endpoint(self, version: int) -> Optional[bytes]:
+        with self._mlock:
+            return self._machine.host_copies.get(version)
+
+    def _current_hosts(self, req: m.Announce) -> m.Announce:
+        """``req`` without host copies freed since it was built."""
+        held = self.host_copies.held_versions(v for v, _ in req.holding.host_copies)
+        keep = tuple((v, e) for v, e in req.holding.host_copies if v in held)
+        if keep == req.holding.host_copies:
+            return req
+        return msgspec.structs.replace(req, holding=msgspec.structs.replace(req.holding, host_copies=keep))
+
+    def _announce_now(self) -> None:
+        with self._notes_lock:
+            with self._mlock:
+                req = self._machine.announce_request(reading_units=self._region.progress)
+            reply = self._port.call(self._current_hosts(req))
+        if isinstance(reply, m.ErrorReply):
+            raise errors.from_code(reply.code, reply.message)
+        log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)
+
+    def _release(self) -> None:
+        entries = self.host_copies.release()
+        with self._sources_lock:
+            sources = list(self._sources.values())
+            self._sources.clear()
+        for src in sources:
+            src.close()
+        for region, _ in entries:
+            region.close()
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+
+
+def _log_seed(model: str, shard: int, version: int, fut: "concurrent.futures.Future") -> None:
+    if fut.cancelled():
+        return
+    err = fut.exception()
+    if err is not None:
+        log.info("model=%s shard=%d: seeding version %d failed: %s", model, shard, version, err)
+    else:
+        log.info("model=%s shard=%d: seeded version %d into this datacenter", model, shard, version)
+
+
+def _share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether any tensor of ``a`` lies in memory under a tensor of ``b``: one storage, or two
+    storages whose byte ranges overlap on one device (e.g. views made with ``from_blob``)."""
+    spans = [(st.device, st.data_ptr(), st.data_ptr() + st.nbytes()) for st in distinct_storages(b).values()]
+    for st in distinct_storages(a).values():
+        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+        if any(dev == st.device and lo < end and start < hi for dev, start, end in spans):
+            return True
+    return False
+
+
+def _check_round(round_no: Optional[int]) -> Optional[int]:
+    if round_no is not None and (not isinstance(round_no, int) or isinstance(round_no, bool) or round_no < 1):
+        raise errors.BadVersionSpec(f"round must be an int >= 1, got {round_no!r}")
+    return round_no
+
+
+def _sync_devices(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for queued kernels on every CUDA device the tensors live on (publish: the bytes a
+    reader may fetch must be final)."""
+    for dev in sorted({t.device.index or 0 for t in tensors if t.is_cuda}):
+        torch.cuda.synchronize(dev)
+
+
+_SUMS_TAG = {True: ":sums", False: ":nosums"}
+"""The end of a registered layout's fingerprint: the handle's ``checksums`` setting, which every
+client of a model must share (the server refuses a registration whose fingerprint differs)."""
+
+
+def _layout_info(layout: Layout, checksums: bool = True) -> m.LayoutInfo:
+    return m.LayoutInfo(
+        fingerprint=layout.fingerprint + ":" + layout.unit_signature[:16] + _SUMS_TAG[bool(checksums)],
+        unit_count=layout.unit_count,
+        total_bytes=layout.total_bytes,
+        tensors=tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in layout.metas),
+    )
