@@ -68,7 +68,7 @@ class BenchReplica(Replica):
     def endpoint(self) -> bytes:
         from tensorhub import transport as tx
 
-        return tx.encode_endpoint(self.hub._region.endpoint())
+        return tx.encode_endpoint(self.hub.reads.region.endpoint())
 
     def direct_pull(self, endpoint: bytes, version: int) -> tuple[float, str]:
         """Read version ``version`` from ``endpoint`` (not told to the server). Returns (done_at,
@@ -80,13 +80,13 @@ class BenchReplica(Replica):
         hub.unpublish()
         src = tx.open_source(endpoint, config=hub.config)
         try:
-            tx.pull(hub._region, src, hub._layout, expect_version=version, config=hub.config)
+            tx.pull(hub.reads.region, src, hub.reads.layout, expect_version=version, config=hub.config)
         finally:
             src.close()
         done = time.time()
         ok = workload.digest(self.tensors)
-        hub._region.set_progress(0)
-        hub._region.set_version(-1)
+        hub.reads.region.set_progress(0)
+        hub.reads.region.set_version(-1)
         return done, ok
 
     # ---- Ray Direct Transport ---------------------------------------------------------------

@@ -39,7 +39,7 @@ class Config:
     readers_per_source_max: int = 1
     """At most this many concurrent readers per source (1 = pipeline replication)."""
     heartbeat_interval_s: float = 1.0
-    """How often a process's pulse (:mod:`tensorhub.pulse`) reports while one of its handles
+    """How often a process's pulse (:mod:`tensorhub.handle.pulse`) reports while one of its handles
     reads (its progress), and the pulse spacing when the server does not hold pulses."""
     pulse_hold_s: float = 30.0
     """An idle process's pulse is held by its server up to this long (a long poll): the server

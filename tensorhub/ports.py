@@ -48,7 +48,7 @@ class ServerPort(Protocol):
 
     def pulse_key(self) -> tuple:
         """Which server this port reaches: the handles of a process with the same key share one
-        liveness loop (:mod:`tensorhub.pulse`)."""
+        liveness loop (:mod:`tensorhub.handle.pulse`)."""
         ...
 
 
@@ -178,7 +178,7 @@ class LocalPort:
             return self.mail.pop_background(client_id)
 
     def pulse_key(self) -> tuple:
-        """Handles on this port share one liveness loop (:mod:`tensorhub.pulse`)."""
+        """Handles on this port share one liveness loop (:mod:`tensorhub.handle.pulse`)."""
         return ("local", id(self))
 
     def reconnect(self) -> None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tensorhub
-from tensorhub import errors, pulse
+from tensorhub import errors
+from tensorhub.handle import pulse
 from tensorhub import transport as tx
 from tensorhub.config import Config
 from tensorhub.core import handle as hm

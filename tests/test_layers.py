@@ -93,3 +93,52 @@ def test_only_fixtures_commands_and_sim_import_testing():
         if found := _imports_package(path, "tensorhub.testing"):
             bad[rel] = found
     assert not bad, f"product modules import test fixtures: {bad}"
+
+
+def _hub_private_names() -> set[str]:
+    """Every private member the handle's ``Hub`` class defines (methods and ``self._x = ...``)."""
+    names = set()
+    for path in sorted((PACKAGE / "handle").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ClassDef) and node.name == "Hub"):
+                continue
+            for n in ast.walk(node):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("_") \
+                        and not n.name.startswith("__"):
+                    names.add(n.name)
+                elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) \
+                        and n.value.id == "self" and n.attr.startswith("_") and not n.attr.startswith("__"):
+                    names.add(n.attr)
+    return names
+
+
+def _private_uses(path: pathlib.Path, names: set[str]) -> list[str]:
+    """``x._name`` for a Hub private ``_name`` on anything but ``self``/``cls``."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(n, ast.Attribute) and n.attr in names \
+                and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_no_code_outside_the_handle_uses_its_private_members():
+    """The handle's inside may change without the graphs, tools, fixtures or benchmarks: they
+    use its public API and its named read API (``hub.reads``, :mod:`tensorhub.handle.reads`)."""
+    names = _hub_private_names()
+    assert {"_begin_read", "_pull_range", "_machine", "_region"} <= names  # the scan sees the class
+    bad = {}
+    for base in ("tensorhub", "benchmarks", "examples"):
+        for path in sorted((ROOT / base).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("tensorhub/handle/"):
+                continue
+            if found := _private_uses(path, names):
+                bad[rel] = found
+    assert not bad, f"code outside tensorhub/handle/ uses the handle's private members: {bad}"
+
+
+def test_the_private_member_scan_finds_a_planted_use(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(hub):\n    return hub._begin_read('latest', True)\n")
+    assert _private_uses(planted, _hub_private_names()) == ["2: hub._begin_read"]

@@ -1,4 +1,4 @@
-"""Process-level liveness (:mod:`tensorhub.pulse`): one server call per process per heartbeat
+"""Process-level liveness (:mod:`tensorhub.handle.pulse`): one server call per process per heartbeat
 interval, whatever the number of handles in it; background events ride on its reply."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 import tensorhub
-from tensorhub import errors, pulse
+from tensorhub import errors
+from tensorhub.handle import pulse
 from tensorhub.core import messages as m
 from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload

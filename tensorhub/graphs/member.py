@@ -72,13 +72,13 @@ class _ReadState:
 
     def start(self, hub, sums: Optional[list]) -> None:
         """Open the source and start the mover (first batch)."""
-        self.source = hub._open_source(self.assignment)
+        self.source = hub.reads.open_source(self.assignment)
         if sums is not None:
             self.known = KnownProgress()
         elif not self.assignment.source_partial:
-            complete = hub._source_checksums(self.source, self.assignment.version)
+            complete = hub.reads.source_checksums(self.source, self.assignment.version)
             self.known = KnownProgress(complete) if complete is not None else None
-        self.start_units = hub._resume_point(self.assignment.version)
+        self.start_units = hub.reads.resume_point(self.assignment.version)
         self.mover = threading.Thread(target=self._move, args=(hub,), daemon=True,
                                       name=f"tensorhub-graph-mover-{hub.client_id}")
         self.mover.start()
@@ -93,7 +93,7 @@ class _ReadState:
                 # NIXL dropped shows as NIXL_ERR_NOT_FOUND on a source opened earlier).
                 log.info("model=%s version=%d client=%s graph read: %s; reopening the source",
                          hub.model, self.assignment.version, hub.client_id, e)
-                self.source = hub._open_source(self.assignment)
+                self.source = hub.reads.open_source(self.assignment)
                 self._pull(hub)
         except Exception as e:  # noqa: BLE001 - reported through fetch's negative int; finish() fails over
             self.failed = f"{type(e).__name__}: {e}"
@@ -104,7 +104,7 @@ class _ReadState:
             self._wake()
 
     def _pull(self, hub) -> None:
-        hub._pull_range(self.assignment, hub._layout.unit_count, source=self.source, source_sums=self.known,
+        hub.reads.pull_range(self.assignment, hub.reads.unit_count, source=self.source, source_sums=self.known,
                         should_stop=lambda: self.aborted, on_unit=self._wake)
 
     def _wake(self, _unit: int = -1) -> None:
@@ -118,9 +118,9 @@ class _ReadState:
         with self.landed:
             # Progress counts only for our version: until the mover resets the region, it may
             # still show the previous version complete.
-            while hub._resume_point(version) < end:
+            while hub.reads.resume_point(version) < end:
                 if self.failed or self.aborted or not self.mover.is_alive():
-                    return hub._resume_point(version) >= end
+                    return hub.reads.resume_point(version) >= end
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -166,10 +166,10 @@ class GraphMember:
         hub = self.tensorhub_hub()
         with self._th_lock():
             t0 = time.perf_counter()
-            batches = default_batches(hub._layout.unit_count, batches)
+            batches = default_batches(hub.reads.unit_count, batches)
             self._th_drop_unfinished(hub, "a new graph read began before the last one finished")
-            reply = hub._begin_read(spec, update)
-            out = {"client_id": hub.client_id, "unit_count": hub._layout.unit_count, "batches": batches}
+            reply = hub.reads.begin(spec, update)
+            out = {"client_id": hub.client_id, "unit_count": hub.reads.unit_count, "batches": batches}
             if isinstance(reply, m.NoChange):
                 self.__dict__["_th_graph_read"] = None
                 return {**out, "action": "noop", "version": reply.version, "source_id": None}
@@ -201,7 +201,7 @@ class GraphMember:
             if st.aborted or st.failed:
                 return -(k + 1)
             try:
-                units = hub._layout.unit_count
+                units = hub.reads.unit_count
                 start, end = batch_end(units, st.batches, k - 1) if k > 0 else 0, batch_end(units, st.batches, k)
                 if st.mover is None:
                     st.start(hub, sums)
@@ -212,7 +212,7 @@ class GraphMember:
                 if not st.wait_for(hub, end, hub.config.source_stall_timeout_s + 60.0):
                     raise TransferError(st.failed or f"batch {k} not in place (stopped, or timed out)")
                 st.batches_done += 1
-                return k, hub._region.checksums()[start:end]
+                return k, hub.reads.checksums()[start:end]
             except Exception as e:  # noqa: BLE001 - reported as a value; finish() fails over
                 st.failed = f"{type(e).__name__}: {e}"
                 log.warning("model=%s version=%d client=%s graph fetch of batch %d failed: %s",
@@ -240,9 +240,9 @@ class GraphMember:
                 return {"action": "none", "client_id": hub.client_id, "version": hub.version}
             self.__dict__["_th_graph_read"] = None
             st.stop()
-            graph_progress = hub._resume_point(st.assignment.version)
-            graph_bytes = hub._units_bytes(st.start_units, graph_progress) if st.mover is not None else 0
-            rs = hub._finish_read()
+            graph_progress = hub.reads.resume_point(st.assignment.version)
+            graph_bytes = hub.reads.units_bytes(st.start_units, graph_progress) if st.mover is not None else 0
+            rs = hub.reads.finish()
             return {
                 "action": rs.action, "client_id": hub.client_id, "version": rs.version,
                 "seconds": rs.seconds, "bytes": graph_bytes + rs.bytes, "graph_bytes": graph_bytes,
@@ -267,7 +267,7 @@ class GraphMember:
             return
         self.__dict__["_th_graph_read"] = None
         st.stop()
-        hub._abort_read(why)
+        hub.reads.abort(why)
 
     def th_graph_setup(self, buffer_bytes: int) -> int:
         """Called by :class:`~tensorhub.graphs.GraphCache` before a compile: channels this actor
@@ -287,5 +287,5 @@ class GraphMember:
 
     def th_graph_progress(self) -> tuple[int, int]:
         """``(version, units in place)`` of the hub's region; lock-free (observability, tests)."""
-        region = self.tensorhub_hub()._region
-        return region.version, region.progress
+        version, progress, _units = self.tensorhub_hub().reads.progress()
+        return version, progress

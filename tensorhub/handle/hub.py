@@ -21,7 +21,6 @@ moves bytes with the NIXL transport; it imports no actor.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -34,13 +33,16 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import msgspec
 import torch
 
-from tensorhub import errors, metrics, pulse
+from tensorhub import errors, metrics
+from tensorhub.handle import pulse
 from tensorhub.config import Config
 from tensorhub.core import background as bg
 from tensorhub.core import bounds
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.handle.host_copies import Held, HostCopies
+from tensorhub.handle.reads import ReadSession
+from tensorhub.handle.sources import Sources
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.logs import configure_from_env
 from tensorhub.ports import ServerPort
@@ -50,9 +52,6 @@ from tensorhub.transport.storages import distinct_storages
 
 log = logging.getLogger("tensorhub.client")
 """The handle's log (its name from before the handle package, kept for users' log filters)."""
-
-_SOURCES_KEPT = 4
-"""Sources a handle keeps open across reads (its recent holders)."""
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
 
@@ -143,8 +142,8 @@ class Hub:
         self._tensors: list[torch.Tensor] = []
         self._region: Optional[tx.Region] = None
         self._checksums: list[int] = []
-        self._sources: "collections.OrderedDict[bytes, tx.Source]" = collections.OrderedDict()
-        """Sources kept open across reads, by endpoint (see ``_open_source``)."""
+        self._sources = Sources(self.config, model, shard)
+        """Sources kept open across reads (a part with its own lock)."""
         self._pending_pull: Optional[hm.Pull] = None
         """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
         self._read_t0 = 0.0
@@ -157,7 +156,6 @@ class Hub:
         self._hb_stop = threading.Event()
         self._lock = threading.Lock()  # one blocking call at a time
         self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
-        self._sources_lock = threading.Lock()  # the open sources (a failed read drops one)
         self._notes_lock = threading.RLock()
         """Taking and applying background notes vs. announcing: a drop fetched before an
         announcement is applied before it (the announcement then leaves the copy out)."""
@@ -188,6 +186,9 @@ class Hub:
             held=lambda: Held(self._tensors, self._layout, self._region), take_notes=self._take_notes,
             record=self._record_host_copy, endpoint_of=self._host_copy_endpoint)
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
+        self.reads = ReadSession(self)
+        """The read path as a named API (:mod:`tensorhub.handle.reads`), for code that moves a
+        read's bytes itself (a compiled graph's member) and for tools."""
 
     # ------------------------------------------------------------------ public API
 
@@ -200,6 +201,12 @@ class Hub:
     @property
     def host_buffers_inline(self) -> int:
         return self.host_copies.inline
+
+    @property
+    def staging(self) -> Optional["Hub"]:
+        """The prefetch staging handle (a second holder in this process, made by the first
+        :meth:`prefetch` or seed), or None."""
+        return self._stage
 
     @property
     def state(self) -> HubState:
@@ -888,7 +895,7 @@ class Hub:
             # units past its progress can be trusted yet.
             return hm.Pulled(self._region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
         try:
-            self._pull_range(a, self._layout.unit_count, on_unit=self._unit_landed if self._progress else None)
+            self.reads.pull_range(a, self._layout.unit_count, on_unit=self._unit_landed if self._progress else None)
         except errors.ReadsNotTerminal as err:
             log.error("model=%s version=%d shard=%d: %s", self.model, a.version, self.shard, err)
             return hm.Pulled(self._region.progress, str(err), not_terminal=True)
@@ -1011,63 +1018,8 @@ class Hub:
 
     # ------------------------------------------------------------------ transport helpers
     def _open_source(self, a: m.Assignment) -> tx.Source:
-        """The source of ``a``, kept open across reads (opening one prepares a descriptor per
-        piece of the layout: about 40 ms for a 1 GiB shard of 660 tensors, a sixth of its
-        transfer). Owned by the handle: callers never close it; a failed read drops it."""
-        key = a.source_endpoint
-        with self._sources_lock:
-            src = self._sources.pop(key, None)
-            if src is not None:
-                self._sources[key] = src  # most recently used last
-                return src
-        try:
-            src = tx.open_source(key, config=self.config)
-        except errors.TransferError as e:
-            raise errors.SourceUnreachable(str(e)) from e
-        with self._sources_lock:
-            self._sources[key] = src
-            while len(self._sources) > _SOURCES_KEPT:
-                self._sources.pop(next(iter(self._sources))).close()
-        return src
-
-    def _open_same_host(self, a: m.Assignment) -> Optional[shm.ShmSource]:
-        """The source's memory mapped here if it lives on this host (the same-host tier), kept
-        with the other open sources; None: read it through NIXL."""
-        key = b"shm:" + a.source_endpoint
-        with self._sources_lock:
-            src = self._sources.pop(key, None)
-            if src is not None:
-                self._sources[key] = src
-                return src
-        try:
-            info = tx.decode_endpoint(a.source_endpoint).shm
-        except msgspec.ValidationError:
-            return None
-        if not self.config.same_host or not shm.usable(info):
-            return None
-        try:
-            src = shm.ShmSource(info)
-        except errors.TransferError as e:
-            log.info("model=%s shard=%d: same-host source %s not mappable (%s): NIXL instead",
-                     self.model, self.shard, a.source_id, e)
-            return None
-        with self._sources_lock:
-            self._sources[key] = src
-            while len(self._sources) > _SOURCES_KEPT:
-                self._sources.pop(next(iter(self._sources))).close()
-        return src
-
-    def _drop_source(self, a: m.Assignment) -> None:
-        """A read from ``a``'s source failed: open it afresh (and load its peer's metadata
-        again) if it is assigned again."""
-        with self._sources_lock:
-            src = self._sources.pop(a.source_endpoint, None)
-            near = self._sources.pop(b"shm:" + a.source_endpoint, None)
-        if near is not None:
-            near.close()
-        if src is not None:
-            src.agent.reload_remote(src.name)
-            src.close()
+        """The NIXL source of ``a``, kept open across reads (:class:`~tensorhub.handle.sources.Sources`)."""
+        return self._sources.nixl(a)
 
     def _source_checksums(self, source: tx.Source, version: int) -> Optional[list[int]]:
         """The checksums of a complete source holding ``version`` (one control read), or None if
@@ -1090,14 +1042,14 @@ class Hub:
                 return shm.pull(self._region, own, self._layout, expect_version=a.version, config=self.config,
                                 start_unit=self._resume_point(a.version), end_unit=end_unit,
                                 should_stop=should_stop, on_unit=on_unit)
-            near = self._open_same_host(a)
+            near = self._sources.same_host(a)
             if near is not None:
                 try:
                     return shm.pull(self._region, near, self._layout, expect_version=a.version, config=self.config,
                                     start_unit=self._resume_point(a.version), end_unit=end_unit,
                                     should_stop=should_stop, on_unit=on_unit)
                 except (errors.TransferError, errors.ChecksumMismatch):
-                    self._drop_source(a)
+                    self._sources.drop(a)
                     raise
         if source is None:
             source = self._open_source(a)
@@ -1106,7 +1058,7 @@ class Hub:
                            start_unit=self._resume_point(a.version), end_unit=end_unit, source_sums=source_sums,
                            should_stop=should_stop, on_unit=on_unit)
         except (errors.TransferError, errors.ChecksumMismatch) as e:
-            self._drop_source(a)  # a source that failed is opened afresh if assigned again
+            self._sources.drop(a)  # a source that failed is opened afresh if assigned again
             if (isinstance(e, errors.ChecksumMismatch) or source.reached or source_sums is not None
                     or isinstance(e, errors.SourceUnreachable)):
                 raise
@@ -1137,7 +1089,7 @@ class Hub:
 
 
     def _start_heartbeat(self) -> None:
-        """Join this process's liveness loop for the server (:mod:`tensorhub.pulse`): one call
+        """Join this process's liveness loop for the server (:mod:`tensorhub.handle.pulse`): one call
         carries every handle's heartbeat (held by the server while idle) and brings back its
         background events; a second pulse carries read progress while a handle reads."""
         pulse.join(self)
@@ -1253,11 +1205,7 @@ class Hub:
 
     def _release(self) -> None:
         entries = self.host_copies.release()
-        with self._sources_lock:
-            sources = list(self._sources.values())
-            self._sources.clear()
-        for src in sources:
-            src.close()
+        self._sources.close()
         for region, _ in entries:
             region.close()
         if self._region is not None:

@@ -48,7 +48,7 @@ class Op:
 
 class SimProcess:
     """Several handles in one process (``World(shared_processes=True)``): one pulse carries all
-    their beats, as :mod:`tensorhub.pulse` sends it (held by the server, plus a progress pulse
+    their beats, as :mod:`tensorhub.handle.pulse` sends it (held by the server, plus a progress pulse
     per interval while some of them read), and they share one fate: a crash takes every handle
     of the process with it (``World.crash``)."""
 
@@ -101,7 +101,7 @@ def _held(world, beats) -> bool:
 
 
 def _next_pulse(world, sent: float, reply, pulse) -> None:
-    """As :mod:`tensorhub.pulse`: the next pulse leaves ``heartbeat_interval_s`` after the last
+    """As :mod:`tensorhub.handle.pulse`: the next pulse leaves ``heartbeat_interval_s`` after the last
     was sent, at once if it was held that long (a failed call: a whole interval later)."""
     gap = world.config.heartbeat_interval_s
     left = gap if isinstance(reply, m.ErrorReply) else max(0.0, sent + gap - world.sim.now)
@@ -468,7 +468,7 @@ class SimClient:
         if not self.registered:
             w.sim.after(w.config.heartbeat_interval_s, self._heartbeat)
             return
-        # The Hub's liveness loop (tensorhub.pulse): one Pulse per process, held by the server;
+        # The Hub's liveness loop (tensorhub.handle.pulse): one Pulse per process, held by the server;
         # the reply brings this handle's background events. Read progress goes by _progress
         # (with pulse_hold_s = 0, on this pulse).
         beat = self._liveness_beat()

@@ -99,15 +99,13 @@ class DcReplica(Replica):
         return ray.get(server.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()))
 
     def staged(self) -> Optional[int]:
-        stage = self.hub._stage
+        stage = self.hub.staging
         return None if stage is None else stage.version
 
     def stage_reading(self) -> tuple[Optional[int], int, int]:
         """The staging copy's (version being read or held, units in place, units in all)."""
-        stage = self.hub._stage
-        if stage is None or stage._region is None:
-            return None, 0, 0
-        return stage._region.version, stage._region.progress, stage._layout.unit_count
+        stage = self.hub.staging
+        return (None, 0, 0) if stage is None else stage.reads.progress()
 
 
 Actor = ray.remote(num_cpus=0)(DcReplica)

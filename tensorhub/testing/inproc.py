@@ -42,7 +42,7 @@ def hold_half_way(hub: tensorhub.Hub) -> tuple[threading.Event, threading.Event]
     """From now on each read of ``hub`` stops half way: ``half`` is set there, and the read goes
     on once ``go`` is set (within 30 s)."""
     half, go = threading.Event(), threading.Event()
-    pull_range = hub._pull_range
+    pull_range = hub.reads.pull_range
 
     def held(a, end_unit, **kw):
         n = pull_range(a, end_unit // 2, **kw)
@@ -50,5 +50,5 @@ def hold_half_way(hub: tensorhub.Hub) -> tuple[threading.Event, threading.Event]
         assert go.wait(30)
         return n + pull_range(a, end_unit, **kw)
 
-    hub._pull_range = held
+    hub.reads.pull_range = held
     return half, go

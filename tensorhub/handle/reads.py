@@ -1,0 +1,97 @@
+"""A handle's read path as a named API, for code that moves a read's bytes itself.
+
+A compiled graph's member (:mod:`tensorhub.graphs.member`) reads in two phases with the bytes
+moved by the graph in between; tools and benchmarks look at a handle's region. They use this
+API (``hub.reads``) instead of the handle's private members, so the handle may change inside
+without them (``tests/test_layers.py`` checks that no code outside ``tensorhub/handle/`` uses a
+private member of the handle).
+
+A two-phase read::
+
+    reads = hub.reads
+    a = reads.begin("latest", update=True)       # Assignment, or NoChange: nothing to read
+    src = reads.open_source(a)                   # kept open by the handle; never close it
+    reads.pull_range(a, end_unit, source=src)    # no failover: the caller coordinates
+    stats = reads.finish()                       # the rest with failover; now a holder
+    # or reads.abort(why) if the caller gives up
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from tensorhub.core import messages as m
+
+
+class ReadSession:
+    """The read path of one handle (``hub.reads``). Not thread-safe beyond what the handle is:
+    one read at a time, as one user call at a time."""
+
+    def __init__(self, hub) -> None:  # a tensorhub.Hub (not imported: hub.py imports this module)
+        self._hub = hub
+
+    # ---- the two phases ------------------------------------------------------------------
+    def begin(self, spec: m.VersionSpec = "latest", update: bool = True) -> Union[m.Assignment, m.NoChange]:
+        """Phase 1: resolve, drain the old version if updating, get a source; the read pauses at
+        its first pull. ``NoChange`` if there is nothing to read."""
+        return self._hub._begin_read(spec, update)
+
+    def finish(self):
+        """Phase 2: pull what is missing (failover included), report done, become a holder; returns
+        the read's :class:`~tensorhub.ReadStats`."""
+        return self._hub._finish_read()
+
+    def abort(self, why: str) -> None:
+        """End a paused read on the server too (its driver is gone)."""
+        self._hub._abort_read(why)
+
+    # ---- moving bytes between the phases -------------------------------------------------
+    def open_source(self, a: m.Assignment):
+        """The NIXL source of ``a``, kept open by the handle (never close it)."""
+        return self._hub._open_source(a)
+
+    def source_checksums(self, source, version: int) -> Optional[list[int]]:
+        """The checksums of a complete source holding ``version``, or None if it does not (yet)
+        hold all of it (one control read)."""
+        return self._hub._source_checksums(source, version)
+
+    def pull_range(self, a: m.Assignment, end_unit: int, **kw) -> int:
+        """Read units [own progress, ``end_unit``) of ``a.version`` without failover (keywords:
+        ``source``, ``source_sums``, ``should_stop``, ``on_unit``); returns the bytes read."""
+        return self._hub._pull_range(a, end_unit, **kw)
+
+    # ---- what the handle holds -----------------------------------------------------------
+    @property
+    def unit_count(self) -> int:
+        """Transfer units of the registered layout."""
+        return self._hub._layout.unit_count
+
+    def resume_point(self, version: int) -> int:
+        """Units of ``version`` already in place here."""
+        return self._hub._resume_point(version)
+
+    def units_bytes(self, start: int, end: int) -> int:
+        """Bytes of units ``[start, end)``."""
+        return self._hub._units_bytes(start, end)
+
+    def checksums(self) -> list[int]:
+        """The checksums of the units in place in the registered region."""
+        return self._hub._region.checksums()
+
+    def progress(self) -> tuple[Optional[int], int, int]:
+        """(the version being read or held, units in place, units in all); (None, 0, 0) before
+        register."""
+        region, layout = self._hub._region, self._hub._layout
+        if region is None or layout is None:
+            return None, 0, 0
+        return region.version, region.progress, layout.unit_count
+
+    @property
+    def region(self):
+        """The registered transport region (for raw-transport baselines; do not publish into it)."""
+        return self._hub._region
+
+    @property
+    def layout(self):
+        """The registered :class:`~tensorhub.layout.Layout`."""
+        return self._hub._layout
