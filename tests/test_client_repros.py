@@ -389,7 +389,7 @@ def test_register_deregisters_the_region_when_the_request_cannot_be_built(monkey
 
 
 def test_progress_pushes_nobody_takes_are_kept_boundedly():
-    """Notes: a holder keeps pushing to a reader whose pull ended; those pushes are never taken.
+    """Inbox: a holder keeps pushing to a reader whose pull ended; those pushes are never taken.
     At most _PUSHES_PER_PEER_KEPT per holder (the newest) and _PEERS_KEPT holders stay."""
     from tensorhub.transport import follow as fo
 
@@ -401,7 +401,7 @@ def test_progress_pushes_nobody_takes_are_kept_boundedly():
             return out
 
     nx = FakeNixl()
-    notes = fo.Notes(nx)
+    notes = fo.Inbox(nx)
     enc = fo._ENCODER.encode
     n = fo._PUSHES_PER_PEER_KEPT + 50
     nx.pending = {"h": [enc(fo.Advanced(1, i, [i])) for i in range(n)]}

@@ -12,7 +12,7 @@ import pytest
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.core.state import S
+from tensorhub.core.state import NodeState
 
 UNITS = 4
 LAYOUT = m.LayoutInfo("fp-a", UNITS, 400, (m.TensorMeta("w", "float32", (100,), 400),))
@@ -1124,7 +1124,7 @@ def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_
     assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
     reply = w.send(first)  # both unconfirmed: the server cannot tell which one the old server took
     assert err(reply) == "VersionLost", reply
-    assert w.core.nodes["a1"].state is S.IDLE and w.core.nodes["a0"].state is S.PUBLISHED
+    assert w.core.nodes["a1"].state is NodeState.IDLE and w.core.nodes["a0"].state is NodeState.PUBLISHED
 
 
 def _split_round_world(old: int = 3):
@@ -1147,7 +1147,7 @@ def test_a_confirmed_completion_announced_after_an_unconfirmed_conflicting_one_d
     w, regs = _split_round_world()
     w.now = 6.0  # past the recovery window: nothing is held back, a new sharded reader may register
     assert w.send(m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
-    assert w.core.nodes["a0"].state is S.PUBLISHED
+    assert w.core.nodes["a0"].state is NodeState.PUBLISHED
     w.reg("r", replica="R", shard=0, num_shards=2)  # reads shard 0 of version 3 from a0 (T0 drains)
     w.reg("r1", replica="R", shard=1, num_shards=2)
     w.send(m.Unpublish("T0"))
@@ -1157,9 +1157,9 @@ def test_a_confirmed_completion_announced_after_an_unconfirmed_conflicting_one_d
     assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1, confirmed=True))) == m.Ok()
     (note,) = w.pop("a0")
     assert isinstance(note, m.Demoted) and note.version == 3 and "confirmed" in note.reason
-    assert w.core.nodes["a0"].state is S.IDLE and w.core.nodes["a1"].state is S.PUBLISHED
+    assert w.core.nodes["a0"].state is NodeState.IDLE and w.core.nodes["a1"].state is NodeState.PUBLISHED
     r = w.core.nodes["r"]  # the demoted holder's reader lost its source, the only one left
-    assert r.state is S.IDLE and r.failure.code == "VersionLost" and "no holder is left" in r.failure.message
+    assert r.state is NodeState.IDLE and r.failure.code == "VersionLost" and "no holder is left" in r.failure.message
     a = w.send(m.Replicate("a0", "latest", seq=4))
     assert isinstance(a, m.Assignment) and a.version == 1
 
@@ -1179,7 +1179,7 @@ def test_an_unconfirmed_completion_waits_in_the_recovery_window_until_its_siblin
     assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1, confirmed=True))) == m.Ok()
     assert err(w.send(held)) == "VersionLost"
     assert w.pop("a0") == [] and w.pop("a1") == [], "no Demoted"
-    assert w.core.nodes["a0"].state is S.IDLE and w.core.nodes["a1"].state is S.PUBLISHED
+    assert w.core.nodes["a0"].state is NodeState.IDLE and w.core.nodes["a1"].state is NodeState.PUBLISHED
 
 
 def test_a_held_back_completion_counts_as_heard_and_is_taken_as_it_is_after_the_window():
@@ -1191,13 +1191,13 @@ def test_a_held_back_completion_counts_as_heard_and_is_taken_as_it_is_after_the_
     held = m.Announce(regs[0], m.Holding(published=3, txn_seq=4, txn_version=3))
     assert err(w.send(held)) == "ServerRecovering"
     assert w.send(regs[1]) == m.Registered(round_seq=0)
-    assert w.send(held) == m.Ok() and w.core.nodes["a0"].state is S.PUBLISHED
+    assert w.send(held) == m.Ok() and w.core.nodes["a0"].state is NodeState.PUBLISHED
     w2, regs2 = _split_round_world()
     held2 = m.Announce(regs2[0], m.Holding(published=3, txn_seq=4, txn_version=3))
     assert err(w2.send(held2)) == "ServerRecovering"
     w2.tick(5.0)
     assert w2.core._held_back == {}, "forgotten when the window ends"
-    assert w2.send(held2) == m.Ok() and w2.core.nodes["a0"].state is S.PUBLISHED
+    assert w2.send(held2) == m.Ok() and w2.core.nodes["a0"].state is NodeState.PUBLISHED
     w3, regs3 = _split_round_world()
     assert w3.send(m.Announce(regs3[0], m.Holding(published=3, txn_seq=4, txn_version=3, confirmed=True))) == m.Ok()
     solo = m.Register("s", "pol", "S", 0, 2, LAYOUT, b"s")
@@ -1211,7 +1211,7 @@ def test_an_unconfirmed_completion_announced_after_a_confirmed_conflicting_one_i
                                                  host_copies=((2, b"a0-host"),))))
     assert err(reply) == "VersionLost" and "unconfirmed" in reply.message
     node = w.core.nodes["a0"]
-    assert node.state is S.IDLE and w.core.nodes["a0#host2"].owner == "a0", "kept registered, its host copy too"
+    assert node.state is NodeState.IDLE and w.core.nodes["a0#host2"].owner == "a0", "kept registered, its host copy too"
     assert w.pop("a1") == []
     a = w.send(m.Replicate("a0", "latest", seq=4))
     assert isinstance(a, m.Assignment) and a.version == 1
@@ -1226,12 +1226,12 @@ def test_unconfirmed_and_confirmed_completions_bind_rounds_as_before_without_a_c
     assert err(w.send(first)) == "ServerRecovering"
     assert w.send(m.Announce(regs[1], m.Holding(published=3, txn_seq=4, txn_version=3))) == m.Ok()
     assert w.send(first) == m.Ok()
-    assert w.core.nodes["a1"].state is S.PUBLISHED and 3 in w.core.models["pol"].committed
+    assert w.core.nodes["a1"].state is NodeState.PUBLISHED and 3 in w.core.models["pol"].committed
     w2, regs2 = _split_round_world()
     for sh, v in ((0, 3), (1, 1)):
         h = m.Holding(published=v, txn_seq=4, txn_version=v, confirmed=True)
         assert w2.send(m.Announce(regs2[sh], h)) == m.Ok()
-    assert w2.pop("a0") == [] and w2.core.nodes["a0"].state is S.PUBLISHED
+    assert w2.pop("a0") == [] and w2.core.nodes["a0"].state is NodeState.PUBLISHED
 
 
 def test_the_handle_machine_announces_a_completion_the_server_confirmed_as_confirmed():

@@ -14,7 +14,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.index import audit
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.scheduler import ListPool, choose_source
-from tensorhub.core.state import Node, S
+from tensorhub.core.state import Node, NodeState
 from tensorhub.sim import WORKLOADS, run_scenario
 
 LAYOUT = m.LayoutInfo("fp", 4, 400, (m.TensorMeta("w", "float32", (100,), 400),))
@@ -50,7 +50,7 @@ def test_index_matches_the_table_after_every_step_of_faulty_runs(workload):
 # --------------------------------------------------------------------------- the scheduler's rules
 
 
-def node(nid, state=S.PUBLISHED, *, readers=0, dc="a", machine="", progress=4, order=0, stage_for="", host=False):
+def node(nid, state=NodeState.PUBLISHED, *, readers=0, dc="a", machine="", progress=4, order=0, stage_for="", host=False):
     n = Node(id=nid, model="pol", replica_id=nid, shard=0, num_shards=1, datacenter=dc, spot=False,
              layout=LAYOUT, endpoint=b"", order=order, machine=machine, stage_for=stage_for, host=host)
     n.state, n.version, n.progress = state, 1, progress
@@ -64,14 +64,14 @@ def pick(reader, cands, *, max_readers=1, blocked=False, downstream=()):
     return src.id if src else None
 
 
-READER = dict(state=S.WAITING, progress=0, machine="h1")
+READER = dict(state=NodeState.WAITING, progress=0, machine="h1")
 
 
 @pytest.mark.parametrize("cands, kw, expected", [
     # trainer -> r : the only source
     ([node("t")], {}, "t"),
     # busy trainer, partial r1 ahead of the reader: trainer -> r1 -> r
-    ([node("t", readers=1), node("r1", S.READING, progress=2, order=1)], {}, "r1"),
+    ([node("t", readers=1), node("r1", NodeState.READING, progress=2, order=1)], {}, "r1"),
     # the reader's own staging copy first, whatever its load
     ([node("t"), node("stage", readers=3, stage_for="r", order=1)], {}, "stage"),
     # same datacenter first: the local source is busy, so the reader waits rather than cross
@@ -84,12 +84,12 @@ READER = dict(state=S.WAITING, progress=0, machine="h1")
     ([node("x", order=0), node("y", machine="h1", order=1)], {}, "y"),
     ([node("x", readers=1, order=0), node("y", order=1)], {"max_readers": 2}, "y"),
     # ties: complete before partial, further progress, GPU before host copy, registration order
-    ([node("p", S.READING, progress=3, order=0), node("c", order=1)], {}, "c"),
-    ([node("p2", S.READING, progress=2, order=0), node("p3", S.READING, progress=3, order=1)], {}, "p3"),
+    ([node("p", NodeState.READING, progress=3, order=0), node("c", order=1)], {}, "c"),
+    ([node("p2", NodeState.READING, progress=2, order=0), node("p3", NodeState.READING, progress=3, order=1)], {}, "p3"),
     ([node("h", host=True, order=0), node("g", order=1)], {}, "g"),
     ([node("b", order=2), node("a", order=1)], {}, "a"),
     # downstream of the reader (its own readers' subtree) is no source
-    ([node("d", S.READING, progress=3)], {"downstream": ["d"]}, None),
+    ([node("d", NodeState.READING, progress=3)], {"downstream": ["d"]}, None),
 ])
 def test_choose_source_rules(cands, kw, expected):
     assert pick(node("r", **READER), cands, **kw) == expected
@@ -97,8 +97,8 @@ def test_choose_source_rules(cands, kw, expected):
 
 def test_a_partial_holder_behind_the_reader_is_no_source():
     reader = node("r", **{**READER, "progress": 2})
-    assert pick(reader, [node("t", readers=1), node("r1", S.READING, progress=1, order=1)]) is None
-    assert pick(reader, [node("t", readers=1), node("r1", S.READING, progress=2, order=1)]) == "r1"
+    assert pick(reader, [node("t", readers=1), node("r1", NodeState.READING, progress=1, order=1)]) is None
+    assert pick(reader, [node("t", readers=1), node("r1", NodeState.READING, progress=2, order=1)]) == "r1"
 
 
 def test_across_datacenters_a_reader_takes_its_datacenters_slot_at_the_origin_or_waits_for_it():
@@ -128,7 +128,7 @@ def test_across_datacenters_a_reader_takes_its_datacenters_slot_at_the_origin_or
     assert pick_origin([trainer("c:1"), node("b1", dc="b", order=1)]) is None
     assert pick_origin([trainer(), node("b1", dc="b", order=1)]) == "t"
     assert pick_origin([node("b1", dc="b", order=1)]) == "b1"
-    partial = node("p", S.READING, progress=4)
+    partial = node("p", NodeState.READING, progress=4)
     partial.readers = {"a:1"}
     assert pick_origin([partial]) is None, "a partial origin holder serves no extra datacenter"
 

@@ -14,7 +14,7 @@ from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.core.state import S
+from tensorhub.core.state import NodeState
 from tensorhub.graphs.member import GraphMember
 from tensorhub.ports import LocalPort
 from tensorhub.testing import workload
@@ -254,7 +254,7 @@ def test_interrupted_read_leaves_no_phantom_reader_and_the_source_can_unpublish(
     r._pull_range = interrupted.__get__(r)
     with pytest.raises(KeyboardInterrupt):
         r.replicate(1)
-    assert port.core.nodes[r.client_id].state is S.IDLE
+    assert port.core.nodes[r.client_id].state is NodeState.IDLE
     t0 = time.monotonic()
     t.unpublish()
     assert time.monotonic() - t0 < 1.0
@@ -273,7 +273,7 @@ def test_request_timeout_on_a_read_aborts_it():
     port.call(m.Replicate(first.client_id, 1, seq=1))
     with pytest.raises(errors.RequestTimeout):
         second.replicate(1)
-    assert port.core.nodes[second.client_id].state is S.IDLE
+    assert port.core.nodes[second.client_id].state is NodeState.IDLE
 
 
 def test_close_by_the_last_copy_holder_is_refused_while_others_remain():
@@ -323,11 +323,11 @@ def test_graph_member_aborts_a_read_its_driver_never_finishes():
     member.tensorhub_handle, _ = _hub(port, replica="g")
     out = member.th_graph_begin(1, update=False)
     assert out["action"] == "assigned"
-    assert port.core.nodes[member.tensorhub_handle.client_id].state is not S.IDLE
+    assert port.core.nodes[member.tensorhub_handle.client_id].state is not NodeState.IDLE
     deadline = time.monotonic() + CFG.request_timeout_s + 3.0
-    while port.core.nodes[member.tensorhub_handle.client_id].state is not S.IDLE and time.monotonic() < deadline:
+    while port.core.nodes[member.tensorhub_handle.client_id].state is not NodeState.IDLE and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert port.core.nodes[member.tensorhub_handle.client_id].state is S.IDLE
+    assert port.core.nodes[member.tensorhub_handle.client_id].state is NodeState.IDLE
     assert member.th_graph_finish()["action"] == "none"
     t0 = time.monotonic()
     t.unpublish()
@@ -604,7 +604,7 @@ def test_an_invalid_state_progress_beat_is_not_a_read_failure():
     assert apply_request(core, mail, m.ReplicateDone("r", 1), 0.1)[0] == m.Ok()
     reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=4),)), 0.2)
     assert not any(isinstance(e, m.Failed) for e in reply.notes.get("r", ())), reply
-    core.nodes["r"].state, core.nodes["r"].failure = S.IDLE, m.Failed(code="VersionLost", message="gone")
+    core.nodes["r"].state, core.nodes["r"].failure = NodeState.IDLE, m.Failed(code="VersionLost", message="gone")
     reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=2),)), 0.3)
     assert reply.notes["r"] == [m.Failed(code="VersionLost", message="gone")]
 

@@ -12,7 +12,7 @@ import pytest
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.core.state import S
+from tensorhub.core.state import NodeState
 from tensorhub.ports import LocalPort
 from tensorhub.server.requests import Mailboxes, PulseHolds, apply_request, holdable
 from tensorhub.sim import run_scenario
@@ -93,7 +93,7 @@ def test_a_held_pulse_is_no_proof_that_the_last_other_copy_lives():
     for _ in range(6):  # R is dead: no pulse comes
         srv.tick(0.5)
         srv.call(m.Heartbeat("T"))
-    assert srv.core.nodes["T"].state is S.OFFLOADING
+    assert srv.core.nodes["T"].state is NodeState.OFFLOADING
     assert m.OffloadOrder(version=1) in srv.pop("T")
     assert srv.call(m.OffloadDone("T", 1, b"host:T:1")) == m.UnpublishDone(version=1)
     assert "T#host1" in srv.core.nodes
@@ -108,7 +108,7 @@ def test_a_probed_holder_that_pulses_again_spares_the_offload():
     srv.now += 0.3
     srv.call(m.Pulse(beats=(m.Beat("R"),)))
     assert srv.pop("T") == [m.UnpublishDone(version=1)]
-    assert srv.core.nodes["T"].state is S.IDLE and "T#host1" not in srv.core.nodes
+    assert srv.core.nodes["T"].state is NodeState.IDLE and "T#host1" not in srv.core.nodes
     assert not srv.core._probing
 
 
@@ -177,12 +177,12 @@ def test_offload_done_keeps_a_holder_drained_while_a_late_announced_reader_still
     reply, effects = call(m.OffloadDone("H", 3, b"host:H:3"))
     assert reply == m.Waiting(version=3) and not effects
     h = core.nodes["H"]
-    assert h.state is S.DRAINING and h.readers == {"R"} and "H#host3" in core.nodes
+    assert h.state is NodeState.DRAINING and h.readers == {"R"} and "H#host3" in core.nodes
     assert call(m.Publish("H", 4))[0].code == "InvalidState"  # not told it may write
     reply, effects = call(m.ReplicateDone("R", 3))
     assert reply == m.Ok()
     assert [(e.client_id, e.event) for e in effects] == [("H", m.UnpublishDone(version=3))]
-    assert h.state is S.IDLE and not h.readers
+    assert h.state is NodeState.IDLE and not h.readers
 
 
 def test_a_host_copy_of_a_forgotten_version_announced_after_a_restart_is_dropped():

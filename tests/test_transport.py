@@ -626,7 +626,7 @@ def test_follow_requests_wait_for_the_pull_of_their_version_boundedly():
             return out
 
     nx = FakeNixl()
-    notes = fo.Notes(nx)
+    notes = fo.Inbox(nx)
     enc = fo._ENCODER.encode
     nx.pending = {"r1": [enc(fo.Follow("r1", b"m", 4, 0))], "r2": [enc(fo.Follow("r2", b"m", 5, 3))]}
     notes.poll()

@@ -21,16 +21,16 @@ import logging
 from typing import Callable, Optional
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import SERVABLE, ModelRecord, Node, S
+from tensorhub.core.state import SERVABLE, ModelRecord, Node, NodeState
 
 
 log = logging.getLogger("tensorhub.core.reference")
 
-SERVABLE_OR_READING = frozenset({S.PUBLISHED, S.OFFLOADING, S.READING, S.WAITING})
+SERVABLE_OR_READING = frozenset({NodeState.PUBLISHED, NodeState.OFFLOADING, NodeState.READING, NodeState.WAITING})
 """A datacenter with a node of a version in one of these states has (or is getting) it."""
-IN_PLAY = SERVABLE_OR_READING | {S.DRAINING}
+IN_PLAY = SERVABLE_OR_READING | {NodeState.DRAINING}
 """A version with a node of every shard in one of these states is, or is about to be, available."""
-_BUSY = frozenset({S.READING, S.WAITING, S.DRAINING, S.OFFLOADING})
+_BUSY = frozenset({NodeState.READING, NodeState.WAITING, NodeState.DRAINING, NodeState.OFFLOADING})
 """A replica with a node in one of these states is busy: asked to seed only if no idle one is."""
 SEED_LOOK_MAX = 64
 """Candidate seeders of a datacenter looked at, best rank first, for an idle one; when all of
@@ -162,7 +162,7 @@ class CrossDatacenter:
         link (it takes the newer one next) instead of letting every reader there cross."""
         for i in self._replicas.get((model, f"{replica_id}~prefetch"), ()):
             n = self.nodes[i]
-            if n.stage_for and n.state in (S.READING, S.WAITING):
+            if n.stage_for and n.state in (NodeState.READING, NodeState.WAITING):
                 return True
         return False
 
@@ -187,7 +187,7 @@ class CrossDatacenter:
         go, unless one is the last live non-spot copy of its version anywhere (retention)."""
         for hid in sorted(self._hosts_of.get(host.owner, ())):
             old = self.nodes[hid]
-            if old.id == host.id or old.version >= host.version or old.state is not S.PUBLISHED:
+            if old.id == host.id or old.version >= host.version or old.state is not NodeState.PUBLISHED:
                 continue
             if self._other_live_copy(old):
                 log.info("model=%s version=%d shard=%d host copy %s: a newer one is kept in %s",
@@ -231,11 +231,11 @@ class CrossDatacenter:
         if self._complete_in(node.model, newest, dc):
             return None
         local = next((v for v in reversed(avail) if v < newest and self._complete_in(node.model, v, dc)), -1)
-        own = node.version if node.state is S.PUBLISHED and node.version < newest else -1
+        own = node.version if node.state is NodeState.PUBLISHED and node.version < newest else -1
         keep = max(local, own)
 
         def active_here(v: int, s: int) -> int:
-            me = 1 if (node.version == v and s == node.shard and node.state in (S.READING, S.WAITING)) else 0
+            me = 1 if (node.version == v and s == node.shard and node.state in (NodeState.READING, NodeState.WAITING)) else 0
             return self._group((node.model, v, s)).active_dc[dc] - me
 
         seeding = dc in self._seed_pending(node.model, newest) or any(

@@ -21,12 +21,12 @@ import collections
 from typing import Iterator, Optional
 
 from tensorhub.core.scheduler import rank
-from tensorhub.core.state import COMPLETE, Node, S
+from tensorhub.core.state import COMPLETE, Node, NodeState
 
 Key = tuple[str, int, int]
-_CANDIDATE = frozenset({S.PUBLISHED, S.READING})
+_CANDIDATE = frozenset({NodeState.PUBLISHED, NodeState.READING})
 """States a scheduler may pick a source from (``scheduler.eligible`` narrows further)."""
-_ACTIVE = frozenset({S.READING, S.WAITING})
+_ACTIVE = frozenset({NodeState.READING, NodeState.WAITING})
 
 
 def _entry(node: Node, free_max: int):
@@ -140,7 +140,7 @@ class Index:
     def _record(self, nid: str, e) -> None:
         key, state, dc, machine, stamp, cand, free, stage_for, host, asked, model, suspected, awaiting = e
         self.state_counts[(model, state.value)] += 1
-        if state is S.DRAINING:
+        if state is NodeState.DRAINING:
             self._draining.add(nid)
         if suspected:
             self._suspected.add(nid)
@@ -153,13 +153,13 @@ class Index:
             g = self.groups[key] = Group()
         g.size += 1
         g.counts[state] += 1
-        if state is S.WAITING:
+        if state is NodeState.WAITING:
             bisect.insort(g.waiting, (stamp, nid))
         if state in _ACTIVE:
             g.active_dc[dc] += 1
-        if state is S.PUBLISHED:
+        if state is NodeState.PUBLISHED:
             g.visible_dc[dc] += 1
-        if state is S.OFFLOADING:
+        if state is NodeState.OFFLOADING:
             g.offloading_dc[dc] += 1
         if host:
             g.hosts.add(nid)
@@ -187,13 +187,13 @@ class Index:
         g = self.groups[key]
         g.size -= 1
         _dec(g.counts, state)
-        if state is S.WAITING:
+        if state is NodeState.WAITING:
             _remove_sorted(g.waiting, (stamp, nid))
         if state in _ACTIVE:
             _dec(g.active_dc, dc)
-        if state is S.PUBLISHED:
+        if state is NodeState.PUBLISHED:
             _dec(g.visible_dc, dc)
-        if state is S.OFFLOADING:
+        if state is NodeState.OFFLOADING:
             _dec(g.offloading_dc, dc)
         g.hosts.discard(nid)
         g.asked.discard(nid)

@@ -57,7 +57,7 @@ from tensorhub.core.crossdc import CrossDatacenter, SeedCandidates
 from tensorhub.core.index import Group, Index
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import DEPARTED_ROUNDS_LEASES, RoundTable
-from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, ModelRecord, Node, S
+from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, ModelRecord, Node, NodeState
 from tensorhub.errors import (
     InvalidState,
     LastCopyHeld,
@@ -159,7 +159,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 self._seen(node, now)
                 node.heard_at = now
                 node.unreachable = False  # it talks to us: alive, reachable from somewhere
-                if node.state is S.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
+                if node.state is NodeState.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
                     return m.ErrorReply(code=node.failure.code, message=node.failure.message), []
                 if name == "Replicate" and req.seq > 0 and req.seq == node.round_seq:
@@ -227,7 +227,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             if not self._window_closed:
                 # VersionLost was held back during the window: re-check every read group once.
                 self._window_closed = True
-                self._touched.update(n.key for n in self.nodes.values() if n.state in (S.WAITING, S.READING))
+                self._touched.update(n.key for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.READING))
             pending = self.index.awaiting() | self.index.draining()
             for node in sorted((self.nodes[i] for i in pending), key=lambda n: n.order):
                 if node.awaiting_source is not None:
@@ -235,7 +235,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                     self.index.mark(node)
                     self._pending_edges.clear()
                     self._touched.add(node.key)
-                if node.state is S.DRAINING and not node.readers:
+                if node.state is NodeState.DRAINING and not node.readers:
                     self._finish_drain(node)
         for mod in self.models.values():
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
@@ -393,7 +393,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             return 0
         newest = max(rounds)
         version = rounds[newest][1]
-        inside = any(n.shard != req.shard and n.state in (S.WAITING, S.READING) and n.version == version
+        inside = any(n.shard != req.shard and n.state in (NodeState.WAITING, NodeState.READING) and n.version == version
                      for n in self._replica_nodes(req.model, req.replica_id))
         return newest - 1 if inside else newest
 
@@ -424,25 +424,25 @@ class ReferenceCore(CrossDatacenter, Retention):
         node.heard_at = now
         refused = self._conflicting_completion(node, hold)
         completes = refused is None and hold.published is not None
-        if completes and node.state is S.IDLE:
-            self._set_version(node, hold.published, S.PUBLISHED, node.units)
+        if completes and node.state is NodeState.IDLE:
+            self._set_version(node, hold.published, NodeState.PUBLISHED, node.units)
             self._maybe_commit(node)
-        elif completes and node.state in (S.WAITING, S.READING) and node.version == hold.published:
+        elif completes and node.state in (NodeState.WAITING, NodeState.READING) and node.version == hold.published:
             self._complete_read(node)  # an earlier announcement saw the read still in progress
         elif refused is not None:
             # Kept registered, holding nothing of this round (an earlier announcement's read of
             # that version ends here too).
-            if node.state in (S.WAITING, S.READING) and node.version == hold.published:
+            if node.state in (NodeState.WAITING, NodeState.READING) and node.version == hold.published:
                 self._stop_reading(node)
                 node.failure = m.Failed(code=code_of(refused), message=str(refused))
-        elif hold.reading_version >= 0 and node.state is S.IDLE:
+        elif hold.reading_version >= 0 and node.state is NodeState.IDLE:
             node.round_seq = hold.txn_seq
-            self._set_version(node, hold.reading_version, S.WAITING, max(0, min(hold.reading_units, node.units)))
+            self._set_version(node, hold.reading_version, NodeState.WAITING, max(0, min(hold.reading_units, node.units)))
             self._stamp += 1
             node.stamp = self._stamp
             self.index.mark(node)
             src = self.nodes.get(hold.reading_source)
-            if src is not None and src.version == hold.reading_version and src.state is not S.IDLE:
+            if src is not None and src.version == hold.reading_version and src.state is not NodeState.IDLE:
                 self._attach(node, src)
             elif hold.reading_source and hold.reading_source not in self.nodes:
                 # Its source has not announced yet: wait for it (it may bring the edge back). One
@@ -452,7 +452,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 self._pending_edges.setdefault(hold.reading_source, set()).add(node.id)
         for rid in sorted(self._pending_edges.pop(node.id, ())):
             reader = self.nodes.get(rid)
-            if reader is not None and reader.state is S.WAITING and reader.awaiting_source == node.id:
+            if reader is not None and reader.state is NodeState.WAITING and reader.awaiting_source == node.id:
                 reader.awaiting_source = None
                 self.index.mark(reader)
                 if reader.version == node.version:
@@ -537,24 +537,24 @@ class ReferenceCore(CrossDatacenter, Retention):
         node = self.nodes[req.client_id]
         if req.version < 0:
             raise InvalidState(f"version {req.version} is negative")
-        if node.state is S.PUBLISHED:
+        if node.state is NodeState.PUBLISHED:
             if node.version == req.version:
                 return m.Ok()
             raise InvalidState(f"{self._describe(node)}: unpublish() before publishing version {req.version}")
         mod = self.models[node.model]
         if req.version < mod.forgotten_below:
             raise VersionExpired(f"{node.model}: version {req.version} is older than the retained versions")
-        self._set_version(node, req.version, S.PUBLISHED, node.units)
+        self._set_version(node, req.version, NodeState.PUBLISHED, node.units)
         self._maybe_commit(node)
         return m.Ok()
 
     def _on_Unpublish(self, req: m.Unpublish, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
-        if node.state is S.IDLE:
+        if node.state is NodeState.IDLE:
             return m.UnpublishDone(version=-1)
-        if node.state is S.OFFLOADING:
+        if node.state is NodeState.OFFLOADING:
             return m.OffloadOrder(version=node.version)  # a retry: the order may have been lost
-        if node.state is S.DRAINING:
+        if node.state is NodeState.DRAINING:
             return m.Waiting(version=node.version)
         self._begin_unpublish(node)
         return m.Waiting(version=node.version)
@@ -569,7 +569,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         node = self.nodes.get(req.client_id)
         if node is None or node.host or req.seq <= 0 or req.seq <= node.round_seq:
             return False
-        return node.state in (S.WAITING, S.READING) or (node.state is S.DRAINING and node.pending_read is not None)
+        return node.state in (NodeState.WAITING, NodeState.READING) or (node.state is NodeState.DRAINING and node.pending_read is not None)
 
     def _replicate_retried(self, node: Node) -> Optional[m.Reply]:
         """A ``Replicate`` with the seq of the read this node is already doing is the same
@@ -577,20 +577,20 @@ class ReferenceCore(CrossDatacenter, Retention):
         anew after a reconnect, while the first one had arrived. It gets that read's outcome
         again instead of ``InvalidState``, which would leave the node reading for nobody (and
         its datacenter skipping to a seed that never lands). None: not such a retry."""
-        if node.state is S.READING:
+        if node.state is NodeState.READING:
             return self._assignment(node)
-        if node.state is S.WAITING:
+        if node.state is NodeState.WAITING:
             return m.Waiting(version=node.version)
         if node.pending_read is not None:
-            if node.state is S.OFFLOADING:
+            if node.state is NodeState.OFFLOADING:
                 return m.OffloadOrder(version=node.version)
-            if node.state is S.DRAINING:
+            if node.state is NodeState.DRAINING:
                 return m.Waiting(version=node.pending_read[0])
         return None
 
     def _on_Replicate(self, req: m.Replicate, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
-        if node.state is S.PUBLISHED and not req.update:
+        if node.state is NodeState.PUBLISHED and not req.update:
             raise InvalidState(f"{self._describe(node)}: unpublish() first, or use update()")
         node.in_flight = -1
         version = self._resolve_in_txn(node, req)
@@ -599,10 +599,10 @@ class ReferenceCore(CrossDatacenter, Retention):
                       node.state.name, node.version, req.spec, version,
                       f" (skipping {node.in_flight} in flight)" if node.in_flight >= 0 else "")
         node.round_seq = req.seq
-        if node.state is S.PUBLISHED and node.version == version:
+        if node.state is NodeState.PUBLISHED and node.version == version:
             return m.NoChange(version=version, in_flight=node.in_flight)
         resume = req.resume_units if req.resume_version == version else 0
-        if node.state is S.PUBLISHED:
+        if node.state is NodeState.PUBLISHED:
             node.pending_read = (version, resume)
             self._begin_unpublish(node)
         else:
@@ -614,7 +614,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         node.progress = max(0, min(req.units_done, node.units))
         self.index.mark(node)
         node.failed_gone = req.source_id not in self.nodes
-        if node.state is S.WAITING:
+        if node.state is NodeState.WAITING:
             if node.awaiting_source == req.source_id:
                 # Announced after a restart as reading from this source, which it has since found
                 # failed: do not restore that edge when the source announces; schedule anew.
@@ -642,7 +642,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
         ReplicateDone of it is answered with that failure)."""
         node = self.nodes.get(client_id)
-        return node is not None and node.state is S.IDLE and node.failure is not None
+        return node is not None and node.state is NodeState.IDLE and node.failure is not None
 
     def _on_Progress(self, req: m.Progress, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
@@ -671,7 +671,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         WAITING: its source may have died just as the last unit arrived."""
         # A holder first, then detach: the drain of the source may end here, and its
         # retention check must count this reader as a holder already.
-        self._set_version(node, node.version, S.PUBLISHED, node.units)
+        self._set_version(node, node.version, NodeState.PUBLISHED, node.units)
         self._detach_from_source(node)
         node.suspects.clear()
         node.awaiting_source = None
@@ -683,16 +683,16 @@ class ReferenceCore(CrossDatacenter, Retention):
         """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""
         x, y = self.nodes[req.client_id], self.nodes.get(req.stage_id)
         why = ""
-        if (req.endpoint and x.endpoint == req.endpoint and x.state is S.PUBLISHED and x.version == req.version
+        if (req.endpoint and x.endpoint == req.endpoint and x.state is NodeState.PUBLISHED and x.version == req.version
                 and y is not None and y.stage_for == x.id):
             return m.Ok()  # this swap again (its answer was lost): made already
-        if x.state is not S.IDLE:
+        if x.state is not NodeState.IDLE:
             raise InvalidState(f"Swap is not allowed while {self._describe(x)}")
         if y is None or y.host or y.stage_for != x.id:
             why = f"{req.stage_id} is not this handle's staging copy"
         elif x.num_shards > 1:
             why = "sharded replicas read in rounds: they copy"
-        elif y.state is not S.PUBLISHED or y.version != req.version:
+        elif y.state is not NodeState.PUBLISHED or y.version != req.version:
             why = f"the staging copy is {y.state.value} at version {y.version}, not complete at {req.version}"
         elif y.readers:
             why = f"the staging copy has {len(y.readers)} reader(s)"
@@ -705,8 +705,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         x.endpoint, y.endpoint = y.endpoint, x.endpoint
         if y.copy_asked >= 0:  # its retention copy would now come from nowhere: ask the handle
             y.copy_asked = -1
-        self._set_version(y, -1, S.IDLE, 0)
-        self._set_version(x, req.version, S.PUBLISHED, x.units)
+        self._set_version(y, -1, NodeState.IDLE, 0)
+        self._set_version(x, req.version, NodeState.PUBLISHED, x.units)
         self._maybe_commit(x)
         self._ask_host_copy(x)
         return m.Ok()
@@ -719,12 +719,12 @@ class ReferenceCore(CrossDatacenter, Retention):
         Refusing the abort instead would leave the server reading for nobody once the drain
         ends, and the source it reads from could never drain."""
         node = self.nodes[req.client_id]
-        if node.state is S.DRAINING:
+        if node.state is NodeState.DRAINING:
             if node.pending_read is None:
                 raise InvalidState(f"{self._describe(node)}: unpublishing, no read to abort")
             node.pending_read = None
             self._end_proof_wait(node)
-            node.state = S.PUBLISHED
+            node.state = NodeState.PUBLISHED
             self.index.mark(node)
             self._touched.add(node.key)
             return m.Ok()
@@ -794,7 +794,7 @@ class ReferenceCore(CrossDatacenter, Retention):
 
     # ------------------------------------------------------------------ versions
 
-    def _set_version(self, node: Node, version: int, state: S, progress: int) -> None:
+    def _set_version(self, node: Node, version: int, state: NodeState, progress: int) -> None:
         if node.version >= 0:
             group = self.groups.get(node.key)
             if group is not None:
@@ -939,7 +939,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         ``node``'s replica holds or receives it (or will, once its drain or offload ends)."""
         if version in self.available(node.model):
             return True
-        return any(n.shard != node.shard and ((n.version == version and n.state is not S.IDLE)
+        return any(n.shard != node.shard and ((n.version == version and n.state is not NodeState.IDLE)
                                               or (n.pending_read is not None and n.pending_read[0] == version))
                    for n in self._replica_nodes(node.model, node.replica_id))
 
@@ -949,7 +949,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._drain(node)
 
     def _drain(self, node: Node) -> None:
-        node.state = S.DRAINING
+        node.state = NodeState.DRAINING
         self.index.mark(node)
         self._touched.add(node.key)
         if not node.readers:
@@ -968,7 +968,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         if not node.host and self._needs_offload(node):
             if self._awaits_proof(node):
                 return  # stays DRAINING until the proof or proof_until (tick)
-            node.state = S.OFFLOADING
+            node.state = NodeState.OFFLOADING
             self.index.mark(node)
             log.info("model=%s version=%d shard=%d %s holds %s: offload first", node.model, node.version,
                      node.shard, node.id, f"the newest copy in {node.datacenter}" if node.stage_for
@@ -980,7 +980,7 @@ class ReferenceCore(CrossDatacenter, Retention):
 
     def _complete_unpublish(self, node: Node) -> None:
         version = node.version
-        self._set_version(node, -1, S.IDLE, 0)
+        self._set_version(node, -1, NodeState.IDLE, 0)
         if node.host:
             self._forget_node(node)
             if node.owner in self.nodes:
@@ -996,14 +996,14 @@ class ReferenceCore(CrossDatacenter, Retention):
     # ------------------------------------------------------------------ reading
 
     def _enqueue_read(self, node: Node, version: int, resume: int) -> None:
-        self._set_version(node, version, S.WAITING, max(0, min(resume, node.units)))
+        self._set_version(node, version, NodeState.WAITING, max(0, min(resume, node.units)))
         node.suspects.clear()
         self._stamp += 1
         node.stamp = self._stamp
         self.index.mark(node)
 
     def _wait(self, node: Node) -> None:
-        node.state = S.WAITING
+        node.state = NodeState.WAITING
         node.source = None
         self.index.mark(node)
         self._touched.add(node.key)
@@ -1015,7 +1015,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             src.readers.discard(node.id)
             self.index.mark(src)
             self._touched.add(src.key)
-            if src.state is S.DRAINING and not src.readers:
+            if src.state is NodeState.DRAINING and not src.readers:
                 self._finish_drain(src)
 
     def _stop_reading(self, node: Node) -> None:
@@ -1024,11 +1024,11 @@ class ReferenceCore(CrossDatacenter, Retention):
         for r in sorted(node.readers):
             self._orphan(r)
         node.readers.clear()
-        self._set_version(node, -1, S.IDLE, 0)
+        self._set_version(node, -1, NodeState.IDLE, 0)
 
     def _orphan(self, reader_id: str) -> None:
         reader = self.nodes.get(reader_id)
-        if reader is not None and reader.state is S.READING:
+        if reader is not None and reader.state is NodeState.READING:
             reader.source = None
             self._wait(reader)
 
@@ -1091,7 +1091,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         """Assign the waiting readers of one group, FIFO. Cost: the readers assigned plus those
         looked at while some source is still free (none once every source is busy)."""
         g = self.index.group(key)
-        if g is None or (not g.waiting and not g.counts[S.READING]):
+        if g is None or (not g.waiting and not g.counts[NodeState.READING]):
             return
         recovering = self._now < self._recovering_until
         if not recovering and not g.complete():
@@ -1099,7 +1099,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             # reader of this group can finish.
             lost = VersionLost(f"{key[0]} version {key[1]} shard {key[2]}: no holder is left")
             for n in sorted((self.nodes[i] for i in self.groups.get(key, ())), key=lambda n: n.stamp):
-                if n.state in (S.WAITING, S.READING):
+                if n.state in (NodeState.WAITING, NodeState.READING):
                     self._fail_read(n, lost)
             return
         blocked_dcs = self._seed_pending(key[0], key[1])
@@ -1164,7 +1164,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             log.debug("model=%s version=%d reader=%s (%s) reads from %s (%s, %s, %d units)", reader.model,
                       reader.version, reader.id, reader.datacenter, src.id, src.datacenter, src.state.name,
                       src.progress)
-        reader.state = S.READING
+        reader.state = NodeState.READING
         reader.source = src.id
         reader.assign_no += 1
         src.readers.add(reader.id)
@@ -1203,7 +1203,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         for r in sorted(node.readers):
             self._orphan(r)
         node.readers.clear()
-        self._set_version(node, -1, S.IDLE, 0)
+        self._set_version(node, -1, NodeState.IDLE, 0)
         self._forget_node(node)
         mod = self.models.get(node.model)
         if mod is not None and not node.host:

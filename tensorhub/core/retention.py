@@ -29,7 +29,7 @@ import logging
 from typing import Iterator
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, S
+from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, NodeState
 from tensorhub.errors import InvalidState
 
 log = logging.getLogger("tensorhub.core.reference")
@@ -70,7 +70,7 @@ class Retention:
             # A reader re-announced (after a restart) as still copying from this holder while it
             # offloaded: the holder may not write until that read ends, so it drains again (its
             # host copy, if kept, is published now: the drain ends without a second offload).
-            node.state = S.DRAINING
+            node.state = NodeState.DRAINING
             self.index.mark(node)
             self._touched.add(node.key)
             return m.Waiting(version=req.version)
@@ -114,7 +114,7 @@ class Retention:
         self._model_nodes[host.model] += 1
         self._model_hosts[host.model] += 1
         self._hosts_of.setdefault(owner.id, set()).add(hid)
-        self._set_version(host, version, S.PUBLISHED, host.units)
+        self._set_version(host, version, NodeState.PUBLISHED, host.units)
         self._maybe_commit(host)
         log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
 
@@ -156,7 +156,7 @@ class Retention:
         for i in range(self.models[model].num_shards):
             for nid in sorted(self.groups.get((model, version, i), ())):
                 host = self.nodes[nid]
-                if host.host and host.state is S.PUBLISHED:
+                if host.host and host.state is NodeState.PUBLISHED:
                     self._drain(host)
 
     def _needs_offload(self, node: Node) -> bool:
@@ -219,7 +219,7 @@ class Retention:
         """``client_id``'s process sent a request of its own: the drains that probed it look again."""
         for nid in sorted(self._probing.pop(client_id, ())):
             node = self.nodes.get(nid)
-            if node is not None and node.proof_until is not None and node.state is S.DRAINING and not node.readers:
+            if node is not None and node.proof_until is not None and node.state is NodeState.DRAINING and not node.readers:
                 self._finish_drain(node)
 
     def _last_copies(self, node: Node) -> list[int]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Protocol
 
-from tensorhub.core.state import S, VISIBLE_SOURCE, Node
+from tensorhub.core.state import NodeState, VISIBLE_SOURCE, Node
 
 
 class Pool(Protocol):
@@ -54,7 +54,7 @@ def eligible(reader: Node, cand: Node, downstream: set[str]) -> bool:
         return False
     if cand.state in VISIBLE_SOURCE:
         return True
-    return cand.state is S.READING and cand.progress >= reader.progress
+    return cand.state is NodeState.READING and cand.progress >= reader.progress
 
 
 def rank(cand: Node) -> tuple:
@@ -92,14 +92,14 @@ def choose_source(
     def first_free(dc: Optional[str], machine: str, complete: bool = False) -> Optional[Node]:  # rules 4, 6
         for c in pool.free(dc, machine):
             if (len(c.readers) < readers_per_source_max and usable(c) and (dc is None or c.datacenter == dc)
-                    and (not complete or c.state is S.PUBLISHED)):
+                    and (not complete or c.state is NodeState.PUBLISHED)):
                 return c
         return None
 
     own = [c for c in pool.staged_for(reader.id) if usable(c)]  # rule 2
     if own:
         best = min(own, key=rank)
-        if best.state is S.READING:
+        if best.state is NodeState.READING:
             # Still arriving (across datacenters, perhaps): a free complete holder in the
             # datacenter is faster than waiting behind it.
             return first_free(reader.datacenter, "", complete=True) or best
@@ -135,7 +135,7 @@ class ListPool:
     """A :class:`Pool` over a plain list (tests, small tables): every query scans it."""
 
     def __init__(self, candidates: Iterable[Node], readers_per_source_max: int) -> None:
-        self.nodes = [c for c in candidates if c.state is S.PUBLISHED or c.state is S.READING]
+        self.nodes = [c for c in candidates if c.state is NodeState.PUBLISHED or c.state is NodeState.READING]
         self.max = readers_per_source_max
 
     def everyone(self) -> Iterable[Node]:

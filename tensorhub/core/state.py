@@ -26,7 +26,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.messages import LayoutInfo
 
 
-class S(enum.Enum):
+class NodeState(enum.Enum):
     IDLE = "idle"
     PUBLISHED = "published"
     OFFLOADING = "offloading"
@@ -35,26 +35,26 @@ class S(enum.Enum):
     READING = "reading"
 
 
-COMPLETE = frozenset({S.PUBLISHED, S.OFFLOADING, S.DRAINING})
+COMPLETE = frozenset({NodeState.PUBLISHED, NodeState.OFFLOADING, NodeState.DRAINING})
 """States whose node holds every unit of its version."""
-SERVABLE = frozenset({S.PUBLISHED, S.OFFLOADING})
+SERVABLE = frozenset({NodeState.PUBLISHED, NodeState.OFFLOADING})
 """States whose node serves its version now or is about to publish a host copy of it."""
-VISIBLE_SOURCE = frozenset({S.PUBLISHED})
+VISIBLE_SOURCE = frozenset({NodeState.PUBLISHED})
 """Complete states a *new* reader may be assigned to."""
 
-LEGAL: dict[str, frozenset[S]] = {
-    "Publish": frozenset({S.IDLE, S.PUBLISHED}),
-    "Unpublish": frozenset({S.IDLE, S.PUBLISHED, S.OFFLOADING, S.DRAINING}),
-    "Replicate": frozenset({S.IDLE, S.PUBLISHED}),
-    "SourceFailed": frozenset({S.WAITING, S.READING}),
-    "Progress": frozenset({S.WAITING, S.READING}),
-    "ReplicateDone": frozenset({S.WAITING, S.READING}),
-    "ReplicateAbort": frozenset({S.WAITING, S.READING, S.DRAINING}),  # draining: an update's old version
-    "OffloadDone": frozenset({S.OFFLOADING}),
-    "HostCopy": frozenset(S),
-    "Heartbeat": frozenset(S),
-    "Leave": frozenset(S),
-    "Swap": frozenset({S.IDLE, S.PUBLISHED}),  # published: only the same swap again (_on_Swap)
+LEGAL: dict[str, frozenset[NodeState]] = {
+    "Publish": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),
+    "Unpublish": frozenset({NodeState.IDLE, NodeState.PUBLISHED, NodeState.OFFLOADING, NodeState.DRAINING}),
+    "Replicate": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),
+    "SourceFailed": frozenset({NodeState.WAITING, NodeState.READING}),
+    "Progress": frozenset({NodeState.WAITING, NodeState.READING}),
+    "ReplicateDone": frozenset({NodeState.WAITING, NodeState.READING}),
+    "ReplicateAbort": frozenset({NodeState.WAITING, NodeState.READING, NodeState.DRAINING}),  # draining: an update's old version
+    "OffloadDone": frozenset({NodeState.OFFLOADING}),
+    "HostCopy": frozenset(NodeState),
+    "Heartbeat": frozenset(NodeState),
+    "Leave": frozenset(NodeState),
+    "Swap": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),  # published: only the same swap again (_on_Swap)
 }
 
 
@@ -91,7 +91,7 @@ class Node:
     copy_asked: int = -1
     """The version this holder was asked to copy to host memory ahead (MakeHostCopy)."""
 
-    state: S = S.IDLE
+    state: NodeState = NodeState.IDLE
     version: int = -1
     progress: int = 0
     source: Optional[str] = None

@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import S
+from tensorhub.core.state import NodeState
 from tensorhub.sim.known import KNOWN_OPEN
 from tensorhub.sim.observer import CoreObserver
 
@@ -213,7 +213,7 @@ class Checker:
             if reader is None or not reader.alive or reader.reading is None or reader.reading.inflight.get(rd.unit) is not rd:
                 continue
             node = core.nodes.get(rd.reader) if core is not None else None
-            attached = node is not None and node.source == rd.source and node.state is S.READING
+            attached = node is not None and node.source == rd.source and node.state is NodeState.READING
             in_window = w.sim.now < self.restarted_at + w.config.lease_timeout_s and (
                 node is None or node.awaiting_source == rd.source or attached)
             if attached or in_window:
@@ -238,7 +238,7 @@ class Checker:
         # A host copy past retention still draining under a reader the server lists (alive, or
         # dead and not expired yet: the drain waits for its lease) is on its way out, not a leak.
         waiting = {n.id for n in core.nodes.values()
-                   if n.host and n.state is S.DRAINING and any(r in core.nodes for r in n.readers)}
+                   if n.host and n.state is NodeState.DRAINING and any(r in core.nodes for r in n.readers)}
         for c in w.clients_alive():
             for v in sorted(c.host_copies):
                 if v < past and f"{c.cid}#host{v}" not in waiting:
@@ -296,7 +296,7 @@ class Checker:
         core = self.world.server.core
         node = core.nodes.get(op.cid) if core is not None and op.kind == "replicate" and code != "ok" else None
         c = self.world.clients.get(op.cid)
-        if node is not None and node.state is S.PUBLISHED and c is not None and c.published is None:
+        if node is not None and node.state is NodeState.PUBLISHED and c is not None and c.published is None:
             # (q) the handle and the server must agree on what it publishes.
             self.split.add(op.cid)
             self.violate("split", f"{op.cid}'s replicate failed ({code}) while the server lists it as a published "

@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 
 from tensorhub.core import messages as m
-from tensorhub.core.state import COMPLETE, S
+from tensorhub.core.state import COMPLETE, NodeState
 from tensorhub.sim.known import KNOWN_OPEN
 
 PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "default_rounds", "checksums_off",
@@ -44,7 +44,7 @@ PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "de
 ERROR_PATHS = frozenset({"LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable"})
 
 _UNOBSERVED = (m.Heartbeat, m.Progress, m.Query)
-_RELEASING = (S.DRAINING, S.OFFLOADING)
+_RELEASING = (NodeState.DRAINING, NodeState.OFFLOADING)
 
 
 class CoreObserver:
@@ -168,7 +168,7 @@ class CoreObserver:
 
     def _check_fresh(self, core, req: m.Replicate, reply, pre: dict) -> None:
         state, version, seq, pending = pre["node"]
-        if req.seq > 0 and req.seq == seq and (state in (S.READING, S.WAITING) or pending is not None):
+        if req.seq > 0 and req.seq == seq and (state in (NodeState.READING, NodeState.WAITING) or pending is not None):
             self.path("reply_retry")  # the same request again: it keeps the read it has
             return
         if req.spec != "latest" or pre["in_txn"] or not pre["avail"]:
@@ -190,7 +190,7 @@ class CoreObserver:
             self.checker.violate("fresh", f"{req.client_id} asked 'latest' and got version {got} while {newest} "
                                           f"was available (available {pre['avail']})")
             return
-        own = version if state is S.PUBLISHED and version < skipped else -1
+        own = version if state is NodeState.PUBLISHED and version < skipped else -1
         local = max([v for v in pre["complete_here"] if v < skipped] + [own])
         if got < local or skipped <= got:
             self.checker.violate("skip", f"{req.client_id} asked 'latest' and skipped version {skipped} to {got}; "
@@ -272,7 +272,7 @@ def _complete_in(core, model: str, v: int, dc: str) -> bool:
     """Every shard of ``v`` has a visible (published) holder in datacenter ``dc``."""
     shards = core.models[model].num_shards
     here = {n.shard for n in core.nodes.values()
-            if n.model == model and n.version == v and n.datacenter == dc and n.state is S.PUBLISHED}
+            if n.model == model and n.version == v and n.datacenter == dc and n.state is NodeState.PUBLISHED}
     return len(here) == shards
 
 

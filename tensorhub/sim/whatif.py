@@ -14,7 +14,7 @@ from typing import Optional
 
 from tensorhub.config import Config
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.core.state import S
+from tensorhub.core.state import NodeState
 from tensorhub.sim.scenario import Params, World
 
 
@@ -24,7 +24,7 @@ class NoPartialSources(ReferenceCore):
 
     def _downstream(self, node):
         out = super()._downstream(node)
-        out.update(i for i in self.groups.get(node.key, ()) if self.nodes[i].state is S.READING)
+        out.update(i for i in self.groups.get(node.key, ()) if self.nodes[i].state is NodeState.READING)
         return out
 
 

@@ -56,7 +56,7 @@ from typing import Callable, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
-from tensorhub.core.state import S
+from tensorhub.core.state import NodeState
 from tensorhub.sim.client import SimClient
 from tensorhub.sim.scenario import Params, World
 from tensorhub.sim.seeding import SeedingClient
@@ -106,7 +106,7 @@ class StaticSources(ReferenceCore):
         allowed = self.plan.get(node.replica_id)
         for i in self.groups.get(node.key, ()):
             n = self.nodes[i]
-            if n.state is S.READING or (allowed is not None and n.replica_id not in allowed):
+            if n.state is NodeState.READING or (allowed is not None and n.replica_id not in allowed):
                 out.add(i)
         return out
 

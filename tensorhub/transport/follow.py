@@ -25,7 +25,7 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Advanced", "Follow", "Notes"]
+__all__ = ["Advanced", "Follow", "Inbox"]
 
 
 class Follow(msgspec.Struct, frozen=True, tag="F", array_like=True):
@@ -61,7 +61,7 @@ _PEERS_KEPT = 64
 """Holders whose untaken pushes are kept (those filed most recently)."""
 
 
-class Notes:
+class Inbox:
     """The NIXL notifications of one agent, sorted by kind. NIXL hands out every notification of
     the agent at once, and one process may follow a holder and be followed at the same time (the
     middle of a chain), so one dispatcher per agent takes them all and files them. Not

@@ -46,7 +46,7 @@ import torch
 from tensorhub.config import Config
 from tensorhub.errors import LayoutMismatch, SourceStalled, TransferError
 from tensorhub.layout import Layout, dtype_name
-from tensorhub.transport.follow import Notes
+from tensorhub.transport.follow import Inbox
 from tensorhub.transport import shm
 from tensorhub.transport.shm import ShmInfo
 
@@ -217,7 +217,7 @@ class Agent:
         self._lock = threading.Lock()
         self.xfer_lock = threading.RLock()
         """Held by :func:`pull` and control reads: NIXL agents are not thread-safe for transfers."""
-        self.notes = Notes(self.nixl)
+        self.inbox = Inbox(self.nixl)
         """Progress pushes to and from followers (:mod:`tensorhub.transport.follow`)."""
         logger.info("nixl agent %s up (backend %s)", self.name, config.backend)
 

@@ -205,7 +205,7 @@ class _Puller:
         self.known: Optional[KnownProgress] = None
         self.control_reads = 0
         self.control_read_at = time.monotonic()
-        self.notes = region.agent.notes
+        self.inbox = region.agent.inbox
         self.following = False
         """We asked the source to push its progress (it is partial)."""
         self.followers: dict[str, int] = {}
@@ -329,7 +329,7 @@ class _Puller:
         if self.known is not None or self.st.remote_progress >= self.n_units or self.source.name == self.region.agent.name:
             return
         agent = self.region.agent
-        self.following = self.notes.send(
+        self.following = self.inbox.send(
             self.source.name, Follow(agent.name, agent.metadata(), self.version, self.st.remote_progress))
 
     def _take_pushes(self) -> None:
@@ -338,8 +338,8 @@ class _Puller:
             return
         if not self.following:
             return
-        self.notes.poll()
-        for a in self.notes.take_advanced(self.source.name):
+        self.inbox.poll()
+        for a in self.inbox.take_advanced(self.source.name):
             if a.version == self.version:  # else another version; a gap or nothing new: ignored
                 self.st.source_extended(a.start, a.sums, time.monotonic())
 
@@ -355,8 +355,8 @@ class _Puller:
 
     def _serve_followers(self) -> None:
         """Readers that follow this region: add them (they asked for this version), tell them."""
-        self.notes.poll()
-        for f in self.notes.take_follows(self.version):
+        self.inbox.poll()
+        for f in self.inbox.take_follows(self.version):
             try:
                 self.region.agent.ensure_remote(f.reader, f.metadata)
             except TransferError:
@@ -373,7 +373,7 @@ class _Puller:
             if told >= prefix:
                 continue
             msg = Advanced(self.version, told, ctl[_HEADER + told:_HEADER + prefix].tolist())
-            if self.notes.send(name, msg):
+            if self.inbox.send(name, msg):
                 self.followers[name] = prefix
             else:
                 del self.followers[name]
