@@ -51,7 +51,8 @@ class HostCopies:
     background copy thread (``copying``). What it needs of its handle is passed in: who it is,
     its config and server port, what it holds now (``held``), how to take the server's notes
     (``take_notes``) and how to record a copy's endpoint in the handle's machine (``record``,
-    ``endpoint_of``: the machine's lock is theirs). It never takes a handle's lock itself."""
+    ``endpoint_of``: the machine's lock is theirs). It calls them holding none of its own locks,
+    and takes no lock of the handle's itself."""
 
     def __init__(self, *, model: str, shard: int, client_id: str, spot: bool, config, port,
                  held: Callable[[], Held], take_notes: Callable[[], None],
