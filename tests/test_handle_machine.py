@@ -141,6 +141,23 @@ def test_a_read_the_server_failed_is_not_announced_complete_to_its_successor(los
     assert isinstance(cmds[-1].request, m.Announce) and cmds[-1].request.holding.published == 1
 
 
+def test_a_finished_read_the_server_failed_retries_a_relative_update():
+    """Chaos rounds 27 and 30 (seed 0, kill_trainer_after_publish): a reader of the trainer's
+    memory through the same-host tier finished every byte after the trainer died (the mapping
+    stays readable); its ReplicateDone was answered VersionLost, and update("latest") raised it
+    without the one retry a failed pull gets, though version 26 was still held. It retries now."""
+    mc = _machine()
+    _reading(mc)
+    assert isinstance(mc.handle(hm.Pulled(4), 0.0)[-1].request, m.ReplicateDone)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="no holder is left")), 0.0)
+    # The same round; the region still holds the finished version, offered for a resume
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4),
+                            wait=True)], cmds
+    # Once only: a second loss in the same call ends it.
+    cmds = mc.handle(hm.Replied(m.Failed(code="VersionLost", message="gone again")), 0.0)
+    assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
+
+
 def test_retry_after_version_lost_stays_in_the_round_and_a_new_call_starts_the_next():
     mc = _machine()
     mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)

@@ -687,6 +687,12 @@ class HandleMachine:
                         action="replicated", version=version, sources=tuple(self._sources),
                         failovers=self._failovers, start_units=self._start_units, first=self._first,
                         in_flight=self._first.in_flight if self._first is not None else -1))])
+                if _is_error(reply) and self._may_retry_lost(reply):
+                    # Every byte landed, but the server had failed the read (its source died;
+                    # a mapping of a dead holder's memory stays readable): the relative update
+                    # retries once in its round, as after a failed pull.
+                    self._read_open = False
+                    return self._retry_lost(now)
             case m.Leave():
                 if isinstance(reply, m.ErrorReply) and reply.code == "LastCopyHeld":
                     return self._fail_reply(reply)  # stays open: it serves the last copy
