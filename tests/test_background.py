@@ -22,13 +22,14 @@ def test_every_background_event_has_one_owner():
 
 
 _WANT = dict(between_calls=True, phase=Phase.PUBLISHED, published=4, spot=False, host_copy_ahead=True,
-             versions_retained=2, pooled=True)
+             versions_retained=2, host_copies_pooled=1)
 
 
 def test_host_copy_wanted_only_between_calls_for_the_version_it_publishes():
     assert bg.host_copy_wanted(4, **_WANT)
     for change in (dict(between_calls=False), dict(phase=Phase.IDLE), dict(published=5), dict(spot=True),
-                   dict(host_copy_ahead=False), dict(versions_retained=1), dict(pooled=False)):
+                   dict(host_copy_ahead=False), dict(versions_retained=1),
+                   dict(host_copies_pooled=0)):
         assert not bg.host_copy_wanted(4, **{**_WANT, **change}), change
 
 
@@ -58,15 +59,31 @@ def test_seed_round_is_the_version_plus_one_whatever_was_skipped():
                                            seeding=-1, stage_version=3, stage_seq=5)) is None
 
 
+def _answer(**kw):
+    return bg.after_pulse(may_announce=True, **kw)
+
+
 def test_after_pulse_reoffers_when_known_and_announces_when_not():
-    known = bg.after_pulse(known=True, acked_before=3, acked=7, reading=True, idle=True, unoffered=True)
+    known = _answer(known=True, acked_before=3, acked=7, reading=True, idle=True, unoffered=True)
     assert (known.acked, known.reoffer, known.announce) == (7, True, False)
-    assert bg.after_pulse(known=True, acked_before=9, acked=7, reading=False, idle=True, unoffered=False).acked == 9
-    reader = bg.after_pulse(known=False, acked_before=0, acked=0, reading=True, idle=False, unoffered=True)
+    assert _answer(known=True, acked_before=9, acked=7, reading=False, idle=True, unoffered=False).acked == 9
+    reader = _answer(known=False, acked_before=0, acked=0, reading=True, idle=False, unoffered=True)
     assert (reader.reoffer, reader.announce) == (False, True)
-    busy = bg.after_pulse(known=False, acked_before=0, acked=0, reading=False, idle=False, unoffered=False)
+    busy = _answer(known=False, acked_before=0, acked=0, reading=False, idle=False, unoffered=False)
     assert not busy.announce  # the call in flight announces itself
-    assert bg.after_pulse(known=False, acked_before=0, acked=0, reading=False, idle=True, unoffered=False).announce
+    assert _answer(known=False, acked_before=0, acked=0, reading=False, idle=True, unoffered=False).announce
+
+
+def test_after_pulse_on_the_progress_stream_neither_announces_nor_reoffers_an_unknown_handle():
+    """The progress stream leaves announcing to the liveness stream (one announcement per
+    restart), and offering host copies to a server that does not know the handle is useless."""
+    for reading, idle in ((True, False), (False, True)):
+        quiet = bg.after_pulse(may_announce=False, known=False, acked_before=2, acked=5, reading=reading,
+                               idle=idle, unoffered=True)
+        assert (quiet.acked, quiet.reoffer, quiet.announce) == (5, False, False)
+    known = bg.after_pulse(may_announce=False, known=True, acked_before=0, acked=0, reading=True, idle=False,
+                           unoffered=True)
+    assert known.reoffer and not known.announce
 
 
 def _calls(path: pathlib.Path) -> set[str]:

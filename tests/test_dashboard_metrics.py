@@ -6,7 +6,6 @@ against what the demo did. The shipped Grafana dashboard queries exactly these s
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys

@@ -59,17 +59,19 @@ def seed_round(version: int) -> int:
 
 
 def host_copy_wanted(version: int, *, between_calls: bool, phase: Phase, published: Optional[int],
-                     spot: bool, host_copy_ahead: bool, versions_retained: int, pooled: bool) -> bool:
+                     spot: bool, host_copy_ahead: bool, versions_retained: int,
+                     host_copies_pooled: int) -> bool:
     """Whether a holder asked ``MakeHostCopy(version)`` starts its background host copy.
 
     Only between calls (a call in progress may change the tensors), only while it still
     publishes that version, never on a spot holder, only with ``host_copy_ahead`` and room for
     a retained version (``versions_retained`` >= 2) and a buffer pool (``host_copies_pooled``
-    > 0: the copy goes to a touched, registered buffer). Otherwise the request is dropped and
+    > 0: the copy goes to a touched, registered buffer; the handle keeps one exactly then, see
+    :meth:`tensorhub.handle.host_copies.HostCopies.start_pool`). Otherwise the request is dropped and
     the last holder offloads at unpublish instead. The driver still skips a copy it is already
     making or already has."""
     return (between_calls and phase is Phase.PUBLISHED and published == version and not spot
-            and host_copy_ahead and versions_retained >= 2 and pooled)
+            and host_copy_ahead and versions_retained >= 2 and host_copies_pooled > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,18 +125,22 @@ class PulseAnswer:
     """Announce the handle again (the server does not know it)."""
 
 
-def after_pulse(*, known: bool, acked_before: int, acked: int, reading: bool, idle: bool,
+def after_pulse(*, known: bool, may_announce: bool, acked_before: int, acked: int, reading: bool, idle: bool,
                 unoffered: bool) -> PulseAnswer:
     """The rule for a handle after a pulse answered (its notes already applied).
 
-    ``known``: the server knows the handle. ``reading``: a read is in flight (a reader
-    announces its edge at once: the holder's drain waits for it). ``idle``: no user call is in
-    flight and the handle is registered (IDLE or PUBLISHED); a handle with a call in flight is
-    announced by that call. ``unoffered``: host copies whose offer got no answer are waiting."""
+    ``known``: the server knows the handle. ``may_announce``: this reply may announce it again
+    (the liveness stream's; the progress stream leaves that to the liveness stream, one
+    announcement per restart, and does nothing for a handle the server does not know).
+    ``reading``: a read is in flight (a reader announces its edge at once: the holder's drain
+    waits for it). ``idle``: no user call is in flight and the handle is registered (IDLE or
+    PUBLISHED); a handle with a call in flight is announced by that call. ``unoffered``: host
+    copies whose offer got no answer are waiting (offered again only to a server that knows the
+    handle)."""
     acked = max(acked_before, acked)
     if known:
         return PulseAnswer(acked, reoffer=unoffered, announce=False)
-    return PulseAnswer(acked, reoffer=False, announce=reading or idle)
+    return PulseAnswer(acked, reoffer=False, announce=may_announce and (reading or idle))
 
 
 def registered_phase(phase: Phase) -> bool:

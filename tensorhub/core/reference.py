@@ -375,7 +375,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 # announcements: a fresh process waits for them to count on with its siblings.
                 raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
                                        f"are still re-announcing; retry")
-        node = self._add_node(req, now)
+        self._add_node(req, now)
         mod = self.models[req.model]
         if not req.stage_for and mod.committed:
             asked = mod.seed_asked.get(req.datacenter)

@@ -1111,7 +1111,7 @@ class Hub:
             return None
         return m.Beat(self.client_id, region.progress if reading else -1, acked=self._notes_acked)
 
-    def _after_beat(self, known: bool, notes: list, acked: int = -1) -> None:
+    def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
         """The pulse's answer for this handle: announce again if the server does not know it,
         then apply the background events it brought (numbered up to ``acked``: the next beat
         acknowledges them; one that comes again, its reply having been lost, is done already)."""
@@ -1124,9 +1124,10 @@ class Hub:
             with self._mlock:
                 reading = self._machine.reading
             # No call in flight (that call re-announces itself): the user lock is free.
-            free = not known and not reading and self._lock.acquire(blocking=False)
+            free = not known and may_announce and not reading and self._lock.acquire(blocking=False)
             try:
-                answer = bg.after_pulse(known=known, acked_before=self._notes_acked, acked=acked, reading=reading,
+                answer = bg.after_pulse(known=known, may_announce=may_announce, acked_before=self._notes_acked,
+                                        acked=acked, reading=reading,
                                         idle=free and bg.registered_phase(self._machine.phase),
                                         unoffered=bool(self.host_copies.unoffered))
                 self._notes_acked = answer.acked
@@ -1172,7 +1173,7 @@ class Hub:
                                    published=self._machine.published, spot=self.spot,
                                    host_copy_ahead=self.config.host_copy_ahead,
                                    versions_retained=self.config.versions_retained,
-                                   pooled=self.host_copies.pool_thread is not None):
+                                   host_copies_pooled=self.config.host_copies_pooled):
                 self.host_copies.start_copy(version)
         finally:
             if between_calls and not in_call:

@@ -49,8 +49,9 @@ class Member(Protocol):
     def _beat(self) -> Optional[m.Beat]:
         """This interval's heartbeat (None: nothing to say yet, e.g. not registered)."""
 
-    def _after_beat(self, known: bool, notes: list, acked: int = -1) -> None:
-        """The server's answer for this handle: known or not, and its background events."""
+    def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
+        """The server's answer for this handle: known or not, its background events, and
+        whether this reply may announce it again (the liveness stream's may)."""
 
     def _beat_interval(self) -> float:
         """The heartbeat interval this handle was configured with."""
@@ -174,10 +175,11 @@ class Pulse:
         if isinstance(reply, m.ErrorReply):  # a server that predates pulses, or a bug: say so
             log.warning("pulse refused: %s %s", reply.code, reply.message)
             return
-        unknown = set(reply.unknown) if announce else set()
+        unknown = set(reply.unknown)
         for cid, x in by_id.items():
             try:
-                x._after_beat(cid not in unknown, list(reply.notes.get(cid, ())), reply.acks.get(cid, -1))
+                x._after_beat(cid not in unknown, list(reply.notes.get(cid, ())), reply.acks.get(cid, -1),
+                              may_announce=announce)
             except Exception:  # noqa: BLE001 - one member's trouble is not the others'
                 log.warning("handle %s: handling its pulse failed", cid, exc_info=True)
 

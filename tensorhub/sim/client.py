@@ -20,12 +20,12 @@ the checkers time them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.sim.transport import TORN, SimTransport
+from tensorhub.sim.transport import SimTransport
 
 DIRTY = ("dirty",)
 FREED = ("freed",)
@@ -163,7 +163,7 @@ class SimClient:
 
     @property
     def registered(self) -> bool:
-        return self.machine.phase in (hm.Phase.IDLE, hm.Phase.PUBLISHED)
+        return bg.registered_phase(self.machine.phase)
 
     def registration(self) -> m.Register:
         w = self.world
@@ -507,11 +507,11 @@ class SimClient:
             # handle, as if the server did not know them (it may have restarted).
             reply = m.PulseReply(unknown=(self.cid,))
         self._notes(list(reply.notes.get(self.cid, ())))  # the rule's order: notes first
-        answer = bg.after_pulse(known=self.cid not in reply.unknown or not announce, acked_before=self.notes_acked,
-                                acked=reply.acks.get(self.cid, -1), reading=self.machine.reading,
-                                idle=self.op is None and self.registered, unoffered=bool(self.unoffered))
+        answer = bg.after_pulse(known=self.cid not in reply.unknown, may_announce=announce,
+                                acked_before=self.notes_acked, acked=reply.acks.get(self.cid, -1),
+                                reading=self.machine.reading, idle=self.op is None and self.registered, unoffered=bool(self.unoffered))
         self.notes_acked = answer.acked
-        if answer.reoffer and self.cid not in reply.unknown:
+        if answer.reoffer:
             pending, self.unoffered = sorted(self.unoffered), set()
             for v in pending:
                 endpoint = self.machine.host_copies.get(v)
@@ -531,7 +531,7 @@ class SimClient:
                 c = self.world.config
                 if bg.host_copy_wanted(note.version, between_calls=self.op is None, phase=self.machine.phase,
                                        published=self.published, spot=self.spot, host_copy_ahead=c.host_copy_ahead,
-                                       versions_retained=c.versions_retained, pooled=c.host_copies_pooled > 0):
+                                       versions_retained=c.versions_retained, host_copies_pooled=c.host_copies_pooled):
                     self._start_host_copy(note.version)
                 continue
             if isinstance(note, m.Evicted):

@@ -15,7 +15,8 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.sim import faults as faults_mod
 from tensorhub.sim.checkers import Checker
-from tensorhub.sim.client import FREED, TORN, SimClient
+from tensorhub.sim.client import FREED, SimClient
+from tensorhub.sim.transport import TORN
 from tensorhub.sim.loop import Sim
 from tensorhub.sim.network import Network
 from tensorhub.core.reference import ReferenceCore

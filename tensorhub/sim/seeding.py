@@ -29,7 +29,7 @@ import msgspec
 from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.sim.client import DIRTY_VERSION, Op, SimClient
+from tensorhub.sim.client import DIRTY_VERSION, SimClient
 
 
 class StagingClient(SimClient):

@@ -51,10 +51,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 from tensorhub.config import Config
-from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import NodeState
 from tensorhub.sim.client import SimClient

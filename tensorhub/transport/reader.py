@@ -13,7 +13,7 @@ control block; then advance our progress counter. The source's control block is 
 only when the reader runs out of units it knows to be final.
 
 Every wait of the loop (a read in flight, a checksum being computed, a source with nothing new)
-ends in :class:`SourceStalled` once nothing has moved for ``source_stall_timeout_s``. A read is
+ends in :class:`~tensorhub.errors.SourceStalled` once nothing has moved for ``source_stall_timeout_s``. A read is
 released only once NIXL reports it terminal; one that is not, when the pull ends, stays with the
 region (see :func:`pull` and :mod:`tensorhub.transport.nixl`).
 """
@@ -33,7 +33,6 @@ from tensorhub.errors import (
     InvalidState,
     LayoutMismatch,
     ReadsNotTerminal,
-    SourceStalled,
     TransferError,
 )
 from tensorhub.layout import Layout, checksum_unit
@@ -126,7 +125,7 @@ def pull(region: Region, source: Source, layout: Layout, *, expect_version: int,
       and return early; the region's progress is the completed prefix.
 
     Raises :class:`TransferError` (NIXL error, remote gone, or the source's version is not
-    ``expect_version``: the source moved on), :class:`SourceStalled` (nothing moved for
+    ``expect_version``: the source moved on), :class:`~tensorhub.errors.SourceStalled` (nothing moved for
     ``config.source_stall_timeout_s`` while units were still needed: no read completed, no
     checksum finished, the source's progress did not grow), :class:`ChecksumMismatch` naming the
     unit (only when ``config.checksums``), or :class:`LayoutMismatch`. On every error
@@ -301,7 +300,7 @@ class _Puller:
         return self.bytes_read
 
     def _raise_if_stalled(self) -> None:
-        """Raise :class:`SourceStalled` if nothing moved for ``source_stall_timeout_s``."""
+        """Raise :class:`~tensorhub.errors.SourceStalled` if nothing moved for ``source_stall_timeout_s``."""
         self.st.check_stalled(time.monotonic(), inflight=list(self.inflight), verifying=list(self.verifying))
 
     def _refresh_control(self) -> None:
