@@ -388,7 +388,7 @@ def test_the_progress_stream_loses_no_event_with_its_reply():
         def _beat(self):
             return m.Beat("r", 2, acked=self.acked)
 
-        def _after_beat(self, known, notes, acked=-1):
+        def _after_beat(self, known, notes, acked=-1, may_announce=True):
             self.taken += notes
             self.acked = max(self.acked, acked)
 
