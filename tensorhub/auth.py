@@ -176,7 +176,12 @@ class Gate:
             case m.Register() | m.Announce():
                 reg = req if isinstance(req, m.Register) else req.register
                 node = core.nodes.get(reg.client_id)
-                if node is not None and not node.host and not isinstance(reply, m.ErrorReply):
+                if node is not None and not node.host:
+                    # Bound whatever the reply: a registration the table answered with an error
+                    # may still have put the node in (an Announce whose unconfirmed completion
+                    # is refused stays as an idle node); unbound, every later request of the
+                    # client would be refused until its lease ran out. admit() already checked
+                    # that an id bound before comes with the same capability.
                     self._bind(core, reg.client_id, caps[reg.client_id])
                     owner = core.nodes.get(reg.stage_for) if reg.stage_for else None
                     if reg.stage_for and (owner is None or owner.host):

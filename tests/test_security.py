@@ -349,3 +349,25 @@ def test_a_second_job_is_refused_and_the_model_goes_on(ray_cluster, model_name, 
         from tensorhub.server.find import find_server
 
         ray.kill(find_server(cfg, model_name))
+
+
+def test_a_registration_answered_with_an_error_that_keeps_the_node_binds_its_capability():
+    """Found by the simulator (seed 94, ``source_dies_at_done`` with a restart): after a server
+    restart an Announce was answered ``VersionLost`` (its unconfirmed completion refused) while
+    the table kept the client as an idle node; the gate bound no capability for it, so every
+    later request of that client was refused ``Unauthorized`` until its lease expired. Whatever
+    the reply, a node the registration left in the table is bound to the capability it carried;
+    another caller is still refused."""
+    from tensorhub.core.reference import ReferenceCore
+
+    core, gate = ReferenceCore(CFG), auth.Gate()
+    owner, other = auth.Keyring(), auth.Keyring()
+    announce = owner.sign(m.Announce(register=_reg("r0", "r0"), holding=m.Holding()))
+    req, refused = gate.admit(core, announce)
+    assert refused is None
+    core.handle(req, 0.0)  # the table takes the node ...
+    assert "r0" in core.nodes
+    gate.answered(core, announce, m.ErrorReply(code="VersionLost", message="refused completion"))  # ... and says no
+    assert gate.admit(core, owner.sign(m.ReplicateAbort(client_id="r0")))[1] is None
+    _, refused = gate.admit(core, other.sign(m.ReplicateAbort(client_id="r0")))
+    assert refused is not None and refused.code == "Unauthorized"
