@@ -158,6 +158,32 @@ def test_a_finished_read_the_server_failed_retries_a_relative_update():
     assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
 
 
+def test_a_completion_refused_by_a_restarted_server_retries_a_relative_update_in_its_round():
+    """Simulator seed 94 (sharded, with the source_dies_at_done fault and the lost checker): a
+    shard's ReplicateDone of version 2 met a server restart; the fresh server, told of it as an
+    unconfirmed completion, refused it with VersionLost (a sibling shard had completed version 1
+    in that round) and kept the shard idle. update("latest") raised it: the replica was left
+    with one shard on version 1 and this one on nothing. It retries once in the same round now
+    (the server then gives it the round's version)."""
+    mc = _machine()
+    _reading(mc)
+    assert isinstance(mc.handle(hm.Pulled(4), 0.0)[-1].request, m.ReplicateDone)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
+    assert isinstance(cmds[-1].request, m.Announce) and not cmds[-1].request.holding.confirmed
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="round 1 completed version 0")), 0.0)
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4),
+                            wait=True)], cmds
+    # An absolute spec has no retry: that version is what the user asked for.
+    mc = _machine()
+    mc.handle(hm.Start(hm.ReplicateOp(1, True)), 0.0)
+    mc.handle(hm.Replied(m.Assignment(version=1, source_id="t", source_endpoint=b"t", source_partial=False,
+                                      start_unit=0, assign_no=1)), 0.0)
+    mc.handle(hm.Pulled(4), 0.0)
+    mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="refused")), 0.0)
+    assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
+
+
 def test_retry_after_version_lost_stays_in_the_round_and_a_new_call_starts_the_next():
     mc = _machine()
     mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
@@ -383,9 +409,9 @@ def _plant_no_recheck(monkeypatch):
 
 @pytest.mark.sim
 @pytest.mark.parametrize("plant, seeds, kind", [
-    (_plant_no_recheck, (734, 998), {"torn"}),  # the user's writes end up in a "finished" replica
-    (_plant_no_abort, (10, 41, 66), {"mutate", "hang"}),  # a phantom reader: a drain that never ends
-    (_plant_fresh_round, (36, 185), {"txn"}),  # re-found when the simulator gained fault kinds and variants
+    (_plant_no_recheck, (28, 138), {"torn"}),  # the user's writes end up in a "finished" replica
+    (_plant_no_abort, (10, 190), {"mutate", "hang"}),  # a phantom reader: a drain that never ends
+    (_plant_fresh_round, (12, 28), {"txn"}),  # seeds re-found when the simulator gained the source_dies_at_done fault
 ])
 def test_the_simulator_catches_bugs_planted_in_the_shipped_machine(monkeypatch, plant, seeds, kind):
     """The simulator drives HandleMachine itself: a bug planted there shows as a violation (these
@@ -642,9 +668,10 @@ def test_a_staging_copy_waits_one_lease_for_its_siblings():
 
 def test_a_refused_or_demoted_unconfirmed_completion_leaves_the_handle_idle():
     """Simulator seed 1496 (sharded): a ReplicateDone that met a restart is announced unconfirmed;
-    the fresh server refuses it when a sibling completed the round at another version (the
-    update fails VersionLost, nothing advertised; the next round retries), or demotes it later
-    (``Demoted``: the handle drops its published version and hides the region, once)."""
+    the fresh server refuses it when a sibling completed the round at another version (a
+    relative update retries once in the round, seed 94; if that fails too the update fails
+    VersionLost, nothing advertised), or demotes it later (``Demoted``: the handle drops its
+    published version and hides the region, once)."""
     mc = _machine()
     _reading(mc)
     mc.handle(hm.Pulled(4), 0.0)
@@ -652,7 +679,9 @@ def test_a_refused_or_demoted_unconfirmed_completion_leaves_the_handle_idle():
     (cmd,) = mc.handle(hm.TimerFired(), 0.0)
     assert isinstance(cmd.request, m.Announce) and cmd.request.holding.confirmed is False
     cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="unconfirmed completion refused")), 0.0)
-    assert cmds[-1] == hm.Fail("VersionLost", "unconfirmed completion refused")
+    assert isinstance(cmds[-1].request, m.Replicate) and cmds[-1].request.seq == 1, cmds
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="refused again")), 0.0)
+    assert cmds[-1] == hm.Fail("VersionLost", "refused again")
     assert hm.SetRegion(-1, 0) in cmds and mc.published is None and mc.op is None
     mc = _machine()
     _reading(mc)

@@ -156,6 +156,18 @@ def swap_ignores_stage_readers(mp):
     mp.setattr(ReferenceCore, "_on_Swap", bad)
 
 
+def lost_completion_not_retried(mp):
+    """A finished read that the server had failed ends the relative update (the chaos bug of
+    the tenth session: its ReplicateDone answered VersionLost, with no retry)."""
+    orig = hm.HandleMachine._replied_to
+
+    def bad(self, req, reply, now):
+        if isinstance(req, m.ReplicateDone):
+            self._retried_lost = True  # as if the one retry were spent
+        return orig(self, req, reply, now)
+    mp.setattr(hm.HandleMachine, "_replied_to", bad)
+
+
 # ---------------------------------------------------------------------------- pinned seeds
 
 # (bug, checker kind, [(seed, workload)]): seeds found by the sweep below with this code.
@@ -168,10 +180,11 @@ CASES = [
     (dead_holder_counts_as_live, "last_copy", [(14, "standalone")]),
     (skip_to_oldest, "skip", [(1, "crossdc")]),  # was 5: seeds as rounds version + 1 moved its trajectory
     (partial_region_not_hidden, "control", [(1, None)]),
-    (failed_note_ignored, "txn", [(786, "sharded")]),  # reached by the restart_after_failed_read fault
+    (failed_note_ignored, "txn", [(347, "sharded")]),  # was 786: the source_dies_at_done fault moved its trajectory
     (no_round_check_at_done, "txn", [(130, "sharded")]),  # reached by the restart_after_round_moved fault
     (swap_ignores_stage_readers, "mutate", [(45, "standalone")]),
     (unconfirmed_not_held_back, "txn", [(8622, None), (8753, None)]),  # 2 in 10,000: not in the sweep
+    (lost_completion_not_retried, "lost", [(5, None)]),  # reached by the source_dies_at_done fault
 ]
 
 
@@ -200,6 +213,7 @@ def test_planted_bug_is_caught_on_its_seeds(monkeypatch, plant, kind, seeds):
     (partial_region_not_hidden, "control", None),
     (failed_note_ignored, "txn", "sharded"),
     (swap_ignores_stage_readers, "mutate", "standalone"),
+    (lost_completion_not_retried, "lost", None),
 ])
 def test_planted_bug_is_found_within_1000_seeds(monkeypatch, plant, kind, workload):
     """The long sweep: the first seed (of 1,000) on which each planted bug is caught."""

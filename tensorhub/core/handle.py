@@ -582,6 +582,12 @@ class HandleMachine:
                     self._done_by = max(self._done_by, now + self.request_timeout_s)
                 self.step = Step.ANNOUNCE_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]
+        if isinstance(reply, m.ErrorReply) and isinstance(req, m.ReplicateDone) and self._may_retry_lost(reply):
+            # A completion that met a restart is refused by the fresh server (a sibling shard's
+            # round moved on to another version, or the version is gone): the table keeps us
+            # idle, and the relative update retries once in its round, as after a failed pull.
+            self._read_open = False
+            return self._retry_lost(now)
         if isinstance(reply, m.ErrorReply):
             return self._fail(reply.code, reply.message)
         if isinstance(req, m.ReplicateDone):

@@ -43,6 +43,10 @@ would), every physical memory write of a client, every finished operation, and t
 (r) ``ghost``      an unpublish that skips the offload of a retained version leaves a copy on a
                    live process: not only copies on processes that crashed and had sent nothing
                    of their own for ``2.5 * heartbeat_interval_s`` (:class:`GhostCopyChecker`).
+(s) ``lost``       an ``update()`` of a relative spec ends ``VersionLost`` only after it asked
+                   again (the one retry a lost version gets) or when the server has no version
+                   available: a read that failed (even one whose every byte landed, its source
+                   dead) must not fail the update while an older retained version is held.
 (j)-(n)            need the core's table before and after a step: :mod:`tensorhub.sim.observer`.
 """
 
@@ -84,6 +88,8 @@ class Checker:
         self.unoffered: set[tuple[str, int]] = set()
         """(client, version): host copies whose HostCopy offer got no reply (see ``retention_msg_loss``)."""
         """Clients whose failed call left the server listing them as published holders (q)."""
+        self.asks: dict[str, int] = {}
+        """Replicate requests the server applied for each client's open operation (s)."""
         self.last_code: dict[str, tuple[str, str]] = {}
         """How each client's last operation ended."""
 
@@ -106,6 +112,8 @@ class Checker:
 
     def on_server(self, cid, req, reply, effects, epoch: int) -> None:
         self.ghosts.on_server(cid, req, reply, effects)
+        if isinstance(req, m.Replicate):
+            self.asks[cid] = self.asks.get(cid, 0) + 1
         if isinstance(req, (m.Publish, m.ReplicateDone, m.Announce)) and isinstance(reply, m.Ok):
             # Every commit, as it happens (a status sample could miss one lost soon after).
             mod = self.world.server.core.models.get(self.world.params.model)
@@ -287,6 +295,7 @@ class Checker:
 
     def op_start(self, op) -> None:
         self.open_ops[id(op)] = op
+        self.asks[op.cid] = 0
 
     def op_end(self, op, code: str) -> None:
         self.open_ops.pop(id(op), None)
@@ -301,6 +310,12 @@ class Checker:
             self.split.add(op.cid)
             self.violate("split", f"{op.cid}'s replicate failed ({code}) while the server lists it as a published "
                                   f"holder of version {node.version}")
+        if code == "VersionLost" and op.relative_update and self.asks.get(op.cid, 0) < 2:
+            st = self.world.server.status(self.world.params.model) if self.world.server.up else None
+            avail = list(st.models[0].available) if st is not None and st.models else []
+            if avail:
+                self.violate("lost", f"{op.cid}'s update ended VersionLost without asking again, "
+                                     f"while versions {avail} are available")
         if code == "ok":
             self.completed += 1
         else:

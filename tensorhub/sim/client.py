@@ -40,10 +40,12 @@ def version_tags(version: int, shard: int, units: int) -> list:
 
 
 class Op:
-    __slots__ = ("kind", "cid", "start", "cb")
+    __slots__ = ("kind", "cid", "start", "cb", "relative_update")
 
     def __init__(self, kind: str, cid: str, start: float, cb: Optional[Callback]) -> None:
         self.kind, self.cid, self.start, self.cb = kind, cid, start, cb
+        self.relative_update = False
+        """An ``update()`` of a relative spec ("latest", "latest-k"): one lost version retries."""
 
 
 class SimProcess:
@@ -194,7 +196,9 @@ class SimClient:
         self._begin("unpublish", cb, hm.UnpublishOp())
 
     def replicate(self, spec, update: bool, cb: Callback, round: Optional[int] = None) -> None:
-        self._begin("replicate", cb, hm.ReplicateOp(spec, update, round))
+        self._open_op("replicate", cb)
+        self.op.relative_update = update and not isinstance(spec, int)
+        self._feed(hm.Start(hm.ReplicateOp(spec, update, round)))
 
     def leave(self, cb: Callback) -> None:
         self._begin("leave", cb, hm.CloseOp())

@@ -46,12 +46,21 @@ parameters; every injection is traced and counted.
                        the round's new version from one shard and the old one from the other,
                        whose read goes on and may finish there (typically after a trainer shard
                        died mid-read, its replica removed, its surviving shards re-announced).
+- ``source_dies_at_done`` armed from the start of a third of the faulty runs (its own random
+                       stream, as above; fires at most once): as a reader's ``ReplicateDone`` of
+                       an ``update()`` of a relative spec reaches the server, the trainer process
+                       it read from dies and is reported gone just before the server applies it.
+                       Every byte had landed (on one host the dead holder's mapping stays
+                       readable to the end), but the server failed the read: if that was the
+                       version's only holder, ``ReplicateDone`` is answered ``VersionLost`` and
+                       the update must retry once (an older retained version is still held).
 """
 
 from __future__ import annotations
 
 import random
 
+from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
@@ -115,6 +124,8 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
         knobs = {"delay_s": own.uniform(*BOUNDS["restart_after_round_moved.delay_s"]),
                  "down_s": own.uniform(*BOUNDS["server_restart.down_s"])}
         plan.append((lo, "restart_after_round_moved", knobs))
+    if world.sim.rng("dies-at-done").random() < 1 / 3:
+        plan.append((lo, "source_dies_at_done", {"pick": 0.0}))
     plan.sort(key=lambda x: (x[0], x[1]))
     for t, kind, knobs in plan:
         world.sim.at(t, inject, world, kind, knobs)
@@ -131,6 +142,8 @@ def fault_end(plan: list[tuple[float, str, dict]], world) -> float:
             e += world.params.hold_s[1] + world.params.train_s[1]  # when it fires: the next unpublish
         if kind in ("restart_after_failed_read", "broadcast_shard_crash", "restart_after_round_moved"):
             e = world.active_end + knobs["delay_s"] + knobs["down_s"]  # it may fire any time until then
+        if kind == "source_dies_at_done":
+            e = world.active_end + p.restart_delay_s + world.config.lease_timeout_s
         if kind in ("worker_crash", "source_crash", "spot_preemption", "trainer_replaced", "holders_hang",
                     "broadcast_shard_crash"):
             e += p.restart_delay_s + world.config.lease_timeout_s
@@ -218,6 +231,10 @@ def inject(world, kind: str, knobs: dict) -> None:
     elif kind == "restart_after_round_moved":
         world.restart_after_moved = (knobs["delay_s"], knobs["down_s"])
         sim.trace("fault restart_after_round_moved armed")
+        return
+    elif kind == "source_dies_at_done":
+        world.dies_at_done_armed = True
+        sim.trace("fault source_dies_at_done armed")
         return
     elif kind == "holders_hang":
         newest = max((c.published for d in world.trainers for c in d.members
@@ -322,6 +339,25 @@ def restart_after_round_moved(world, client_id, reply, effects) -> None:
     world.restart_after_moved = None
     _restart_later(world, "restart_after_round_moved", *armed, f"{cid} given {version} in round {c.machine.seq} "
                    f"while {behind[0].cid} reads {behind[0].machine.region_version}")
+
+
+def source_dies_at_done(world, client, req) -> None:
+    """The armed ``source_dies_at_done``: called with every request before the server applies it."""
+    if not getattr(world, "dies_at_done_armed", False) or not world.server.up or not isinstance(req, m.ReplicateDone):
+        return
+    op = client.machine.op
+    if not (isinstance(op, hm.ReplicateOp) and op.update and not isinstance(op.spec, int)):
+        return
+    read = world.checker.assign.get(client.cid)  # (epoch, assignment number, source): the read it ends
+    src = world.source_client(read[2]) if read is not None else None
+    if src is None or not src.alive or src.role != "trainer" or src.published != req.version:
+        return
+    world.dies_at_done_armed = False
+    world.sim.trace(f"fault source_dies_at_done: {src.cid} dies as {client.cid}'s ReplicateDone({req.version}) arrives")
+    world.crash(src, restart=True, report=False)
+    world.server.declare_dead(src.cid)
+    world.faults["source_dies_at_done"] = world.faults.get("source_dies_at_done", 0) + 1
+    world.faults_injected = True
 
 
 def _restart_later(world, kind: str, delay_s: float, down_s: float, why: str) -> None:

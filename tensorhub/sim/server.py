@@ -167,6 +167,7 @@ class SimServer:
             faults.broadcast_shard_crash(self.world, cid, reply, effects)
             faults.restart_after_round_moved(self.world, cid, reply, effects)
 
+        faults.source_dies_at_done(self.world, c.client, req)
         released = self.holds.releases(req)  # as the actor: before the request is applied
         reply, _ = apply_request(self.core, self.mail, req, sim.now, tap)
         reply = self.gate.answered(self.core, c.signed, reply)
