@@ -552,10 +552,9 @@ class HandleMachine:
                     return self._resend(now)
                 if isinstance(self._req, m.ReplicateDone) and self._lost_at_server is not None:
                     # The server we lost had failed this read: end it as that failure instead of
-                    # announcing it complete (that would split a sharded replica's round).
-                    lost, self._lost_at_server = self._lost_at_server, None
-                    self._read_open = False
-                    return self._fail(lost.code, lost.message)
+                    # announcing it complete (that would split a sharded replica's round); a
+                    # relative update retries once in its round first.
+                    return self._end_lost_read(now)
                 return self._announce(now)
             case Step.RETRY_PAUSE:
                 return self._resend(now)
@@ -610,10 +609,8 @@ class HandleMachine:
         if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient" and isinstance(req, m.ReplicateDone)
                 and self._lost_at_server is not None):
             # The server that forgot us had failed this read: it ends as that failure, not as a
-            # complete holder (the next call announces this handle again).
-            lost, self._lost_at_server = self._lost_at_server, None
-            self._read_open = False
-            return self._fail(lost.code, lost.message)
+            # complete holder (a relative update retries once, announcing the handle again).
+            return self._end_lost_read(now)
         elif (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient"
                 and not isinstance(req, (m.Register, m.Announce, m.Leave)) and self.register_msg is not None):
             self._attempt += 1
@@ -753,6 +750,15 @@ class HandleMachine:
         op = self.op
         return (reply.code == "VersionLost" and isinstance(op, ReplicateOp) and op.update
                 and not isinstance(op.spec, int) and not self._retried_lost)
+
+    def _end_lost_read(self, now: float) -> list[Command]:
+        """A finished read whose completion got no answer, the server having failed it (its
+        ``Failed`` note came first): retried once if the update is relative, else its failure."""
+        lost, self._lost_at_server = self._lost_at_server, None
+        self._read_open = False
+        if self._may_retry_lost(lost):
+            return self._retry_lost(now)
+        return self._fail(lost.code, lost.message)
 
     def _retry_lost(self, now: float) -> list[Command]:
         # Same round: the server keeps every shard of this replica in one transaction (it
