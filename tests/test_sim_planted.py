@@ -180,7 +180,7 @@ CASES = [
     (dead_holder_counts_as_live, "last_copy", [(14, "standalone")]),
     (skip_to_oldest, "skip", [(1, "crossdc")]),  # was 5: seeds as rounds version + 1 moved its trajectory
     (partial_region_not_hidden, "control", [(1, None)]),
-    (failed_note_ignored, "txn", [(347, "sharded")]),  # was 786: the source_dies_at_done fault moved its trajectory
+    (failed_note_ignored, "txn", [(786, "sharded")]),  # reached by the restart_after_failed_read fault
     (no_round_check_at_done, "txn", [(130, "sharded")]),  # reached by the restart_after_round_moved fault
     (swap_ignores_stage_readers, "mutate", [(45, "standalone")]),
     (unconfirmed_not_held_back, "txn", [(8622, None), (8753, None)]),  # 2 in 10,000: not in the sweep
