@@ -14,7 +14,9 @@ Each host is a network namespace with a rate-limited NIC and a raylet of its own
 ``docs/operations.md`` for the manual. The parts:
 
 - :mod:`~tensorhub.emucluster.cluster`: :class:`EmulatedCluster`, :func:`start_cluster`,
-  :func:`teardown` (the lifecycle, its state file, the Ray head and raylets);
+  :func:`teardown` (the lifecycle and its state file);
+  :mod:`~tensorhub.emucluster.startup`: starting the Ray head and the raylets (a few at a time,
+  transient failures started again);
 - :mod:`~tensorhub.emucluster.plan`: :class:`ClusterSpec` and the :class:`NetPlan` computed
   from it (every name and address; pure);
 - :mod:`~tensorhub.emucluster.net`: building and removing the namespaces, veths, bridges and

@@ -23,10 +23,9 @@ Lifecycle: :func:`start_cluster` writes a state file ``<state_dir>/<name>.json``
 creates anything and records every process it starts; :func:`teardown` (also run by the
 context manager on exit, Ctrl-C or SIGTERM, and by the next start under the same name) kills
 only those processes and the ones inside our namespaces, then deletes our namespaces, veths and
-bridges. A node (the head or a host) whose ``ray start`` times out waiting for its raylet to
-register (Ray waits a fixed 30 s; on a busy machine the GCS falls behind) is started again,
-once, with a longer wait, and a warning of logger ``tensorhub.emucluster.cluster`` says so. The
-CLI is ``tensorhub cluster up|status|env|down``.
+bridges. Ray starts as :mod:`tensorhub.emucluster.startup` says: the head, then the hosts a few
+at a time, a node whose ``ray start`` failed the way a busy machine explains started again (up
+to three starts in all, with a warning). The CLI is ``tensorhub cluster up|status|env|down``.
 """
 
 from __future__ import annotations
@@ -41,9 +40,7 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -56,23 +53,19 @@ from tensorhub.emucluster import net as cluster_net, procs as cluster_procs
 from tensorhub.emucluster.plan import ClusterError, ClusterSpec, NetPlan, plan_of
 from tensorhub.emucluster.net import Traffic
 from tensorhub.emucluster.procs import MARKER_ENV, ProcRecord, Role
+from tensorhub.emucluster.startup import PROBE_TIMEOUT_S, RETRY_TIMEOUT_FACTOR, RayStarter, helper_argv, log_has
 
-__all__ = ["ClusterError", "ClusterSpec", "EmulatedCluster", "LinkTraffic", "Traffic", "emulated_cluster",
-           "start_cluster", "teardown"]
+__all__ = ["ClusterError", "ClusterSpec", "EmulatedCluster", "LinkTraffic", "RETRY_TIMEOUT_FACTOR", "Traffic",
+           "emulated_cluster", "start_cluster", "teardown"]
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 DEFAULT_STATE_DIR = ClusterSpec.state_dir
-HEAD_READY_LINE = b"Ray runtime started"  # what `ray start` prints once its node is registered
-STARTUP_TIMEOUT_LINE = b"timed out during startup"  # Ray's own wait for its raylet (30 s, fixed) ran out
-RAY_NODE_WAIT_S = 30.0  # how long a plain `ray start` waits for its raylet to register (fixed in Ray)
-RETRY_TIMEOUT_FACTOR = 2.0  # a node started again waits this many max(start_timeout_s, RAY_NODE_WAIT_S)
 WIRE_READY_LINE = b"ready\n"
 POLL_S = 0.1
 TEARDOWN_GRACE_S = 3.0
 TEARDOWN_TIMEOUT_S = 15.0
-PROBE_TIMEOUT_S = 20.0
 ON_HOST_FRACTION = 0.01  # placement resource an actor takes: up to 100 actors per host
 
 
@@ -400,180 +393,31 @@ class EmulatedCluster:
         self._wait_log(proc, rec, WIRE_READY_LINE, deadline, "delay wires")
 
     def _wait_log(self, proc: subprocess.Popen, rec: ProcRecord, line: bytes, deadline: float, what: str) -> None:
-        while not _log_has(rec.log_path, line):
+        while not log_has(rec.log_path, line):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"{what} did not start (rc={proc.poll()}); {rec.log_path}:\n"
                                    f"{cluster_procs.log_tail(rec.log_path)}")
             time.sleep(POLL_S)
 
     def _start_ray(self, deadline: float) -> None:
-        head, head_rec, deadline = self._start_head(deadline)
-        # All at once: each takes seconds of mostly CPU-bound startup.
-        raylets = [self._start_host(h.index, attempt=0) for h in self._layout.hosts]
-        self._wait_nodes(head, head_rec, raylets, deadline)
+        wires = [r for r in self._state.processes if r.role is Role.WIRE]
+        RayStarter(self.spec, self._layout, self._state.workdir, self._state.marker, spawn=self._spawn,
+                   forget=self._forget, set_head_port=self._set_head_port, node_env=self._node_env,
+                   driver_env=self.driver_env).start(deadline, wires)
 
-    def _head_argv(self, attempt: int) -> list[str]:
-        """The command that starts the head (attempt 0, then 1 for its one retry): fresh ports
-        each attempt (the failed one's may linger), recorded as the cluster's GCS port."""
-        spec, lay = self.spec, self._layout
-        gcs_port, agent_port, client_port, dash_port = _free_ports(4)
-        self._state = msgspec.structs.replace(self._state, head_port=gcs_port)
-        _write_state(self._state, spec.state_dir)
-        temp_dir = Path(self._state.workdir) / ("head" if attempt == 0 else f"head-{attempt}")
-        argv = [*self._ray_start(attempt), "--head", "--block", "--port", str(gcs_port),
-                "--node-ip-address", lay.head_ip, "--num-cpus", str(spec.head_cpus),
-                "--resources", json.dumps({"head": 1}), "--temp-dir", str(temp_dir),
-                "--object-store-memory", str(spec.object_store_bytes_per_host),
-                "--dashboard-agent-listen-port", str(agent_port), "--ray-client-server-port", str(client_port),
-                "--include-dashboard", "true" if spec.include_dashboard else "false", "--disable-usage-stats"]
-        if spec.include_dashboard:
-            argv += ["--dashboard-host", lay.head_ip, "--dashboard-port", str(dash_port)]
-        return argv
-
-    def _start_head(self, deadline: float):
-        """Starts the head and waits for it; one retry after a startup timeout (as a host's, see
-        :meth:`_wait_nodes`). Returns its process, record and the deadline, extended if retried."""
-        for attempt in (0, 1):
-            head, rec = self._spawn(self._head_argv(attempt), self._node_env(self._layout.bridges[0], None),
-                                    "head.log" if attempt == 0 else f"head-{attempt}.log", Role.HEAD, -1)
-            try:
-                self._wait_log(head, rec, HEAD_READY_LINE, deadline, "Ray head")
-                return head, rec, deadline
-            except ClusterError:
-                if attempt or head.poll() is None or not _log_has(rec.log_path, STARTUP_TIMEOUT_LINE):
-                    raise
-            deadline = max(deadline, time.monotonic() + self._retry_wait_s() + PROBE_TIMEOUT_S)
-            self._drop_failed_start(rec)
-        raise AssertionError("unreachable")
-
-    def _ray_start(self, attempt: int) -> list[str]:
-        """``ray start`` for a node's first attempt; for its retry, the same waiting up to
-        :meth:`_retry_wait_s` for the node to register (:mod:`tensorhub.emucluster.raystart`)."""
-        if attempt == 0:
-            return [_ray_executable(), "start"]
-        return [*helper_argv("raystart"), f"{self._retry_wait_s():.0f}", "start"]
-
-    def _retry_wait_s(self) -> float:
-        return RETRY_TIMEOUT_FACTOR * max(self.spec.start_timeout_s, RAY_NODE_WAIT_S)
-
-    def _host_argv(self, k: int, attempt: int) -> list[str]:
-        """The command that starts host k's raylet (attempt 0, then 1 for its one retry)."""
-        spec, h = self.spec, self._host(k)
-        resources = {f"host-{k}": 1}
-        if spec.datacenters is not None:
-            resources[f"dc-{h.dc}"] = 1
-        # Own temp dir per node and attempt: raylets started at once in one session dir race
-        # for the same socket names (plasma_store.N) and one aborts; a retry must not meet the
-        # sockets of the attempt before it.
-        temp_dir = Path(self._state.workdir) / (f"h{k}" if attempt == 0 else f"h{k}-{attempt}")
-        return ["ip", "netns", "exec", h.netns, *self._ray_start(attempt), "--address", self.address,
-                "--node-ip-address", h.ip, "--num-cpus", str(spec.cpus_per_host),
-                "--resources", json.dumps(resources), "--object-store-memory",
-                str(spec.object_store_bytes_per_host), "--block", "--disable-usage-stats",
-                "--temp-dir", str(temp_dir)]
-
-    def _start_host(self, k: int, attempt: int):
-        log_name = f"host-{k}.log" if attempt == 0 else f"host-{k}-{attempt}.log"
-        return self._spawn(self._host_argv(k, attempt), self._node_env("eth0", k), log_name, Role.HOST, k)
-
-    def _retry_host(self, rec: ProcRecord):
-        """Starts host ``rec.host`` again after its `ray start` timed out."""
-        self._drop_failed_start(rec)
-        return self._start_host(rec.host, attempt=1)
-
-    def _drop_failed_start(self, rec: ProcRecord) -> None:
-        """After ``rec``'s `ray start` exited on a startup timeout: kills what it left behind
-        (in the host's namespace; for the head, before any host started, every process of ours
-        but the wires), forgets its record and warns that it is started again."""
-        if rec.role is Role.HOST:
-            left = cluster_procs.kill_namespaces([self.netns(rec.host)], timeout_s=TEARDOWN_TIMEOUT_S)
-        else:
-            wires = [r for r in self._state.processes if r.role is Role.WIRE]
-            left = cluster_procs.kill_all([], self._state.marker, [], grace_s=0.0, timeout_s=TEARDOWN_TIMEOUT_S,
-                                          keep={r.pid for r in wires})
-        who = f"host {rec.host}" if rec.role is Role.HOST else "the head"
-        if left:
-            raise ClusterError(f"cannot start {who} again: processes {sorted(left)} of its failed `ray start` "
-                               f"survive; {rec.log_path}")
+    def _forget(self, rec: ProcRecord) -> None:
         self._state = msgspec.structs.replace(self._state, processes=[r for r in self._state.processes if r != rec])
-        _write_state(self._state, self.spec.state_dir)  # status lists the running attempt only
-        log.warning("emulated cluster %s: %s's `ray start` timed out during startup (its raylet did not "
-                    "register with the GCS within Ray's %.0f s: a busy machine); starting it again, once, "
-                    "waiting up to %.0f s; %s", self.name, who, RAY_NODE_WAIT_S, self._retry_wait_s(), rec.log_path)
+        _write_state(self._state, self.spec.state_dir)
 
-    def _wait_nodes(self, head, head_rec: ProcRecord, raylets: list, deadline: float) -> None:
-        """Blocks until every node is up: the GCS lists ``hosts + 1`` nodes alive and every
-        host's `ray start` said it started. Raises ClusterError at ``deadline`` or when the head
-        or a host exits, except that a host whose `ray start` timed out waiting for its raylet
-        to register (Ray's fixed 30 s; on a busy machine the GCS falls behind nodes starting at
-        once) is started again, once, waiting up to :meth:`_retry_wait_s` (Ray's own wait
-        included; a warning names the host and that timeout)."""
-        retried: set[int] = set()
-        probe = self._start_probe(deadline)
-        try:
-            while True:
-                dead = next(((i, p, rec) for i, (p, rec) in enumerate([(head, head_rec), *raylets])
-                             if p.poll() is not None), None)
-                if dead is not None:
-                    i, p, rec = dead
-                    if rec.role is not Role.HOST or rec.host in retried \
-                            or not _log_has(rec.log_path, STARTUP_TIMEOUT_LINE):
-                        who = f"host {rec.host}" if rec.role is Role.HOST else rec.role.value
-                        again = " (retried once after a startup timeout)" if rec.host in retried else ""
-                        raise ClusterError(f"Ray {who} exited (rc={p.poll()}) during startup{again}; "
-                                           f"{rec.log_path}:\n{cluster_procs.log_tail(rec.log_path)}")
-                    retried.add(rec.host)
-                    deadline = max(deadline, time.monotonic() + self._retry_wait_s() + PROBE_TIMEOUT_S)
-                    raylets[i - 1] = self._retry_host(rec)
-                    _stop(probe)
-                    probe = self._start_probe(deadline)
-                    continue
-                if probe.poll() is not None:
-                    if probe.returncode != 0:
-                        break
-                    if all(_log_has(rec.log_path, HEAD_READY_LINE) for _, rec in raylets):
-                        return
-                    if time.monotonic() > deadline:
-                        break
-                time.sleep(POLL_S)
-            out, err = probe.communicate()
-        finally:
-            _stop(probe)
-        raise self._not_alive(out, err, raylets)
-
-    def _not_alive(self, out: str, err: str, raylets: list) -> ClusterError:
-        """The error for hosts not up by the deadline (``out``, ``err``: the probe's), with the
-        tails of their logs."""
-        try:
-            seen = json.loads(out.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            seen = {"nodes": [], "error": err[-2000:]}
-        alive = {n["ip"] for n in seen["nodes"] if n["alive"]}
-        missing = [rec for _, rec in raylets
-                   if self.host_ip(rec.host) not in alive or not _log_has(rec.log_path, HEAD_READY_LINE)]
-        tails = "\n".join(f"--- host {rec.host} ({rec.log_path}):\n{cluster_procs.log_tail(rec.log_path, 1500)}"
-                          for rec in missing[:3])
-        return ClusterError(f"{len(missing)} of {self.hosts} raylets not alive within the start timeout "
-                           f"(start_timeout_s={self.spec.start_timeout_s}; hosts {[r.host for r in missing]}; "
-                           f"GCS: {seen.get('error') or 'answering'}):\n{tails}")
-
-    def _start_probe(self, deadline: float) -> subprocess.Popen:
-        argv = [*helper_argv("probe"), "--address", self.address, "--expect-nodes", str(self.hosts + 1),
-                "--timeout-s", str(max(1.0, deadline - time.monotonic()))]
-        return subprocess.Popen(argv, env=self.driver_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    def _set_head_port(self, port: int) -> None:
+        self._state = msgspec.structs.replace(self._state, head_port=port)
+        _write_state(self._state, self.spec.state_dir)
 
 
 def start_cluster(spec: ClusterSpec) -> EmulatedCluster:
     """Builds the network and starts Ray; blocks until every node is alive or
-    ``spec.start_timeout_s`` passed (longer after a host's startup timeout: it is retried
-    once, see :meth:`EmulatedCluster._wait_nodes`). First tears down what a previous run under the same name
+    a node's start timeout passed (:mod:`tensorhub.emucluster.startup`: a node whose start failed
+    transiently is started again, up to three times in all). First tears down what a previous run under the same name
     left behind, unless the process that started that run is still running (then raises
     ClusterError: ``tensorhub cluster down`` forces it). On any failure (or
     KeyboardInterrupt) removes what it built and re-raises.
@@ -699,38 +543,3 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-def helper_argv(module: str) -> list[str]:
-    """argv that runs a stdlib-only helper module of this package as a script: ``python -m
-    tensorhub.testing.X`` would import ``tensorhub`` (and with it Ray and torch, 2 s) first."""
-    return [sys.executable, str(Path(__file__).with_name(f"{module}.py"))]
-
-
-def _ray_executable() -> str:
-    # The `ray` next to this interpreter: a pyenv shim on PATH costs a bash and a pyenv per call.
-    candidate = Path(sys.executable).parent / "ray"
-    found = str(candidate) if candidate.exists() else shutil.which("ray")
-    if not found:
-        raise ClusterError("the `ray` command is not installed next to this Python nor on PATH")
-    return found
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _log_has(path: str, needle: bytes) -> bool:
-    try:
-        return needle in Path(path).read_bytes()
-    except OSError:
-        return False
