@@ -507,6 +507,12 @@ class HandleMachine:
                 return self._send(m.Leave(self.client_id, drop_last_copy=op.drop_last_copy), False, now)
         raise AssertionError(op)
 
+    @property
+    def read_source(self) -> Optional[str]:
+        """The holder of the current read's latest assignment (None outside a read, or before
+        its first assignment)."""
+        return self._sources[-1] if self._sources else None
+
     def _reset_read(self) -> None:
         self._read_open = False
         self._drained_old = False
@@ -585,7 +591,6 @@ class HandleMachine:
             # A completion that met a restart is refused by the fresh server (a sibling shard's
             # round moved on to another version, or the version is gone): the table keeps us
             # idle, and the relative update retries once in its round, as after a failed pull.
-            self._read_open = False
             return self._retry_lost(now)
         if isinstance(reply, m.ErrorReply):
             return self._fail(reply.code, reply.message)
@@ -694,7 +699,6 @@ class HandleMachine:
                     # Every byte landed, but the server had failed the read (its source died;
                     # a mapping of a dead holder's memory stays readable): the relative update
                     # retries once in its round, as after a failed pull.
-                    self._read_open = False
                     return self._retry_lost(now)
             case m.Leave():
                 if isinstance(reply, m.ErrorReply) and reply.code == "LastCopyHeld":
@@ -761,8 +765,10 @@ class HandleMachine:
         return self._fail(lost.code, lost.message)
 
     def _retry_lost(self, now: float) -> list[Command]:
-        # Same round: the server keeps every shard of this replica in one transaction (it
-        # re-resolves the round only if no sibling holds its version).
+        """The one retry of a relative update whose version was lost: the read it ends is over
+        (nothing to abort). Same round: the server keeps every shard of this replica in one
+        transaction (it re-resolves the round only if no sibling holds its version)."""
+        self._read_open = False
         self._retried_lost = True
         self._assignment = None
         return self._send(self.replicate_request(), True, now)

@@ -240,6 +240,7 @@ def inject(world, kind: str, knobs: dict) -> None:
         return
     elif kind == "source_dies_at_done":
         world.dies_at_done_armed = True
+        world.dies_at_done_epoch = world.server.epoch  # disarmed by a restart
         sim.trace("fault source_dies_at_done armed")
         return
     elif kind == "holders_hang":
@@ -351,13 +352,13 @@ def source_dies_at_done(world, client, req) -> None:
     """The armed ``source_dies_at_done``: called with every request before the server applies it."""
     if not getattr(world, "dies_at_done_armed", False) or not world.server.up or not isinstance(req, m.ReplicateDone):
         return
-    if world.checker.restarted_at is not None:
+    if world.server.epoch != world.dies_at_done_epoch:
         return  # not after a server restart (open there: see the fault's notes)
     op = client.machine.op
     if not (isinstance(op, hm.ReplicateOp) and op.update and not isinstance(op.spec, int)):
         return
-    read = world.checker.assign.get(client.cid)  # (epoch, assignment number, source): the read it ends
-    src = world.source_client(read[2]) if read is not None else None
+    source = client.machine.read_source  # the holder of the reader's last assignment: the read it ends
+    src = world.source_client(source) if source is not None else None
     if src is None or not src.alive or src.role != "trainer" or src.published != req.version:
         return
     world.dies_at_done_armed = False
