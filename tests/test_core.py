@@ -1127,15 +1127,47 @@ def test_a_shard_cannot_complete_by_announcement_a_version_its_round_moved_away_
     assert w.core.nodes["a1"].state is NodeState.IDLE and w.core.nodes["a0"].state is NodeState.PUBLISHED
 
 
-def _split_round_world(old: int = 3):
-    """Replica A (2 shards) after a restart; versions 1 (replica U) and ``old`` (replica T) held."""
+def _split_round_world(old: int = 3, shards: int = 2):
+    """Replica A (``shards`` shards) after a restart; versions 1 (replica U) and ``old``
+    (replica T) held."""
     w = World(lease_timeout_s=5.0)
     for v, rep in ((1, "U"), (old, "T")):
-        for sh in (0, 1):
-            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2)
+        for sh in range(shards):
+            w.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=shards)
             w.send(m.Publish(f"{rep}{sh}", v))
-    regs = [m.Register(f"a{sh}", "pol", "A", sh, 2, LAYOUT, f"a{sh}".encode()) for sh in (0, 1)]
+    regs = [m.Register(f"a{sh}", "pol", "A", sh, shards, LAYOUT, f"a{sh}".encode()) for sh in range(shards)]
     return w, regs
+
+
+def test_a_round_known_from_announced_reads_waits_for_every_sibling_before_it_settles():
+    """Simulator seed 1774 (workload "sharded"): round 6 of replica r1 lost version 2 and shard 2
+    completed it at version 1 (confirmed) just before a restart. After it, shard 3 announced its
+    unfinished read of 2 in round 6; the fresh server let shard 3 complete 2 and shard 1 read 2
+    in round 6 before shard 2 re-announced its confirmed completion at 1: a split round. Within
+    the recovery window a round known only from announcements now settles once every sibling
+    is heard from: a completion and a new read in it wait (``ServerRecovering``); the confirmed
+    completion then binds the round, the held completion ends ``VersionLost`` and the reads
+    join version 1."""
+    w, regs = _split_round_world(shards=3)
+    assert w.send(m.Announce(regs[0], m.Holding(reading_version=3, txn_seq=4, txn_version=3))) == m.Ok()
+    assert w.send(m.Announce(regs[2], m.Holding())) == m.Ok()
+    held = w.send(m.ReplicateDone("a0", 3))
+    assert err(held) == "ServerRecovering" and "siblings" in held.message
+    assert w.core.nodes["a0"].state in (NodeState.WAITING, NodeState.READING), "not completed"
+    read = w.send(m.Replicate("a2", "latest", seq=4))
+    assert err(read) == "ServerRecovering" and "siblings" in read.message
+    assert w.core.nodes["a2"].state is NodeState.IDLE, "nothing changed"
+    assert w.send(m.Announce(regs[1], m.Holding(published=1, txn_seq=4, txn_version=1, confirmed=True))) == m.Ok()
+    lost = w.send(m.ReplicateDone("a0", 3))
+    assert err(lost) == "VersionLost" and "moved to version 1" in lost.message
+    for cid in ("a0", "a2"):
+        a = w.send(m.Replicate(cid, "latest", seq=4))
+        assert isinstance(a, m.Assignment) and a.version == 1, (cid, a)
+    # After the window (one lease) nothing waits: a round whose siblings never came moves on.
+    w2, regs2 = _split_round_world(shards=3)
+    assert w2.send(m.Announce(regs2[0], m.Holding(reading_version=3, txn_seq=4, txn_version=3))) == m.Ok()
+    w2.tick(5.0)
+    assert w2.send(m.ReplicateDone("a0", 3)) == m.Ok()
 
 
 def test_a_confirmed_completion_announced_after_an_unconfirmed_conflicting_one_demotes_it():

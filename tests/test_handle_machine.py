@@ -739,3 +739,30 @@ def test_a_held_back_unconfirmed_completion_is_announced_again_after_a_pause():
     cmds = mc2.handle(hm.Replied(recovering), 7.0)  # past 2 + 5 s
     assert cmds[-1] == hm.Fail("ServerRecovering", "waits for its siblings") and mc2.published is None
     assert hm.SetRegion(-1, 0) in cmds
+
+
+def test_a_completion_held_back_by_a_fresh_server_is_sent_again_after_a_pause():
+    """Simulator seed 1774 (workload "sharded"): a fresh server holds a completion in a round
+    known only from announcements back (``ServerRecovering``) until every sibling re-announced.
+    The handle sends the same ``ReplicateDone`` again after ``RETRY_PAUSE_S``, for a request
+    timeout from the first such answer, then fails typed; nothing is published meanwhile. A
+    refusal after the wait (the round settled at another version) is the lost-version retry."""
+    mc = _machine()
+    _reading(mc)
+    (done,) = mc.handle(hm.Pulled(4), 1.0)
+    assert isinstance(done.request, m.ReplicateDone)
+    recovering = m.ErrorReply(code="ServerRecovering", message="waits for its siblings to re-announce")
+    for t in (1.1, 2.0, 5.5):
+        assert mc.handle(hm.Replied(recovering), t) == [hm.Sleep(hm.RETRY_PAUSE_S)]
+        assert mc.step is hm.Step.RETRY_PAUSE and mc.published is None
+        assert mc.handle(hm.TimerFired(), t + hm.RETRY_PAUSE_S) == [done]
+    lost = m.ErrorReply(code="VersionLost", message="round 1 of replica c moved to version 2")
+    (retry,) = mc.handle(hm.Replied(lost), 5.7)
+    assert isinstance(retry.request, m.Replicate) and retry.request.spec == "latest"
+    mc2 = _machine()
+    _reading(mc2)
+    mc2.handle(hm.Pulled(4), 1.0)
+    assert mc2.handle(hm.Replied(recovering), 1.1) == [hm.Sleep(hm.RETRY_PAUSE_S)]
+    mc2.handle(hm.TimerFired(), 1.2)
+    cmds = mc2.handle(hm.Replied(recovering), 6.2)  # past 1.1 + 5 s
+    assert cmds[-1] == hm.Fail("ServerRecovering", recovering.message) and mc2.published is None

@@ -687,6 +687,16 @@ class HandleMachine:
                     if self._may_retry_lost(reply):
                         return self._retry_lost(now)
             case m.ReplicateDone(version=version):
+                if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
+                    # A fresh server holds a completion of a sharded round back until every
+                    # sibling re-announced (ReferenceCore._on_ReplicateDone): ask again after a
+                    # pause, for a request timeout from the first such answer.
+                    if self._held_by is None:
+                        self._held_by = now + self.request_timeout_s
+                    if now + RETRY_PAUSE_S < self._held_by:
+                        self._done_by = max(self._done_by, now + self.request_timeout_s)
+                        self.step = Step.RETRY_PAUSE
+                        return [Sleep(RETRY_PAUSE_S)]
                 if isinstance(reply, m.Ok):
                     self._read_open = False
                     self.published = version

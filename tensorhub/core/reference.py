@@ -30,7 +30,9 @@ Rules kept here (docs/design.md, section 1):
   reassigned). Two confirmed ones are both kept (the old server never confirms both). Within
   the recovery window an unconfirmed completion waits (``ServerRecovering``) until every
   sibling shard of its replica has been heard from, so it meets a confirmed rival before its
-  call returns; ``Demoted`` remains only for one accepted after the window.
+  call returns; ``Demoted`` remains only for one accepted after the window. Likewise a round
+  known only from announcements settles once every sibling has been heard from: inside the
+  window a ``ReplicateDone`` or ``Replicate`` in it waits (``ServerRecovering``).
 
 The rules across datacenters (offload seeding, smart skipping) are a mixin of their own,
 :mod:`tensorhub.core.crossdc`, and so is retention with host copies, :mod:`tensorhub.core.retention`.
@@ -655,6 +657,13 @@ class ReferenceCore(CrossDatacenter, Retention):
         if node.version != req.version:
             raise InvalidState(f"{self._describe(node)}: done reported for version {req.version}")
         txn = self.txns.get((node.model, node.replica_id, node.round_seq)) if node.num_shards > 1 else None
+        if (txn is not None and txn[0] == "announced" and txn[1] == node.version and now < self._recovering_until
+                and self._unheard_shards(node.model, node.replica_id, node.num_shards) - {node.shard}):
+            # A read of a round known only from announcements completes once every sibling has
+            # re-announced: one may bring the old server's confirmed completion of the round at
+            # another version (that binds the round, and this read then ends VersionLost).
+            raise ServerRecovering(f"{self._describe(node)}: round {node.round_seq} of replica {node.replica_id} "
+                                   f"waits for its siblings to re-announce; retry")
         if txn is not None and txn[1] != node.version:
             # The round moved to another version while this shard was still reading (its version
             # was lost and a sibling's retry re-resolved the round; a server restart can hide
@@ -910,6 +919,13 @@ class ReferenceCore(CrossDatacenter, Retention):
             self.txns.drop_before(node.model, node.replica_id, req.seq)
             return version
         spec, version, consumed = txn
+        if (spec == "announced" and self._now < self._recovering_until
+                and self._unheard_shards(node.model, node.replica_id, node.num_shards) - {node.shard}):
+            # A round known only from announcements is not settled while a sibling has not
+            # re-announced: it may bring the old server's confirmed completion of this round at
+            # another version, which binds it. Reading on now could split the transaction.
+            raise ServerRecovering(f"{node.model} replica {node.replica_id} round {req.seq}: siblings of shard "
+                                   f"{node.shard} are still re-announcing; retry")
         if spec != "announced" and spec != req.spec:
             raise TransactionMismatch(
                 f"{node.model} replica {node.replica_id} round {req.seq}: shard {node.shard} asked {req.spec!r}, "
