@@ -56,10 +56,10 @@ def test_the_package_exports_exactly_its_public_surface():
 def test_transport_and_graphs_export_exactly_their_names():
     import tensorhub.graphs as graphs
     import tensorhub.transport as transport
-    from tensorhub.transport import nixl, reader
+    from tensorhub.transport import agent, nixl, reader
 
     assert sorted(transport.__all__) == sorted(TRANSPORT)
-    assert sorted(nixl.__all__ + reader.__all__) == sorted(TRANSPORT), "re-exported by name, all of them"
+    assert sorted(agent.__all__ + nixl.__all__ + reader.__all__) == sorted(TRANSPORT), "re-exported by name, all of them"
     assert all(getattr(transport, n) is not None for n in TRANSPORT)
     assert sorted(graphs.__all__) == sorted(GRAPHS)
     assert all(getattr(graphs, n) is not None for n in GRAPHS)

@@ -28,7 +28,8 @@ from tensorhub.transport import (
     pull,
 )
 from tensorhub.transport import reader
-from tensorhub.transport.nixl import _await_terminal, _unit_desc_index
+from tensorhub.transport.agent import await_terminal
+from tensorhub.transport.nixl import _unit_desc_index
 
 CFG = Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10, reads_in_flight=4,
              source_stall_timeout_s=2.0)
@@ -551,7 +552,7 @@ def test_await_terminal_releases_a_read_only_once_it_is_terminal(case, states, t
     h = _ScriptedRead()
     h.states = list(states)
     handles = {7: h}
-    _await_terminal(Nixl(), handles, timeout_s)
+    await_terminal(Nixl(), handles, timeout_s)
     assert (7 in handles) == kept, case
     assert h.released_in is None if kept else h.released_in in ("DONE", "ERR"), case
 

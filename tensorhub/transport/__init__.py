@@ -1,7 +1,8 @@
 """Moving bytes between processes.
 
-- :mod:`tensorhub.transport.nixl`: NIXL agents, registered regions with their control blocks,
-  sources (remote regions seen from a reader);
+- :mod:`tensorhub.transport.agent`: the process's NIXL agent and the rules for calling into one;
+- :mod:`tensorhub.transport.nixl`: registered regions with their control blocks, sources (remote
+  regions seen from a reader);
 - :mod:`tensorhub.transport.reader`: the reader loop (one-sided reads of a possibly partial holder);
 - :mod:`tensorhub.transport.pacing`: how many reads the loop keeps posted and how long it sleeps;
 - :mod:`tensorhub.transport.shm`: the same-host tier (a holder's memory mapped by a reader on its
@@ -11,8 +12,9 @@ Their public names are re-exported here, by name (``tests/test_exports.py`` pins
 is created lazily).
 """
 
-from tensorhub.transport.nixl import (Agent, Endpoint, MemRegion, Region, Source, decode_endpoint,
-                                     encode_endpoint, get_agent, open_source)
+from tensorhub.transport.agent import Agent, get_agent
+from tensorhub.transport.nixl import (Endpoint, MemRegion, Region, Source, decode_endpoint, encode_endpoint,
+                                     open_source)
 from tensorhub.transport.reader import KnownProgress, pull
 
 __all__ = ["Agent", "Endpoint", "KnownProgress", "MemRegion", "Region", "Source", "decode_endpoint",

@@ -37,17 +37,14 @@ from tensorhub.errors import (
 )
 from tensorhub.layout import Layout, checksum_unit
 from tensorhub.transport.follow import Advanced, Follow
+from tensorhub.transport.agent import XferState, await_terminal, sleep_unlocked, unlocked
 from tensorhub.transport.nixl import (
     _HEADER,
     Region,
     Source,
-    XferState,
-    _await_terminal,
     _to_i64,
     _to_u64,
     _unit_desc_index,
-    sleep_unlocked,
-    unlocked,
 )
 from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
 from tensorhub.transport.readstate import ReadState
@@ -450,7 +447,7 @@ class _Puller:
         # Let go of the agent between looks, as the loop's sleeps do: another pull of this
         # process (or a registration) must not wait out this pull's stall timeout.
         with unlocked(lock):
-            _await_terminal(self.nx, self.inflight, timeout, lock)
+            await_terminal(self.nx, self.inflight, timeout, lock)
         if not self.inflight:
             return
         units = sorted(self.inflight)
