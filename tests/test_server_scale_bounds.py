@@ -125,12 +125,12 @@ def test_seed_candidates_follow_the_table():
         else:
             ok(core, reg(cid, rid, shard, 2, dc=rng.choice("ab"), spot=rng.random() < 0.3))
         expect: dict[str, list] = {}
-        for (mo, r), ids in core._replicas.items():
+        for (mo, r), ids in core.table.replicas.items():
             nodes = [core.nodes[i] for i in ids]
             if len(nodes) == 2 and len({n.datacenter for n in nodes}) == 1:
                 expect.setdefault(nodes[0].datacenter, []).append(
                     (any(n.spot for n in nodes), min(n.order for n in nodes), r))
-        got = core._seedable.datacenters("policy")
+        got = core.crossdc.candidates.datacenters("policy")
         assert {dc: sorted(v) for dc, v in expect.items()} == got, f"step {step}"
 
 
@@ -294,7 +294,7 @@ def test_departed_rounds_are_forgotten_after_the_bound_and_a_returning_replica_k
                 ok(core, m.Replicate(f"{rid}/{s}", "latest", seq=rnd))
                 ok(core, m.ReplicateAbort(f"{rid}/{s}"))
         core.declare_dead([f"{rid}/0"], 0.0, "node died")
-    assert not core._replicas.get(("policy", "gone")) and core.txns.departed_count() == 2
+    assert not core.table.replicas.get(("policy", "gone")) and core.txns.departed_count() == 2
     reply, _ = ok(core, reg("back/0", "back", 0, 2), now=1.0)  # within the bound
     assert reply == m.Registered(round_seq=3)
     bound = DEPARTED_ROUNDS_LEASES * lease

@@ -18,6 +18,7 @@ import pytest
 
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import VISIBLE_SOURCE
 from tensorhub.errors import InvalidState
@@ -65,7 +66,7 @@ def retains_one_more(mp):
             return
         mod.committed.append(v)
         mod.committed.sort()
-        self._seed_remote(model)
+        self.crossdc.seed_remote(model)
         keep = self.config.versions_retained + 1
         if len(mod.committed) > keep:
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
@@ -99,7 +100,7 @@ def no_round_check_at_done(mp):
 
 def skip_to_oldest(mp):
     """Smart skipping answers the oldest available version instead of the newest local one."""
-    orig = ReferenceCore._smart_skip
+    orig = CrossDatacenter.smart_skip
 
     def bad(self, node, avail):
         r = orig(self, node, avail)
@@ -108,7 +109,7 @@ def skip_to_oldest(mp):
             if older:
                 return older[0], r[1]
         return r
-    mp.setattr(ReferenceCore, "_smart_skip", bad)
+    mp.setattr(CrossDatacenter, "smart_skip", bad)
 
 
 def partial_region_not_hidden(mp):

@@ -1,15 +1,16 @@
 """The reference core's rules across datacenters: offload seeding and smart skipping.
 
-A mixin of :class:`tensorhub.core.reference.ReferenceCore` (it reads and changes the core's
-table: ``models``, ``nodes``, ``index``, ``groups``, and the candidate seeders the core keeps
-in a :class:`SeedCandidates`), kept apart because it is one concern:
+A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it is one concern:
+:class:`CrossDatacenter` gets the core's shared :class:`~tensorhub.core.table.Table` and the two
+functions of the core it needs (``drain``, retention's ``other_live_copy``) passed in, and owns
+the candidate seeders (:class:`SeedCandidates`).
 
-- **Offload seeding** (``_seed_remote``): when a version is committed, ask one replica of every
+- **Offload seeding** (:meth:`CrossDatacenter.seed_remote`): when a version is committed, ask one replica of every
   other datacenter with readers (idle before busy, non-spot before spot) to prefetch it into its
   staging copy (``SeedAhead``), so that exactly one copy crosses the slow link and the seeder's
-  own ``update()`` is a local copy. A datacenter's readers wait for that seed (``_seed_pending``)
+  own ``update()`` is a local copy. A datacenter's readers wait for that seed (:meth:`CrossDatacenter.seed_pending`)
   for up to ``seed_wait_s`` before one of them crosses itself.
-- **Smart skipping** (``_smart_skip``): while a newer version is on its way into the reader's
+- **Smart skipping** (:meth:`CrossDatacenter.smart_skip`): while a newer version is on its way into the reader's
   datacenter, ``"latest"`` answers the newest version already complete there instead of queueing
   behind the slow link.
 """
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import SERVABLE, ModelRecord, Node, NodeState
+from tensorhub.core.table import Table
 
 
 log = logging.getLogger("tensorhub.core.reference")
@@ -93,9 +95,22 @@ class SeedCandidates:
 
 
 class CrossDatacenter:
-    """Offload seeding and smart skipping (see the module docstring)."""
+    """Offload seeding and smart skipping (see the module docstring): a part of the reference
+    core. It reads the shared :class:`~tensorhub.core.table.Table`, keeps its own candidate
+    seeders (:attr:`candidates`) and each model's ``seed_asked`` entries, and delivers
+    ``SeedAhead``; a node's state it changes only through the core's ``drain``, and it asks
+    retention (``other_live_copy``) whether a host copy is the last live one of its version."""
 
-    def _seed_remote(self, model: str, dcs: Optional[set[str]] = None) -> None:
+    def __init__(self, table: Table, *, drain: Callable[[Node], None],
+                 other_live_copy: Callable[[Node], bool]) -> None:
+        self.table = table
+        self.candidates = SeedCandidates()
+        """Per (model, datacenter), the whole replicas that may seed it; the core updates it as
+        a replica gains or loses a client."""
+        self._drain = drain
+        self._other_live_copy = other_live_copy
+
+    def seed_remote(self, model: str, dcs: Optional[set[str]] = None) -> None:
         """Offload seeding: every datacenter (of ``dcs``, default all) with readers of ``model``
         but neither a holder nor a read of its newest committed version gets one seeder replica,
         asked to prefetch it in the background (:class:`~tensorhub.core.messages.SeedAhead`): the
@@ -111,82 +126,82 @@ class CrossDatacenter:
         the candidates passed over, at most :data:`SEED_LOOK_MAX` (:class:`SeedCandidates`).
         Never a scan of the model's replicas: a removal among 10,000 clients costs what it costs
         among 100."""
-        mod = self.models.get(model)
-        if not self.config.offload_seeding or mod is None or not mod.committed:
+        mod = self.table.models.get(model)
+        if not self.table.config.offload_seeding or mod is None or not mod.committed:
             return
         v = mod.committed[-1]
-        groups = [self._group((model, v, s)) for s in range(mod.num_shards)]
+        groups = [self.table.group((model, v, s)) for s in range(mod.num_shards)]
         if not any(g.counts[st] for g in groups for st in SERVABLE):
             return  # nothing to seed from (yet, or any more)
-        here = self._seedable.datacenters(model)
+        here = self.candidates.datacenters(model)
         for dc in sorted(here if dcs is None else dcs & here.keys()):
             asked = mod.seed_asked.get(dc)
             if any(g.visible_dc[dc] or g.active_dc[dc] or g.offloading_dc[dc] for g in groups):
                 if asked is None or asked[0] < v:
-                    self._set_seed_asked(mod, dc, (v, "", self._now))
+                    self.set_seed_asked(mod, dc, (v, "", self.table.now))
                 continue
-            if asked is not None and asked[0] >= v and self._seedable.has(model, dc, asked[1]):
+            if asked is not None and asked[0] >= v and self.candidates.has(model, dc, asked[1]):
                 continue  # asked already, and alive
-            nodes = self._seedable.choose(model, dc, lambda rid: [self.nodes[i] for i in self._replicas[(model, rid)]])
-            self._set_seed_asked(mod, dc, (v, nodes[0].replica_id, self._now))
+            nodes = self.candidates.choose(model, dc, lambda rid: [self.table.nodes[i] for i in self.table.replicas[(model, rid)]])
+            self.set_seed_asked(mod, dc, (v, nodes[0].replica_id, self.table.now))
             log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
             for n in sorted(nodes, key=lambda n: n.shard):
-                self._deliver(n.id, m.SeedAhead(version=v))
+                self.table.deliver(n.id, m.SeedAhead(version=v))
 
-    def _set_seed_asked(self, mod: ModelRecord, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
+    def set_seed_asked(self, mod: ModelRecord, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
         """Replace (or drop) ``dc``'s seed entry. Readers of the old entry's version there may
-        have been waiting for that seeder (``_seed_pending``): look at them again."""
+        have been waiting for that seeder (``seed_pending``): look at them again."""
         old = mod.seed_asked.pop(dc, None)
         if entry is not None:
             mod.seed_asked[dc] = entry
         if old is not None and old[1]:
-            self._touched.update((mod.name, old[0], sh) for sh in range(mod.num_shards)
-                                 if (mod.name, old[0], sh) in self.groups)
+            self.table.touched.update((mod.name, old[0], sh) for sh in range(mod.num_shards)
+                                 if (mod.name, old[0], sh) in self.table.groups)
 
-    def _seed_pending(self, model: str, version: int) -> dict[str, str]:
+    def seed_pending(self, model: str, version: int) -> dict[str, str]:
         """Datacenter -> asked seeder replica, where that seeder of ``version`` was asked less
         than ``seed_wait_s`` ago: the datacenter's other readers wait for its copy (then read
         it there) instead of crossing on their own; the seeder itself may cross (a client that
         does not prefetch seeds in its own update). After that, the first reader crosses
         (``tick`` re-pumps)."""
-        mod = self.models.get(model)
+        mod = self.table.models.get(model)
         if mod is None or not mod.seed_asked:
             return {}
         return {dc: rid for dc, (v, rid, t) in mod.seed_asked.items()
-                if v == version and rid and (self._now - t < self.config.seed_wait_s
-                                             or self._seeder_busy(model, rid))}
+                if v == version and rid and (self.table.now - t < self.table.config.seed_wait_s
+                                             or self.seeder_busy(model, rid))}
 
-    def _seeder_busy(self, model: str, replica_id: str) -> bool:
+    def seeder_busy(self, model: str, replica_id: str) -> bool:
         """The replica's staging copy (replica ``<replica>~prefetch``) is reading a version:
         an asked seeder still crossing an older version keeps its datacenter's claim on the
         link (it takes the newer one next) instead of letting every reader there cross."""
-        for i in self._replicas.get((model, f"{replica_id}~prefetch"), ()):
-            n = self.nodes[i]
+        for i in self.table.replicas.get((model, f"{replica_id}~prefetch"), ()):
+            n = self.table.nodes[i]
             if n.stage_for and n.state in (NodeState.READING, NodeState.WAITING):
                 return True
         return False
 
-    def _keeps_dc_copy(self, node: Node) -> bool:
+    def keeps_dc_copy(self, node: Node) -> bool:
         """Offload seeding keeps a landed seed in its datacenter: a staging copy moving on (to
         the next seed, the link starts at once) that holds the only copy of its version in its
         datacenter, newer than every other version complete there, offloads it first -- a host
         copy there, for the datacenter's readers to skip to while the next seed crosses. Without
         it, a seed slower than the trainer's step was overwritten the moment it landed and the
         datacenter's engines ran on a version several steps old."""
-        if not node.stage_for or node.spot or not self.config.smart_skipping:
+        if not node.stage_for or node.spot or not self.table.config.smart_skipping:
             return False
-        if node.version not in self.retained(node.model):
+        if node.version not in self.table.retained(node.model):
             return False
-        if self._group(node.key).visible_dc[node.datacenter] > 0:
+        if self.table.group(node.key).visible_dc[node.datacenter] > 0:
             return False  # another holder there keeps it
-        return not any(self._complete_in(node.model, v, node.datacenter)
-                       for v in self.retained(node.model) if v > node.version)
+        return not any(self.complete_in(node.model, v, node.datacenter)
+                       for v in self.table.retained(node.model) if v > node.version)
 
-    def _drop_older_dc_copies(self, host: Node) -> None:
+    def drop_older_dc_copies(self, host: Node) -> None:
         """A newer datacenter copy (``host``) was kept: its owner's host copies of older versions
         go, unless one is the last live non-spot copy of its version anywhere (retention)."""
-        for hid in sorted(self._hosts_of.get(host.owner, ())):
-            old = self.nodes[hid]
+        for hid in sorted(self.table.hosts_of.get(host.owner, ())):
+            old = self.table.nodes[hid]
             if old.id == host.id or old.version >= host.version or old.state is not NodeState.PUBLISHED:
                 continue
             if self._other_live_copy(old):
@@ -194,26 +209,26 @@ class CrossDatacenter:
                          old.model, old.version, old.shard, old.id, old.datacenter)
                 self._drain(old)
 
-    def _complete_in(self, model: str, version: int, dc: str) -> bool:
+    def complete_in(self, model: str, version: int, dc: str) -> bool:
         """Every shard of ``version`` has a visible complete holder in datacenter ``dc``."""
-        return all(self._group((model, version, s)).visible_dc[dc] > 0
-                   for s in range(self.models[model].num_shards))
+        return all(self.table.group((model, version, s)).visible_dc[dc] > 0
+                   for s in range(self.table.models[model].num_shards))
 
-    def _newest_in_play(self, model: str, avail: list[int]) -> int:
+    def newest_in_play(self, model: str, avail: list[int]) -> int:
         """The newest retained committed version that is available or on its way to being so:
         every shard has a complete holder (its only one may be draining: a trainer waiting for
         its readers to finish before it writes the next version) or a reader. While the trainer
         drains, ``avail[-1]`` falls back to an older version held elsewhere; skipping decisions
         must not follow it there."""
-        mod = self.models[model]
+        mod = self.table.models[model]
         for v in reversed(mod.committed):
             if v < mod.forgotten_below or v <= avail[-1]:
                 break
-            if all(any(self._group((model, v, s)).counts[st] for st in IN_PLAY) for s in range(mod.num_shards)):
+            if all(any(self.table.group((model, v, s)).counts[st] for st in IN_PLAY) for s in range(mod.num_shards)):
                 return v
         return avail[-1]
 
-    def _smart_skip(self, node: Node, avail: list[int]) -> Optional[tuple[int, int]]:
+    def smart_skip(self, node: Node, avail: list[int]) -> Optional[tuple[int, int]]:
         """While a newer version is on its way into the reader's datacenter (a seed asked of a
         replica there, or any read of it there), answer the newest version already complete
         there instead of queueing behind it -- or the version the reader itself publishes, if
@@ -224,22 +239,22 @@ class CrossDatacenter:
         way); ``-1``, not a skip: the reader holds nothing to keep and reads ``version``, the one
         seeding into its datacenter (behind the local seed, never an older one across). None:
         no skipping rule applies (resolve as usual). "Newest" is the newest version in play
-        (:meth:`_newest_in_play`), not merely the newest with a visible holder now."""
-        newest = self._newest_in_play(node.model, avail)
+        (:meth:`newest_in_play`), not merely the newest with a visible holder now."""
+        newest = self.newest_in_play(node.model, avail)
         dc = node.datacenter
-        shards = range(self.models[node.model].num_shards)
-        if self._complete_in(node.model, newest, dc):
+        shards = range(self.table.models[node.model].num_shards)
+        if self.complete_in(node.model, newest, dc):
             return None
-        local = next((v for v in reversed(avail) if v < newest and self._complete_in(node.model, v, dc)), -1)
+        local = next((v for v in reversed(avail) if v < newest and self.complete_in(node.model, v, dc)), -1)
         own = node.version if node.state is NodeState.PUBLISHED and node.version < newest else -1
         keep = max(local, own)
 
         def active_here(v: int, s: int) -> int:
             me = 1 if (node.version == v and s == node.shard and node.state in (NodeState.READING, NodeState.WAITING)) else 0
-            return self._group((node.model, v, s)).active_dc[dc] - me
+            return self.table.group((node.model, v, s)).active_dc[dc] - me
 
-        seeding = dc in self._seed_pending(node.model, newest) or any(
-            active_here(v, s) > 0 for v in self.retained(node.model) if v > keep for s in shards)
+        seeding = dc in self.seed_pending(node.model, newest) or any(
+            active_here(v, s) > 0 for v in self.table.retained(node.model) if v > keep for s in shards)
         if not seeding:
             return None
         if keep < 0:

@@ -34,8 +34,10 @@ Rules kept here (docs/design.md, section 1):
   known only from announcements settles once every sibling has been heard from: inside the
   window a ``ReplicateDone`` or ``Replicate`` in it waits (``ServerRecovering``).
 
-The rules across datacenters (offload seeding, smart skipping) are a mixin of their own,
-:mod:`tensorhub.core.crossdc`, and so is retention with host copies, :mod:`tensorhub.core.retention`.
+The state the core shares with its parts is one :class:`~tensorhub.core.table.Table`. The rules
+across datacenters (offload seeding, smart skipping) are a part of their own,
+:class:`~tensorhub.core.crossdc.CrossDatacenter`, that gets the table and two functions of the
+core passed in; retention with host copies is still a mixin, :mod:`tensorhub.core.retention`.
 
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
@@ -55,10 +57,10 @@ from typing import Iterable, Mapping, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core import scheduler, versions
-from tensorhub.core.crossdc import CrossDatacenter, SeedCandidates
-from tensorhub.core.index import Group, Index
+from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import DEPARTED_ROUNDS_LEASES, RoundTable
+from tensorhub.core.table import Key, Table
 from tensorhub.core.state import COMPLETE, LEGAL, SERVABLE, VISIBLE_SOURCE, ModelRecord, Node, NodeState
 from tensorhub.errors import (
     InvalidState,
@@ -79,33 +81,35 @@ from tensorhub.errors import (
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, int, int]
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
-_NO_GROUP = Group()
-"""Stands for a group with no node (never written)."""
 
 
-class ReferenceCore(CrossDatacenter, Retention):
-    """The reference table and every rule around it. Not thread-safe: one driver calls it."""
+class ReferenceCore(Retention):
+    """The reference table and every rule around it. Not thread-safe: one driver calls it.
+
+    Its state shared with its parts is :attr:`table` (:class:`~tensorhub.core.table.Table`);
+    :attr:`nodes`, :attr:`models`, :attr:`groups` and :attr:`index` are the table's own
+    (never rebound). The rules across datacenters are the part :attr:`crossdc`."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
         self.config = config or Config()
-        self.nodes: dict[str, Node] = {}
-        self.models: dict[str, ModelRecord] = {}
-        self.groups: dict[Key, set[str]] = {}
+        self.table = Table(self.config)
+        self.nodes = self.table.nodes
+        self.models = self.table.models
+        self.groups = self.table.groups
+        self.index = self.table.index
+        self.crossdc = CrossDatacenter(self.table, drain=self._drain, other_live_copy=self._other_live_copy)
+        """Offload seeding and smart skipping (:mod:`tensorhub.core.crossdc`)."""
         self.txns = RoundTable(DEPARTED_ROUNDS_LEASES * self.config.lease_timeout_s)
         """The replicate rounds of sharded replicas (:mod:`tensorhub.core.rounds`: by replica;
         a departed replica's are forgotten within a bound)."""
         self._order = 0
         self._stamp = 0
-        self._effects: list[m.Deliver] = []
         self._removed: set[str] = set()
         """Clients removed during this request: only their ``Evicted`` reaches them."""
-        self._touched: set[Key] = set()
         self._reseed: set[tuple[str, str]] = set()
         """(model, datacenter) whose offload seeding is re-checked when the request settles."""
-        self._now = 0.0
         self._born: Optional[float] = None
         self._recovering_until = float("-inf")
         self._held_back: dict[str, tuple[str, str, int]] = {}
@@ -116,20 +120,13 @@ class ReferenceCore(CrossDatacenter, Retention):
         """After a restart: announced readers whose source has not announced itself yet."""
         self._probing: dict[str, set[str]] = {}
         """Client -> drained holders waiting for its process's proof of life (``Probe``)."""
-        # Indexes, so that no request scans the table (tensorhub/core/index.py):
-        self.index = Index(self.config.readers_per_source_max)
+        # Registries beyond the table's, so that no request scans it (tensorhub/core/index.py):
         self._shards: dict[tuple[str, str, int], str] = {}
         """(model, replica, shard) -> the client holding that shard (host copies excluded)."""
-        self._replicas: dict[tuple[str, str], set[str]] = {}
-        """(model, replica) -> its clients (host copies excluded)."""
         self._model_nodes: collections.Counter = collections.Counter()
         """model -> nodes (host copies included)."""
         self._model_hosts: collections.Counter = collections.Counter()
         """model -> host copies."""
-        self._hosts_of: dict[str, set[str]] = {}
-        """client -> the host copies it serves."""
-        self._seedable = SeedCandidates()
-        """Per (model, datacenter), the whole replicas that may seed it (offload seeding)."""
         self._lease: dict[str, None] = {}
         """Clients (host copies excluded) in the order they were last heard from, oldest first:
         ``now`` never decreases, so moving a client to the end on each request keeps it sorted."""
@@ -139,10 +136,8 @@ class ReferenceCore(CrossDatacenter, Retention):
     def handle(self, req: m.Request, now: float) -> tuple[m.Reply, list[m.Deliver]]:
         """Apply one request at time ``now``. Errors come back as ``ErrorReply`` and change
         nothing (every handler validates before it mutates)."""
-        self._effects = []
+        self.table.begin(now)
         self._removed = set()
-        self._touched = set()
-        self._now = now
         if self._born is None:
             self._born = now
         name = type(req).__name__
@@ -176,11 +171,11 @@ class ReferenceCore(CrossDatacenter, Retention):
             if client_id is not None and client_id in self._probing:
                 self._proved(client_id)
         except TensorHubError as err:
-            assert not self._effects, "a rejected request must not have effects"
+            assert not self.table.effects, "a rejected request must not have effects"
             return m.ErrorReply(code=code_of(err), message=str(err)), []
         self._settle()
-        effects = self._effects
-        self._effects = []
+        effects = self.table.effects
+        self.table.effects = []
         client_id = getattr(req, "client_id", None)
         if isinstance(reply, m.Waiting) and client_id is not None:
             for i, eff in enumerate(effects):
@@ -199,10 +194,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         reported client after ``2.5 * heartbeat_interval_s + grace_s``), so a slow server does
         not mistake its unread queue for dead clients."""
         assert grace_s >= 0, grace_s
-        self._effects = []
+        self.table.begin(now)
         self._removed = set()
-        self._touched = set()
-        self._now = now
         if self._born is None:
             self._born = now
         lease = self.config.lease_timeout_s + grace_s
@@ -229,24 +222,24 @@ class ReferenceCore(CrossDatacenter, Retention):
             if not self._window_closed:
                 # VersionLost was held back during the window: re-check every read group once.
                 self._window_closed = True
-                self._touched.update(n.key for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.READING))
+                self.table.touched.update(n.key for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.READING))
             pending = self.index.awaiting() | self.index.draining()
             for node in sorted((self.nodes[i] for i in pending), key=lambda n: n.order):
                 if node.awaiting_source is not None:
                     node.awaiting_source = None  # its source never came back: schedule it anew
                     self.index.mark(node)
                     self._pending_edges.clear()
-                    self._touched.add(node.key)
+                    self.table.touched.add(node.key)
                 if node.state is NodeState.DRAINING and not node.readers:
                     self._finish_drain(node)
         for mod in self.models.values():
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
-                if rid and now - t >= self.config.seed_wait_s and not self._seeder_busy(mod.name, rid):
+                if rid and now - t >= self.config.seed_wait_s and not self.crossdc.seeder_busy(mod.name, rid):
                     # The asked seeder never started: its datacenter's waiting readers may cross
                     # (replacing the entry looks at them again).
-                    self._set_seed_asked(mod, dc, (v, "", t))
+                    self.crossdc.set_seed_asked(mod, dc, (v, "", t))
         self._settle()
-        effects, self._effects = self._effects, []
+        effects, self.table.effects = self.table.effects, []
         return effects
 
     # ------------------------------------------------------------------ queries
@@ -261,10 +254,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         reason``): a death wave (a node with hundreds of clients, a job's fleet) is removed in
         one pass, with one settle of the groups it touched. Cost: the removals themselves, not
         the table (no removal scans it). Unknown ids are ignored. Returns effects."""
-        self._effects = []
+        self.table.begin(now)
         self._removed = set()
-        self._touched = set()
-        self._now = now
         replicas: dict[tuple[str, str], str] = {}
         for cid in sorted(gone):
             n = self.nodes.get(cid)
@@ -274,7 +265,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             log.info("model=%s replica=%s: %s", model, replica, reason)
             self._remove_replica(model, replica, reason=reason)
         self._settle()
-        effects, self._effects = self._effects, []
+        effects, self.table.effects = self.table.effects, []
         return effects
 
     def holder_counts(self) -> dict[tuple[str, str], int]:
@@ -331,8 +322,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         return out
 
     def retained(self, model: str) -> list[int]:
-        mod = self.models.get(model)
-        return [] if mod is None else [v for v in mod.committed if v >= mod.forgotten_below]
+        """Committed versions of ``model`` not yet forgotten (retention), oldest first."""
+        return self.table.retained(model)
 
     def status(self, model: str = "", layouts: bool = False) -> m.Status:
         """The table as :class:`~tensorhub.core.messages.Status`: every model, or ``model`` only;
@@ -396,7 +387,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         newest = max(rounds)
         version = rounds[newest][1]
         inside = any(n.shard != req.shard and n.state in (NodeState.WAITING, NodeState.READING) and n.version == version
-                     for n in self._replica_nodes(req.model, req.replica_id))
+                     for n in self.table.replica_nodes(req.model, req.replica_id))
         return newest - 1 if inside else newest
 
     def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
@@ -491,7 +482,7 @@ class ReferenceCore(CrossDatacenter, Retention):
 
     def _unheard_shards(self, model: str, replica_id: str, num_shards: int) -> set[int]:
         """Shards of a replica that neither registered/announced nor wait held back."""
-        heard = {n.shard for n in self._replica_nodes(model, replica_id)}
+        heard = {n.shard for n in self.table.replica_nodes(model, replica_id)}
         heard.update(shard for mod, rid, shard in self._held_back.values() if (mod, rid) == (model, replica_id))
         return set(range(num_shards)) - heard
 
@@ -508,7 +499,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         if txn is None or txn[1] == hold.published:
             return None
         _, version, consumed = txn
-        rivals = [n for n in self._replica_nodes(node.model, node.replica_id)
+        rivals = [n for n in self.table.replica_nodes(node.model, node.replica_id)
                   if n.id != node.id and n.shard in consumed and n.version == version and n.state in COMPLETE]
         if not rivals:
             return None
@@ -521,7 +512,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 log.info("model=%s version=%d %s: unconfirmed completion demoted", n.model, n.version, n.id)
                 self._stop_reading(n)  # its readers (if any) are reassigned
                 n.unconfirmed = None
-                self._deliver(n.id, m.Demoted(version=version, reason=(
+                self.table.deliver(n.id, m.Demoted(version=version, reason=(
                     f"round {hold.txn_seq} of replica {node.replica_id}: shard {node.shard}'s confirmed "
                     f"completion of version {hold.published} wins over this unconfirmed one")))
         return None
@@ -530,7 +521,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         """Whether a sibling shard of ``node`` that took ``txn``'s version holds all of it."""
         _, version, consumed = txn
         return any(n.id != node.id and n.shard in consumed and n.version == version and n.state in COMPLETE
-                   for n in self._replica_nodes(node.model, node.replica_id))
+                   for n in self.table.replica_nodes(node.model, node.replica_id))
 
     def _on_Heartbeat(self, req: m.Heartbeat, now: float) -> m.Reply:
         return m.Ok()
@@ -623,7 +614,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 node.awaiting_source = None
                 self.index.mark(node)
                 node.suspects.add(req.source_id)
-                self._touched.add(node.key)
+                self.table.touched.add(node.key)
             return m.Waiting(version=node.version)
         if node.source != req.source_id:
             return self._assignment(node)  # already moved on; repeat the current one
@@ -735,7 +726,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             self._end_proof_wait(node)
             node.state = NodeState.PUBLISHED
             self.index.mark(node)
-            self._touched.add(node.key)
+            self.table.touched.add(node.key)
             return m.Ok()
         self._stop_reading(node)
         return m.Ok()
@@ -784,8 +775,8 @@ class ReferenceCore(CrossDatacenter, Retention):
         )
         self.nodes[node.id] = node
         self._shards[(node.model, node.replica_id, node.shard)] = node.id
-        self._replicas.setdefault((node.model, node.replica_id), set()).add(node.id)
-        self._seedable.update(node.model, node.replica_id, self._replica_nodes(node.model, node.replica_id),
+        self.table.replicas.setdefault((node.model, node.replica_id), set()).add(node.id)
+        self.crossdc.candidates.update(node.model, node.replica_id, self.table.replica_nodes(node.model, node.replica_id),
                               node.num_shards)
         self.txns.returned(node.model, node.replica_id)
         self._model_nodes[node.model] += 1
@@ -810,17 +801,17 @@ class ReferenceCore(CrossDatacenter, Retention):
                 group.discard(node.id)
                 if not group:
                     del self.groups[node.key]
-            self._touched.add(node.key)
+            self.table.touched.add(node.key)
         node.version, node.state, node.progress = version, state, progress
         self.index.mark(node)
         if version >= 0:
             self.groups.setdefault(node.key, set()).add(node.id)
-            self._touched.add(node.key)
+            self.table.touched.add(node.key)
 
     def _has_visible(self, model: str, version: int, shard: int) -> bool:
         """A source now, or one about to publish a host copy (OFFLOADING): a reader resolving
         to such a version waits a moment for the copy instead of failing."""
-        g = self._group((model, version, shard))
+        g = self.table.group((model, version, shard))
         return any(g.counts[s] for s in SERVABLE)
 
     def _maybe_commit(self, node: Node) -> None:
@@ -857,11 +848,11 @@ class ReferenceCore(CrossDatacenter, Retention):
             return
         mod.committed.append(v)
         mod.committed.sort()
-        replica = self._replica_nodes(model, by)
+        replica = self.table.replica_nodes(model, by)
         if replica:
             mod.origin_dc[v] = replica[0].datacenter
         log.info("model=%s version=%d committed by replica %s", model, v, by)
-        self._seed_remote(model)
+        self.crossdc.seed_remote(model)
         keep = self.config.versions_retained
         if len(mod.committed) > keep:
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
@@ -874,10 +865,10 @@ class ReferenceCore(CrossDatacenter, Retention):
         try:
             version = self._resolve_now(node, spec)
         except (VersionNotFound, UnknownModel, VersionExpired) as err:
-            if self._now < self._recovering_until:
+            if self.table.now < self._recovering_until:
                 raise ServerRecovering(f"{err} (holders are still re-announcing after a server restart)") from None
             raise
-        if (self._now < self._recovering_until and not isinstance(spec, int)
+        if (self.table.now < self._recovering_until and not isinstance(spec, int)
                 and version == max(self.available(node.model))
                 and not any(self.nodes[i].state in VISIBLE_SOURCE and not self.nodes[i].host
                             for i in self.groups.get((node.model, version, node.shard), ()))):
@@ -892,11 +883,11 @@ class ReferenceCore(CrossDatacenter, Retention):
         avail = self.available(node.model)
         kind, k = versions.parse_spec(spec)
         if kind == "latest" and k == 0 and self.config.smart_skipping and avail:
-            skipped = self._smart_skip(node, avail)
+            skipped = self.crossdc.smart_skip(node, avail)
             if skipped is not None:
                 node.in_flight = skipped[1]
                 return skipped[0]
-        others = self._model_nodes[node.model] - len(self._replicas.get((node.model, node.replica_id), ()))
+        others = self._model_nodes[node.model] - len(self.table.replicas.get((node.model, node.replica_id), ()))
         if not mod.committed and not others:
             raise UnknownModel(f"{node.model}: no other replica of this model is registered")
         return versions.resolve(spec, node.model, avail, mod.forgotten_below)
@@ -907,7 +898,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         key = (node.model, node.replica_id, req.seq)
         txn = self.txns.get(key)
         if txn is None:
-            present = len(self._replicas.get((node.model, node.replica_id), ()))
+            present = len(self.table.replicas.get((node.model, node.replica_id), ()))
             if present < node.num_shards:
                 # After a restart a sibling may not have re-announced the version it got in this
                 # round yet; resolving now could split the transaction.
@@ -919,7 +910,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             self.txns.drop_before(node.model, node.replica_id, req.seq)
             return version
         spec, version, consumed = txn
-        if (spec == "announced" and self._now < self._recovering_until
+        if (spec == "announced" and self.table.now < self._recovering_until
                 and self._unheard_shards(node.model, node.replica_id, node.num_shards) - {node.shard}):
             # A round known only from announcements is not settled while a sibling has not
             # re-announced: it may bring the old server's confirmed completion of this round at
@@ -947,7 +938,7 @@ class ReferenceCore(CrossDatacenter, Retention):
     def _consumer_unaccounted(self, node: Node, consumed: set[int]) -> bool:
         """A sibling shard that took this round's version is not registered right now (evicted,
         or not re-announced yet): it may still hold the version, so the round must not move."""
-        present = {n.shard for n in self._replica_nodes(node.model, node.replica_id)}
+        present = {n.shard for n in self.table.replica_nodes(node.model, node.replica_id)}
         return any(sh != node.shard and sh not in present for sh in consumed)
 
     def _round_version_held(self, node: Node, version: int) -> bool:
@@ -957,7 +948,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             return True
         return any(n.shard != node.shard and ((n.version == version and n.state is not NodeState.IDLE)
                                               or (n.pending_read is not None and n.pending_read[0] == version))
-                   for n in self._replica_nodes(node.model, node.replica_id))
+                   for n in self.table.replica_nodes(node.model, node.replica_id))
 
     # ------------------------------------------------------------------ unpublish, drain, offload
 
@@ -967,12 +958,12 @@ class ReferenceCore(CrossDatacenter, Retention):
     def _drain(self, node: Node) -> None:
         node.state = NodeState.DRAINING
         self.index.mark(node)
-        self._touched.add(node.key)
+        self.table.touched.add(node.key)
         if not node.readers:
             self._finish_drain(node)
 
     def _finish_drain(self, node: Node) -> None:
-        if self._now < self._recovering_until:
+        if self.table.now < self._recovering_until:
             # Completed by tick() once the recovery window is over: a reader still copying from
             # this holder (a host copy too) under the old server may not have announced yet.
             return
@@ -989,7 +980,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             log.info("model=%s version=%d shard=%d %s holds %s: offload first", node.model, node.version,
                      node.shard, node.id, f"the newest copy in {node.datacenter}" if node.stage_for
                      else "the last non-spot copy")
-            self._deliver(node.id, m.OffloadOrder(version=node.version))
+            self.table.deliver(node.id, m.OffloadOrder(version=node.version))
             return
         self._end_proof_wait(node)
         self._complete_unpublish(node)
@@ -1000,14 +991,14 @@ class ReferenceCore(CrossDatacenter, Retention):
         if node.host:
             self._forget_node(node)
             if node.owner in self.nodes:
-                self._deliver(node.owner, m.DropHostCopy(version=version))
+                self.table.deliver(node.owner, m.DropHostCopy(version=version))
             return
         if node.pending_read is not None:
             target, resume = node.pending_read
             node.pending_read = None
             self._enqueue_read(node, target, resume)
         else:
-            self._deliver(node.id, m.UnpublishDone(version=version))
+            self.table.deliver(node.id, m.UnpublishDone(version=version))
 
     # ------------------------------------------------------------------ reading
 
@@ -1022,7 +1013,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         node.state = NodeState.WAITING
         node.source = None
         self.index.mark(node)
-        self._touched.add(node.key)
+        self.table.touched.add(node.key)
 
     def _detach_from_source(self, node: Node) -> None:
         src = self.nodes.get(node.source) if node.source else None
@@ -1030,7 +1021,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         if src is not None:
             src.readers.discard(node.id)
             self.index.mark(src)
-            self._touched.add(src.key)
+            self.table.touched.add(src.key)
             if src.state is NodeState.DRAINING and not src.readers:
                 self._finish_drain(src)
 
@@ -1074,19 +1065,19 @@ class ReferenceCore(CrossDatacenter, Retention):
         if self._reseed:  # first: a new seed entry may release readers waiting for an old one
             todo, self._reseed = sorted(self._reseed), set()
             for model in sorted({mo for mo, _ in todo}):
-                self._seed_remote(model, {dc for mo, dc in todo if mo == model})
+                self.crossdc.seed_remote(model, {dc for mo, dc in todo if mo == model})
         seen: set[Key] = set()
-        while self._touched:
-            keys = sorted(self._touched)
+        while self.table.touched:
+            keys = sorted(self.table.touched)
             seen.update(keys)
-            self._touched = set()
+            self.table.touched = set()
             for key in keys:
                 self._pump(key)
         self._drop_lost_versions(seen)
         if self._removed:
             # A removed client gets nothing from this request but its eviction (one pass
             # here, not one per removal: a death wave of k clients filters once, not k times).
-            self._effects = [e for e in self._effects
+            self.table.effects = [e for e in self.table.effects
                              if e.client_id not in self._removed or isinstance(e.event, m.Evicted)]
             self._removed = set()
 
@@ -1109,7 +1100,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         g = self.index.group(key)
         if g is None or (not g.waiting and not g.counts[NodeState.READING]):
             return
-        recovering = self._now < self._recovering_until
+        recovering = self.table.now < self._recovering_until
         if not recovering and not g.complete():
             # Every chain of partial holders roots at a complete one; with none left, no
             # reader of this group can finish.
@@ -1118,7 +1109,7 @@ class ReferenceCore(CrossDatacenter, Retention):
                 if n.state in (NodeState.WAITING, NodeState.READING):
                     self._fail_read(n, lost)
             return
-        blocked_dcs = self._seed_pending(key[0], key[1])
+        blocked_dcs = self.crossdc.seed_pending(key[0], key[1])
         passed_over = False
         pool = _GroupPool(self, key)
         origin = self.models[key[0]].origin_dc.get(key[1]) if key[0] in self.models else None
@@ -1169,11 +1160,11 @@ class ReferenceCore(CrossDatacenter, Retention):
                     f"datacenter {reader.datacenter}"))
                 continue
             self._attach(reader, src)
-            self._deliver(reader.id, self._assignment(reader))
+            self.table.deliver(reader.id, self._assignment(reader))
             if passed_over:
                 # An earlier reader found no source; this one may now be its source (a seeder
                 # staging copy that started after it asked): look again.
-                self._touched.add(key)
+                self.table.touched.add(key)
 
     def _attach(self, reader: Node, src: Node) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -1191,17 +1182,17 @@ class ReferenceCore(CrossDatacenter, Retention):
         log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)
         self._stop_reading(node)
         node.failure = m.Failed(code=code_of(err), message=str(err))
-        self._deliver(node.id, node.failure)
+        self.table.deliver(node.id, node.failure)
 
     # ------------------------------------------------------------------ removal
 
     def _remove_replica(self, model: str, replica_id: str, reason: str) -> None:
-        members = sorted(self._replicas.get((model, replica_id), ()))
+        members = sorted(self.table.replicas.get((model, replica_id), ()))
         for nid in members:
             node = self.nodes.get(nid)
             if node is None:
                 continue
-            self._deliver(nid, m.Evicted(reason=reason))
+            self.table.deliver(nid, m.Evicted(reason=reason))
             self._remove(nid)
         # The replica's rounds stay (for a bounded time, tensorhub/core/rounds.py): its members
         # re-announce (or restart) and go on counting from them; a round whose version is gone
@@ -1213,7 +1204,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         node = self.nodes.get(node_id)
         if node is None:
             return
-        for hid in sorted(self._hosts_of.get(node_id, ()), key=lambda h: self.nodes[h].order):
+        for hid in sorted(self.table.hosts_of.get(node_id, ()), key=lambda h: self.nodes[h].order):
             self._remove(hid)
         self._detach_from_source(node)
         for r in sorted(node.readers):
@@ -1227,7 +1218,7 @@ class ReferenceCore(CrossDatacenter, Retention):
             if asked is not None and asked[1] in ("", node.replica_id, node.replica_id.removesuffix("~prefetch")):
                 # The seeder (or the reader that had the version there) is gone: another
                 # replica of that datacenter takes over the seed.
-                self._set_seed_asked(mod, node.datacenter, None)
+                self.crossdc.set_seed_asked(mod, node.datacenter, None)
                 self._reseed.add((node.model, node.datacenter))
         self._removed.add(node_id)
 
@@ -1244,19 +1235,19 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._model_nodes[node.model] -= 1
         if node.host:
             self._model_hosts[node.model] -= 1
-            hosts = self._hosts_of.get(node.owner)
+            hosts = self.table.hosts_of.get(node.owner)
             if hosts is not None:
                 hosts.discard(node.id)
                 if not hosts:
-                    del self._hosts_of[node.owner]
+                    del self.table.hosts_of[node.owner]
             return
         del self._shards[(node.model, node.replica_id, node.shard)]
-        replica = self._replicas[(node.model, node.replica_id)]
+        replica = self.table.replicas[(node.model, node.replica_id)]
         replica.discard(node.id)
         if not replica:
-            del self._replicas[(node.model, node.replica_id)]
-            self.txns.departed(node.model, node.replica_id, self._now)
-        self._seedable.update(node.model, node.replica_id, self._replica_nodes(node.model, node.replica_id),
+            del self.table.replicas[(node.model, node.replica_id)]
+            self.txns.departed(node.model, node.replica_id, self.table.now)
+        self.crossdc.candidates.update(node.model, node.replica_id, self.table.replica_nodes(node.model, node.replica_id),
                               node.num_shards)
         del self._lease[node.id]
 
@@ -1265,17 +1256,7 @@ class ReferenceCore(CrossDatacenter, Retention):
         self._lease.pop(node.id, None)
         self._lease[node.id] = None
 
-    def _replica_nodes(self, model: str, replica_id: str) -> list[Node]:
-        """The clients of one replica (host copies excluded)."""
-        return [self.nodes[i] for i in self._replicas.get((model, replica_id), ())]
-
-    def _group(self, key: Key) -> Group:
-        return self.index.group(key) or _NO_GROUP
-
     # ------------------------------------------------------------------ helpers
-
-    def _deliver(self, client_id: str, event: m.Event) -> None:
-        self._effects.append(m.Deliver(client_id=client_id, event=event))
 
     def _describe(self, node: Node) -> str:
         v = f" version {node.version}" if node.version >= 0 else ""
@@ -1319,16 +1300,16 @@ class _GroupPool:
             yield n
 
     def everyone(self) -> Iterable[Node]:
-        return self._nodes(self.core._group(self.key).all_candidates())
+        return self._nodes(self.core.table.group(self.key).all_candidates())
 
     def in_datacenter(self, dc: str) -> Iterable[Node]:
-        return self._nodes(self.core._group(self.key).candidates_in(dc))
+        return self._nodes(self.core.table.group(self.key).candidates_in(dc))
 
     def staged_for(self, reader_id: str) -> Iterable[Node]:
-        return self._nodes(self.core._group(self.key).staged.get(reader_id, ()))
+        return self._nodes(self.core.table.group(self.key).staged.get(reader_id, ()))
 
     def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
-        return self._nodes(self.core._group(self.key).free(dc, machine))
+        return self._nodes(self.core.table.group(self.key).free(dc, machine))
 
     def readers_in(self, cand: Node, dc: str) -> int:
         nodes = self.core.nodes

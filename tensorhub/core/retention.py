@@ -6,7 +6,7 @@ table), kept apart because it is one concern (docs/design.md, section 1, rule 4)
 - the last live non-spot complete holder of a retained version offloads it to host memory
   before it unpublishes (``_needs_offload``; an ``OffloadOrder``, answered by ``OffloadDone``);
   a seeder's staging copy also keeps its datacenter's newest copy that way
-  (:meth:`~tensorhub.core.crossdc.CrossDatacenter._keeps_dc_copy`);
+  (:meth:`~tensorhub.core.crossdc.CrossDatacenter.keeps_dc_copy`);
 - the first non-spot reader to hold a retained version is asked to copy it ahead, in the
   background (``MakeHostCopy``, answered by ``HostCopy``), so that unpublish has nothing left to copy;
 - a host copy is a node of its own (``<owner>#host<version>``), served by its owner's process;
@@ -53,7 +53,7 @@ class Retention:
             return
         node.copy_asked = node.version
         self.index.mark(node)
-        self._deliver(node.id, m.MakeHostCopy(version=node.version))
+        self.table.deliver(node.id, m.MakeHostCopy(version=node.version))
 
     def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
@@ -63,16 +63,16 @@ class Retention:
         if self._own_host_copy(node, req.version) or self._needs_offload(node):
             self._add_host_copy(node, req.version, req.endpoint)
             if node.stage_for:
-                self._drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
+                self.crossdc.drop_older_dc_copies(self.nodes[f"{node.id}#host{req.version}"])
         else:  # another non-spot holder appeared meanwhile: the copy is not needed
-            self._deliver(node.id, m.DropHostCopy(version=req.version))
+            self.table.deliver(node.id, m.DropHostCopy(version=req.version))
         if node.readers:
             # A reader re-announced (after a restart) as still copying from this holder while it
             # offloaded: the holder may not write until that read ends, so it drains again (its
             # host copy, if kept, is published now: the drain ends without a second offload).
             node.state = NodeState.DRAINING
             self.index.mark(node)
-            self._touched.add(node.key)
+            self.table.touched.add(node.key)
             return m.Waiting(version=req.version)
         self._complete_unpublish(node)
         return m.Waiting(version=req.version)
@@ -83,13 +83,13 @@ class Retention:
             return m.Ok()  # listed already (announced, or this report came twice): keep it
         wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
                   and req.version in self.retained(node.model)
-                  and not self._group(node.key).hosts)
+                  and not self.table.group(node.key).hosts)
         node.copy_asked = -1
         self.index.mark(node)
         if wanted:
             self._add_host_copy(node, req.version, req.endpoint)
         else:
-            self._deliver(node.id, m.DropHostCopy(version=req.version))
+            self.table.deliver(node.id, m.DropHostCopy(version=req.version))
         return m.Ok()
 
     def _own_host_copy(self, owner: Node, version: int) -> bool:
@@ -113,7 +113,7 @@ class Retention:
         self.nodes[hid] = host
         self._model_nodes[host.model] += 1
         self._model_hosts[host.model] += 1
-        self._hosts_of.setdefault(owner.id, set()).add(hid)
+        self.table.hosts_of.setdefault(owner.id, set()).add(hid)
         self._set_version(host, version, NodeState.PUBLISHED, host.units)
         self._maybe_commit(host)
         log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
@@ -127,7 +127,7 @@ class Retention:
         pulse got no answer) is that same copy, maybe draining under a reader: left as it is."""
         if self._own_host_copy(owner, version):
             return
-        if version < self.models[owner.model].forgotten_below and self._now < self._recovering_until:
+        if version < self.models[owner.model].forgotten_below and self.table.now < self._recovering_until:
             # Listed, hidden from new readers and freed when the recovery window ends: a reader
             # still copying from it under the old server may not have announced that edge yet.
             self._add_host_copy(owner, version, endpoint)
@@ -136,7 +136,7 @@ class Retention:
         if version < self.models[owner.model].forgotten_below:
             log.info("model=%s version=%d: host copy announced by %s is past retention: dropped",
                      owner.model, version, owner.id)
-            self._deliver(owner.id, m.DropHostCopy(version=version))
+            self.table.deliver(owner.id, m.DropHostCopy(version=version))
             return
         self._add_host_copy(owner, version, endpoint)
 
@@ -164,7 +164,7 @@ class Retention:
         proved lately that it is alive (or a datacenter copy to keep)."""
         if node.spot or node.host or node.version not in self.retained(node.model):
             return False
-        if self._keeps_dc_copy(node):
+        if self.crossdc.keeps_dc_copy(node):
             return True
         return not any(self._heard_lately(o) for o in self._other_copies(node))
 
@@ -186,20 +186,20 @@ class Retention:
         offloads at once."""
         doubted = heapq.nsmallest(_PROBES_MAX, {o.owner if o.host else o.id for o in self._other_copies(node)
                                                 if self._attended_only(o)})
-        if not doubted or self._keeps_dc_copy(node):
+        if not doubted or self.crossdc.keeps_dc_copy(node):
             self._end_proof_wait(node)
             return False
         if node.proof_until is None:
-            node.proof_until = self._now + 2.5 * self.config.heartbeat_interval_s
+            node.proof_until = self.table.now + 2.5 * self.config.heartbeat_interval_s
             for gone in [c for c in self._probing if c not in self.nodes]:
                 del self._probing[gone]  # removed without a word since it was probed
             for cid in doubted:
                 self._probing.setdefault(cid, set()).add(node.id)
-                self._deliver(cid, m.Probe())
+                self.table.deliver(cid, m.Probe())
             log.info("model=%s version=%d shard=%d %s: other copies are held by %s, whose pulses are held: "
                      "probing before the offload is skipped", node.model, node.version, node.shard, node.id, doubted)
             return True
-        if self._now < node.proof_until:
+        if self.table.now < node.proof_until:
             return True
         log.info("model=%s version=%d shard=%d %s: no proof from %s: offload", node.model, node.version,
                  node.shard, node.id, doubted)
@@ -228,7 +228,7 @@ class Retention:
         if self._model_nodes[node.model] - self._model_hosts[node.model] <= 1:
             return []  # node is the model's only client
         retained = self.retained(node.model)
-        mine = [node] + [self.nodes[h] for h in self._hosts_of.get(node.id, ())]
+        mine = [node] + [self.nodes[h] for h in self.table.hosts_of.get(node.id, ())]
         held = set()
         for n in mine:
             if n.spot or n.version not in retained or n.state not in COMPLETE:
@@ -261,7 +261,7 @@ class Retention:
         owner = self.nodes.get(node.owner) if node.host else node
         if owner is None or owner.unreachable or owner.suspected_at is not None:
             return False
-        return self._now - (owner.last_seen if attended else owner.heard_at) <= 2.5 * self.config.heartbeat_interval_s
+        return self.table.now - (owner.last_seen if attended else owner.heard_at) <= 2.5 * self.config.heartbeat_interval_s
 
     def _attended_only(self, node: Node) -> bool:
         """``node``'s process is vouched for by a held pulse only (no request of its own lately)."""

@@ -1,0 +1,67 @@
+"""The reference table: the state the reference core and its parts share.
+
+:class:`Table` holds the nodes, the models, the index and the registries every part of the core
+reads (:class:`tensorhub.core.reference.ReferenceCore`, which owns the table and every rule that
+changes a node's state; :class:`tensorhub.core.crossdc.CrossDatacenter`, which gets it passed
+in), plus what one request or tick collects while it runs: its clock, the groups it touched
+(pumped when it settles) and the events it delivers. Queries only: a part changes a node through
+a function of the core it was given, never by writing a node's state here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core.index import Group, Index
+from tensorhub.core.state import ModelRecord, Node
+
+Key = tuple[str, int, int]
+"""(model, version, shard): one group of nodes."""
+_NO_GROUP = Group()
+"""Stands for a group with no node (never written)."""
+
+
+class Table:
+    """The reference core's shared state (see the module docstring). Not thread-safe: the core's
+    one driver reaches it through the core."""
+
+    def __init__(self, config: Optional[Config] = None) -> None:
+        self.config = config or Config()
+        self.nodes: dict[str, Node] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.groups: dict[Key, set[str]] = {}
+        self.index = Index(self.config.readers_per_source_max)
+        """Waiting queues, free sources and counts per group (:mod:`tensorhub.core.index`)."""
+        self.replicas: dict[tuple[str, str], set[str]] = {}
+        """(model, replica) -> its clients (host copies excluded)."""
+        self.hosts_of: dict[str, set[str]] = {}
+        """client -> the host copies it serves."""
+        self.now = 0.0
+        """The clock of the request or tick being applied."""
+        self.touched: set[Key] = set()
+        """Groups whose queues are looked at again when the request settles."""
+        self.effects: list[m.Deliver] = []
+        """Events the request or tick delivers."""
+
+    def begin(self, now: float) -> None:
+        """A request or tick starts: its clock; nothing touched or delivered yet."""
+        self.effects = []
+        self.touched = set()
+        self.now = now
+
+    def group(self, key: Key) -> Group:
+        """The index's group of ``key`` (an empty one, never written, if it has no node)."""
+        return self.index.group(key) or _NO_GROUP
+
+    def replica_nodes(self, model: str, replica_id: str) -> list[Node]:
+        return [self.nodes[i] for i in self.replicas.get((model, replica_id), ())]
+
+    def retained(self, model: str) -> list[int]:
+        """Committed versions of ``model`` not yet forgotten (retention), oldest first."""
+        mod = self.models.get(model)
+        return [] if mod is None else [v for v in mod.committed if v >= mod.forgotten_below]
+
+    def deliver(self, client_id: str, event: m.Event) -> None:
+        self.effects.append(m.Deliver(client_id=client_id, event=event))
