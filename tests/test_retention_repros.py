@@ -12,6 +12,7 @@ import pytest
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.core.retention import Retention
 from tensorhub.core.state import NodeState
 from tensorhub.ports import LocalPort
 from tensorhub.server.requests import Mailboxes, PulseHolds, apply_request, holdable
@@ -109,7 +110,7 @@ def test_a_probed_holder_that_pulses_again_spares_the_offload():
     srv.call(m.Pulse(beats=(m.Beat("R"),)))
     assert srv.pop("T") == [m.UnpublishDone(version=1)]
     assert srv.core.nodes["T"].state is NodeState.IDLE and "T#host1" not in srv.core.nodes
-    assert not srv.core._probing
+    assert not srv.core.retention.probing
 
 
 def test_a_fleet_of_idle_holders_is_probed_a_few_at_a_time():
@@ -133,7 +134,7 @@ def test_a_fleet_of_idle_holders_is_probed_a_few_at_a_time():
     assert len(probed) == 4
     srv.call(m.Pulse(beats=(m.Beat(probed[-1]),)))
     assert srv.pop("T") == [m.UnpublishDone(version=1)]
-    assert "T#host1" not in srv.core.nodes and not srv.core._probing
+    assert "T#host1" not in srv.core.nodes and not srv.core.retention.probing
 
 
 def test_without_held_pulses_a_silent_holder_is_not_probed():
@@ -240,11 +241,17 @@ def test_seed_4300_replays_without_violations():
     assert r.violations == []
 
 
-class _HeldPulseTrusted(ReferenceCore):
+class _HeldPulseTrustedRetention(Retention):
     """The rule before the fix: a held pulse counts as proof of life for the last-copy rule."""
 
-    def _heard_lately(self, node, attended: bool = False) -> bool:
-        return super()._heard_lately(node, attended=True)
+    def heard_lately(self, node, attended: bool = False) -> bool:
+        return super().heard_lately(node, attended=True)
+
+
+def _held_pulse_trusted(*args, **kwargs) -> ReferenceCore:
+    core = ReferenceCore(*args, **kwargs)
+    core.retention.__class__ = _HeldPulseTrustedRetention  # the same part, with the old rule
+    return core
 
 
 @pytest.mark.parametrize("seed", [1, 26])
@@ -252,7 +259,7 @@ def test_ghost_checker_flags_an_offload_skipped_for_copies_on_crashed_held_proce
     """sim_held_pulse_ghost_holders_unflagged.py: the simulator's ``ghost`` checker. With the
     old rule an unpublish skipped the offload while its only other copies were on processes dead for seconds, kept 'heard from' by their
     held pulses; with the rule fixed, the same seed is clean."""
-    kinds = [k for k, _, _ in run_scenario(seed, core_factory=_HeldPulseTrusted).violations]
+    kinds = [k for k, _, _ in run_scenario(seed, core_factory=_held_pulse_trusted).violations]
     assert "ghost" in kinds
     assert run_scenario(seed).violations == []
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.core.retention import Retention
 from tensorhub.sim import WORKLOADS, run_scenario
 from tensorhub.sim.faults import FAULT_KINDS
 from tensorhub.sim.whatif import run_whatif
@@ -98,11 +99,17 @@ class _NoTransaction(ReferenceCore):
         return self._resolve(node, req.spec)
 
 
-class _NoOffload(ReferenceCore):
+class _NoOffloadRetention(Retention):
     """Planted bug: the last non-spot holder never offloads."""
 
-    def _needs_offload(self, node):
+    def needs_offload(self, node):
         return False
+
+
+def _NoOffload(*args, **kwargs) -> ReferenceCore:
+    core = ReferenceCore(*args, **kwargs)
+    core.retention.__class__ = _NoOffloadRetention
+    return core
 
 
 @pytest.mark.parametrize("core, workload, kind", [

@@ -20,6 +20,7 @@ from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.core.retention import Retention
 from tensorhub.core.state import VISIBLE_SOURCE
 from tensorhub.errors import InvalidState
 from tensorhub.sim import run_scenario
@@ -72,19 +73,19 @@ def retains_one_more(mp):
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
-                self._forget(model, old)
+                self.retention.forget(model, old)
     mp.setattr(ReferenceCore, "_commit", bad)
 
 
 def host_copies_never_dropped(mp):
     """A version past retention keeps its host copies."""
-    mp.setattr(ReferenceCore, "_forget", lambda self, model, version: self.models[model].origin_dc.pop(version, None))
+    mp.setattr(Retention, "forget", lambda self, model, version: self.table.models[model].origin_dc.pop(version, None))
 
 
 def dead_holder_counts_as_live(mp):
     """Every holder in the table counts as a live copy, heard from or not."""
-    mp.setattr(ReferenceCore, "_heard_lately",
-               lambda self, node: (self.nodes.get(node.owner) if node.host else node) is not None)
+    mp.setattr(Retention, "heard_lately",
+               lambda self, node: (self.table.nodes.get(node.owner) if node.host else node) is not None)
 
 
 def no_round_check_at_done(mp):

@@ -83,7 +83,7 @@ def test_an_announcement_while_the_server_is_up_leaves_a_draining_host_copy_to_i
     a = w.send(m.Replicate("r", 1))
     assert isinstance(a, m.Assignment) and a.source_id == "t#host1"
     w.core.models["pol"].forgotten_below = 2  # version 1 went past retention meanwhile
-    w.core._forget("pol", 1)  # its host copy drains: the read goes on
+    w.core.retention.forget("pol", 1)  # its host copy drains: the read goes on
     w.pop("t")
     assert w.send(m.Announce(reg, m.Holding(host_copies=((1, b"h1"),)))) == m.Ok()
     assert m.DropHostCopy(version=1) not in w.pop("t"), "not freed under the read"

@@ -1,9 +1,9 @@
 """The reference core's rules across datacenters: offload seeding and smart skipping.
 
 A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it is one concern:
-:class:`CrossDatacenter` gets the core's shared :class:`~tensorhub.core.table.Table` and the two
-functions of the core it needs (``drain``, retention's ``other_live_copy``) passed in, and owns
-the candidate seeders (:class:`SeedCandidates`).
+:class:`CrossDatacenter` gets the core's shared :class:`~tensorhub.core.table.Table` passed in and
+owns the candidate seeders (:class:`SeedCandidates`); what it decides about host copies (a seed's
+datacenter copy kept: :meth:`CrossDatacenter.keeps_dc_copy`) retention acts on.
 
 - **Offload seeding** (:meth:`CrossDatacenter.seed_remote`): when a version is committed, ask one replica of every
   other datacenter with readers (idle before busy, non-spot before spot) to prefetch it into its
@@ -98,17 +98,13 @@ class CrossDatacenter:
     """Offload seeding and smart skipping (see the module docstring): a part of the reference
     core. It reads the shared :class:`~tensorhub.core.table.Table`, keeps its own candidate
     seeders (:attr:`candidates`) and each model's ``seed_asked`` entries, and delivers
-    ``SeedAhead``; a node's state it changes only through the core's ``drain``, and it asks
-    retention (``other_live_copy``) whether a host copy is the last live one of its version."""
+    ``SeedAhead``; it changes no node's state."""
 
-    def __init__(self, table: Table, *, drain: Callable[[Node], None],
-                 other_live_copy: Callable[[Node], bool]) -> None:
+    def __init__(self, table: Table) -> None:
         self.table = table
         self.candidates = SeedCandidates()
         """Per (model, datacenter), the whole replicas that may seed it; the core updates it as
         a replica gains or loses a client."""
-        self._drain = drain
-        self._other_live_copy = other_live_copy
 
     def seed_remote(self, model: str, dcs: Optional[set[str]] = None) -> None:
         """Offload seeding: every datacenter (of ``dcs``, default all) with readers of ``model``
@@ -196,18 +192,6 @@ class CrossDatacenter:
             return False  # another holder there keeps it
         return not any(self.complete_in(node.model, v, node.datacenter)
                        for v in self.table.retained(node.model) if v > node.version)
-
-    def drop_older_dc_copies(self, host: Node) -> None:
-        """A newer datacenter copy (``host``) was kept: its owner's host copies of older versions
-        go, unless one is the last live non-spot copy of its version anywhere (retention)."""
-        for hid in sorted(self.table.hosts_of.get(host.owner, ())):
-            old = self.table.nodes[hid]
-            if old.id == host.id or old.version >= host.version or old.state is not NodeState.PUBLISHED:
-                continue
-            if self._other_live_copy(old):
-                log.info("model=%s version=%d shard=%d host copy %s: a newer one is kept in %s",
-                         old.model, old.version, old.shard, old.id, old.datacenter)
-                self._drain(old)
 
     def complete_in(self, model: str, version: int, dc: str) -> bool:
         """Every shard of ``version`` has a visible complete holder in datacenter ``dc``."""

@@ -36,8 +36,9 @@ Rules kept here (docs/design.md, section 1):
 
 The state the core shares with its parts is one :class:`~tensorhub.core.table.Table`. The rules
 across datacenters (offload seeding, smart skipping) are a part of their own,
-:class:`~tensorhub.core.crossdc.CrossDatacenter`, that gets the table and two functions of the
-core passed in; retention with host copies is still a mixin, :mod:`tensorhub.core.retention`.
+:class:`~tensorhub.core.crossdc.CrossDatacenter`, that gets the table passed in; so is retention
+with host copies, :class:`~tensorhub.core.retention.Retention`, that gets the table and the
+functions of the core it acts through.
 
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the core keeps registries by replica, shard, host-copy
@@ -85,12 +86,13 @@ _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
 
 
-class ReferenceCore(Retention):
+class ReferenceCore:
     """The reference table and every rule around it. Not thread-safe: one driver calls it.
 
     Its state shared with its parts is :attr:`table` (:class:`~tensorhub.core.table.Table`);
     :attr:`nodes`, :attr:`models`, :attr:`groups` and :attr:`index` are the table's own
-    (never rebound). The rules across datacenters are the part :attr:`crossdc`."""
+    (never rebound). The rules across datacenters are the part :attr:`crossdc`, retention the
+    part :attr:`retention`."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
         self.config = config or Config()
@@ -99,8 +101,14 @@ class ReferenceCore(Retention):
         self.models = self.table.models
         self.groups = self.table.groups
         self.index = self.table.index
-        self.crossdc = CrossDatacenter(self.table, drain=self._drain, other_live_copy=self._other_live_copy)
+        self.crossdc = CrossDatacenter(self.table)
         """Offload seeding and smart skipping (:mod:`tensorhub.core.crossdc`)."""
+        self.retention = Retention(
+            self.table, add_host_copy=self._add_host_copy, drain=self._drain, finish_drain=self._finish_drain,
+            complete_unpublish=self._complete_unpublish, describe=self._describe,
+            keeps_dc_copy=self.crossdc.keeps_dc_copy, recovering_until=lambda: self._recovering_until,
+            clients_in=lambda model: self._model_nodes[model] - self._model_hosts[model])
+        """Host copies and retention (:mod:`tensorhub.core.retention`)."""
         self.txns = RoundTable(DEPARTED_ROUNDS_LEASES * self.config.lease_timeout_s)
         """The replicate rounds of sharded replicas (:mod:`tensorhub.core.rounds`: by replica;
         a departed replica's are forgotten within a bound)."""
@@ -118,8 +126,6 @@ class ReferenceCore(Retention):
         self._window_closed = True
         self._pending_edges: dict[str, set[str]] = {}
         """After a restart: announced readers whose source has not announced itself yet."""
-        self._probing: dict[str, set[str]] = {}
-        """Client -> drained holders waiting for its process's proof of life (``Probe``)."""
         # Registries beyond the table's, so that no request scans it (tensorhub/core/index.py):
         self._shards: dict[tuple[str, str, int], str] = {}
         """(model, replica, shard) -> the client holding that shard (host copies excluded)."""
@@ -168,8 +174,8 @@ class ReferenceCore(Retention):
                 if node.state not in LEGAL[name]:
                     raise InvalidState(f"{name} is not allowed while {self._describe(node)}")
             reply = getattr(self, f"_on_{name}")(req, now)
-            if client_id is not None and client_id in self._probing:
-                self._proved(client_id)
+            if client_id is not None and client_id in self.retention.probing:
+                self.retention.proved(client_id)
         except TensorHubError as err:
             assert not self.table.effects, "a rejected request must not have effects"
             return m.ErrorReply(code=code_of(err), message=str(err)), []
@@ -451,7 +457,7 @@ class ReferenceCore(Retention):
                 if reader.version == node.version:
                     self._attach(reader, node)
         for version, endpoint in hold.host_copies:
-            self._announced_host_copy(node, version, endpoint)
+            self.retention.announced_host_copy(node, version, endpoint)
         if completes and node.version == hold.published and node.state in COMPLETE:
             node.unconfirmed = None if hold.confirmed or hold.txn_seq < 0 else (hold.txn_seq, hold.published)
         if refused is not None:
@@ -677,7 +683,7 @@ class ReferenceCore(Retention):
         node.awaiting_source = None
         self.index.mark(node)
         self._maybe_commit(node)
-        self._ask_host_copy(node)
+        self.retention.ask_host_copy(node)
 
     def _on_Swap(self, req: m.Swap, now: float) -> m.Reply:
         """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""
@@ -708,7 +714,7 @@ class ReferenceCore(Retention):
         self._set_version(y, -1, NodeState.IDLE, 0)
         self._set_version(x, req.version, NodeState.PUBLISHED, x.units)
         self._maybe_commit(x)
-        self._ask_host_copy(x)
+        self.retention.ask_host_copy(x)
         return m.Ok()
 
     def _on_ReplicateAbort(self, req: m.ReplicateAbort, now: float) -> m.Reply:
@@ -723,7 +729,7 @@ class ReferenceCore(Retention):
             if node.pending_read is None:
                 raise InvalidState(f"{self._describe(node)}: unpublishing, no read to abort")
             node.pending_read = None
-            self._end_proof_wait(node)
+            self.retention.end_proof_wait(node)
             node.state = NodeState.PUBLISHED
             self.index.mark(node)
             self.table.touched.add(node.key)
@@ -733,7 +739,7 @@ class ReferenceCore(Retention):
 
     def _on_Leave(self, req: m.Leave, now: float) -> m.Reply:
         if not req.drop_last_copy:
-            held = self._last_copies(self.nodes[req.client_id])
+            held = self.retention.last_copies(self.nodes[req.client_id])
             if held:
                 raise LastCopyHeld(
                     f"{self._describe(self.nodes[req.client_id])} serves the last live non-spot copy of "
@@ -744,6 +750,12 @@ class ReferenceCore(Retention):
         return m.Ok()
 
     # ------------------------------------------------------------------ registration
+
+    def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
+        return self.retention.on_offload_done(req)
+
+    def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
+        return self.retention.on_host_copy(req)
 
     def _check_registration(self, req: m.Register) -> None:
         if req.num_shards < 1 or not 0 <= req.shard < req.num_shards:
@@ -783,6 +795,27 @@ class ReferenceCore(Retention):
         self._lease[node.id] = None
         self.index.mark(node)
         return node
+
+    def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
+        """``owner``'s host copy of ``version`` becomes a node of its own (``<owner>#host<version>``),
+        published and served by ``owner``'s process (retention decides when)."""
+        hid = f"{owner.id}#host{version}"
+        if hid in self.nodes:
+            return
+        self._order += 1
+        host = Node(
+            id=hid, model=owner.model, replica_id=f"{owner.replica_id}#host", shard=owner.shard,
+            num_shards=owner.num_shards, datacenter=owner.datacenter, spot=False,
+            layout=owner.layout, endpoint=endpoint, order=self._order, host=True, owner=owner.id,
+            machine=owner.machine,
+        )
+        self.nodes[hid] = host
+        self._model_nodes[host.model] += 1
+        self._model_hosts[host.model] += 1
+        self.table.hosts_of.setdefault(owner.id, set()).add(hid)
+        self._set_version(host, version, NodeState.PUBLISHED, host.units)
+        self._maybe_commit(host)
+        log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
 
     def _registration_of(self, n: Node) -> m.Register:
         return m.Register(
@@ -858,8 +891,8 @@ class ReferenceCore(Retention):
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
-                self._forget(model, old)
-            self._forget_below(model, mod.forgotten_below)
+                self.retention.forget(model, old)
+            self.retention.forget_below(model, mod.forgotten_below)
 
     def _resolve(self, node: Node, spec: m.VersionSpec) -> int:
         try:
@@ -972,8 +1005,8 @@ class ReferenceCore(Retention):
     def _finish_drain_now(self, node: Node) -> None:
         """No reader is left. Offload first when this is the last non-spot copy of a retained
         version (checked now, not at unpublish time: the readers just drained are holders now)."""
-        if not node.host and self._needs_offload(node):
-            if self._awaits_proof(node):
+        if not node.host and self.retention.needs_offload(node):
+            if self.retention.awaits_proof(node):
                 return  # stays DRAINING until the proof or proof_until (tick)
             node.state = NodeState.OFFLOADING
             self.index.mark(node)
@@ -982,7 +1015,7 @@ class ReferenceCore(Retention):
                      else "the last non-spot copy")
             self.table.deliver(node.id, m.OffloadOrder(version=node.version))
             return
-        self._end_proof_wait(node)
+        self.retention.end_proof_wait(node)
         self._complete_unpublish(node)
 
     def _complete_unpublish(self, node: Node) -> None:
