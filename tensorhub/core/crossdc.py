@@ -138,7 +138,7 @@ class CrossDatacenter:
                 continue
             if asked is not None and asked[0] >= v and self.candidates.has(model, dc, asked[1]):
                 continue  # asked already, and alive
-            nodes = self.candidates.choose(model, dc, lambda rid: [self.table.nodes[i] for i in self.table.replicas[(model, rid)]])
+            nodes = self.candidates.choose(model, dc, lambda rid: self.table.replica_nodes(model, rid))
             self.set_seed_asked(mod, dc, (v, nodes[0].replica_id, self.table.now))
             log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
             for n in sorted(nodes, key=lambda n: n.shard):

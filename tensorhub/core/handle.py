@@ -574,17 +574,14 @@ class HandleMachine:
         req = self._req
         if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
             # An unconfirmed completion of a sharded round waits for its siblings to announce
-            # (ReferenceCore._holds_back): announce again after a pause, for a request timeout
-            # from the first such answer.
-            done = isinstance(req, m.ReplicateDone)
-            if done and self._held_by is None:
-                self._held_by = now + self.request_timeout_s
-            if now + RETRY_PAUSE_S < (self._held_by if done else self._deadline):
-                self._attempt = 0  # the server answered: held back is not lost
-                if done:
-                    # A lost answer once the server takes it is tried again as long as after the
-                    # last byte (the wait does not use up the completion's own time).
-                    self._done_by = max(self._done_by, now + self.request_timeout_s)
+            # (ReferenceCore._holds_back): announce again after a pause.
+            if isinstance(req, m.ReplicateDone):
+                held = self._hold_completion(now, Step.ANNOUNCE_PAUSE)
+                if held is not None:
+                    self._attempt = 0  # the server answered: held back is not lost
+                    return held
+            elif now + RETRY_PAUSE_S < self._deadline:
+                self._attempt = 0
                 self.step = Step.ANNOUNCE_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]
         if isinstance(reply, m.ErrorReply) and isinstance(req, m.ReplicateDone) and self._may_retry_lost(reply):
@@ -689,14 +686,10 @@ class HandleMachine:
             case m.ReplicateDone(version=version):
                 if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
                     # A fresh server holds a completion of a sharded round back until every
-                    # sibling re-announced (ReferenceCore._on_ReplicateDone): ask again after a
-                    # pause, for a request timeout from the first such answer.
-                    if self._held_by is None:
-                        self._held_by = now + self.request_timeout_s
-                    if now + RETRY_PAUSE_S < self._held_by:
-                        self._done_by = max(self._done_by, now + self.request_timeout_s)
-                        self.step = Step.RETRY_PAUSE
-                        return [Sleep(RETRY_PAUSE_S)]
+                    # sibling re-announced (ReferenceCore._on_ReplicateDone): ask again after a pause.
+                    held = self._hold_completion(now, Step.RETRY_PAUSE)
+                    if held is not None:
+                        return held
                 if isinstance(reply, m.Ok):
                     self._read_open = False
                     self.published = version
@@ -773,6 +766,19 @@ class HandleMachine:
         if self._may_retry_lost(lost):
             return self._retry_lost(now)
         return self._fail(lost.code, lost.message)
+
+    def _hold_completion(self, now: float, step: Step) -> Optional[list[Command]]:
+        """A fresh server held this completion back (``ServerRecovering``): pause in ``step``,
+        then send it again, for a request timeout from the first such answer. A lost answer once
+        the server takes it is still tried again as long as after the last byte (the wait does
+        not use up the completion's own time). None: that time is up."""
+        if self._held_by is None:
+            self._held_by = now + self.request_timeout_s
+        if now + RETRY_PAUSE_S >= self._held_by:
+            return None
+        self._done_by = max(self._done_by, now + self.request_timeout_s)
+        self.step = step
+        return [Sleep(RETRY_PAUSE_S)]
 
     def _retry_lost(self, now: float) -> list[Command]:
         """The one retry of a relative update whose version was lost: the read it ends is over

@@ -180,8 +180,7 @@ class ReferenceCore:
             assert not self.table.effects, "a rejected request must not have effects"
             return m.ErrorReply(code=code_of(err), message=str(err)), []
         self._settle()
-        effects = self.table.effects
-        self.table.effects = []
+        effects = self.table.take_effects()
         client_id = getattr(req, "client_id", None)
         if isinstance(reply, m.Waiting) and client_id is not None:
             for i, eff in enumerate(effects):
@@ -245,8 +244,7 @@ class ReferenceCore:
                     # (replacing the entry looks at them again).
                     self.crossdc.set_seed_asked(mod, dc, (v, "", t))
         self._settle()
-        effects, self.table.effects = self.table.effects, []
-        return effects
+        return self.table.take_effects()
 
     # ------------------------------------------------------------------ queries
 
@@ -271,8 +269,7 @@ class ReferenceCore:
             log.info("model=%s replica=%s: %s", model, replica, reason)
             self._remove_replica(model, replica, reason=reason)
         self._settle()
-        effects, self.table.effects = self.table.effects, []
-        return effects
+        return self.table.take_effects()
 
     def holder_counts(self) -> dict[tuple[str, str], int]:
         """Nodes by (model, state value), kept by the index (no scan of the table)."""
@@ -486,6 +483,13 @@ class ReferenceCore:
             return False
         return bool(self._unheard_shards(reg.model, reg.replica_id, reg.num_shards) - {reg.shard})
 
+    def _round_unsettled(self, node: Node, spec: object) -> bool:
+        """Inside the recovery window, ``node``'s round is known only from announcements
+        (``spec == "announced"``) and a sibling has not re-announced yet: it may bring the old
+        server's confirmed completion of the round at another version, which binds the round."""
+        return (spec == "announced" and self.table.now < self._recovering_until
+                and bool(self._unheard_shards(node.model, node.replica_id, node.num_shards) - {node.shard}))
+
     def _unheard_shards(self, model: str, replica_id: str, num_shards: int) -> set[int]:
         """Shards of a replica that neither registered/announced nor wait held back."""
         heard = {n.shard for n in self.table.replica_nodes(model, replica_id)}
@@ -654,11 +658,9 @@ class ReferenceCore:
         if node.version != req.version:
             raise InvalidState(f"{self._describe(node)}: done reported for version {req.version}")
         txn = self.txns.get((node.model, node.replica_id, node.round_seq)) if node.num_shards > 1 else None
-        if (txn is not None and txn[0] == "announced" and txn[1] == node.version and now < self._recovering_until
-                and self._unheard_shards(node.model, node.replica_id, node.num_shards) - {node.shard}):
-            # A read of a round known only from announcements completes once every sibling has
-            # re-announced: one may bring the old server's confirmed completion of the round at
-            # another version (that binds the round, and this read then ends VersionLost).
+        if txn is not None and txn[1] == node.version and self._round_unsettled(node, txn[0]):
+            # This read completes once every sibling has re-announced (if one brings a confirmed
+            # completion at another version, this read then ends VersionLost).
             raise ServerRecovering(f"{self._describe(node)}: round {node.round_seq} of replica {node.replica_id} "
                                    f"waits for its siblings to re-announce; retry")
         if txn is not None and txn[1] != node.version:
@@ -749,13 +751,13 @@ class ReferenceCore:
         self._forget_empty_models()
         return m.Ok()
 
-    # ------------------------------------------------------------------ registration
-
     def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
         return self.retention.on_offload_done(req)
 
     def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
         return self.retention.on_host_copy(req)
+
+    # ------------------------------------------------------------------ registration
 
     def _check_registration(self, req: m.Register) -> None:
         if req.num_shards < 1 or not 0 <= req.shard < req.num_shards:
@@ -943,11 +945,8 @@ class ReferenceCore:
             self.txns.drop_before(node.model, node.replica_id, req.seq)
             return version
         spec, version, consumed = txn
-        if (spec == "announced" and self.table.now < self._recovering_until
-                and self._unheard_shards(node.model, node.replica_id, node.num_shards) - {node.shard}):
-            # A round known only from announcements is not settled while a sibling has not
-            # re-announced: it may bring the old server's confirmed completion of this round at
-            # another version, which binds it. Reading on now could split the transaction.
+        if self._round_unsettled(node, spec):
+            # Reading on now could split the transaction.
             raise ServerRecovering(f"{node.model} replica {node.replica_id} round {req.seq}: siblings of shard "
                                    f"{node.shard} are still re-announcing; retry")
         if spec != "announced" and spec != req.spec:

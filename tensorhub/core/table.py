@@ -65,3 +65,8 @@ class Table:
 
     def deliver(self, client_id: str, event: m.Event) -> None:
         self.effects.append(m.Deliver(client_id=client_id, event=event))
+
+    def take_effects(self) -> list[m.Deliver]:
+        """The events delivered so far, handed over once (the list starts empty again)."""
+        effects, self.effects = self.effects, []
+        return effects
