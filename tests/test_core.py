@@ -354,7 +354,7 @@ def test_a_readers_own_staging_copy_is_its_source_first_whatever_its_load():
     assert w.send(m.Replicate("y", 1, resume_version=1, resume_units=1)).source_id == "r~stage"
     a = w.send(m.Replicate("r", 1))
     assert a.source_id == "r~stage" and not a.source_partial
-    assert w.core._registration_of(w.core.nodes["r~stage"]).stage_for == "r"  # kept across a restart
+    assert w.core.members.registration_of(w.core.nodes["r~stage"]).stage_for == "r"  # kept across a restart
 
 
 def test_swap_exchanges_a_handle_and_its_complete_staging_copy_or_refuses_changing_nothing():
@@ -1228,7 +1228,7 @@ def test_a_held_back_completion_counts_as_heard_and_is_taken_as_it_is_after_the_
     held2 = m.Announce(regs2[0], m.Holding(published=3, txn_seq=4, txn_version=3))
     assert err(w2.send(held2)) == "ServerRecovering"
     w2.tick(5.0)
-    assert w2.core._held_back == {}, "forgotten when the window ends"
+    assert w2.core.rounds.held_back == {}, "forgotten when the window ends"
     assert w2.send(held2) == m.Ok() and w2.core.nodes["a0"].state is NodeState.PUBLISHED
     w3, regs3 = _split_round_world()
     assert w3.send(m.Announce(regs3[0], m.Holding(published=3, txn_seq=4, txn_version=3, confirmed=True))) == m.Ok()

@@ -13,6 +13,7 @@ import pytest
 
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.retention import Retention
+from tensorhub.core.rounds import Rounds
 from tensorhub.sim import WORKLOADS, run_scenario
 from tensorhub.sim.faults import FAULT_KINDS
 from tensorhub.sim.whatif import run_whatif
@@ -92,11 +93,17 @@ class _NoDrain(ReferenceCore):
         super()._drain(node)
 
 
-class _NoTransaction(ReferenceCore):
+class _NoTransactionRounds(Rounds):
     """Planted bug: every shard resolves "latest" on its own."""
 
-    def _resolve_in_txn(self, node, req):
+    def resolve(self, node, req):
         return self._resolve(node, req.spec)
+
+
+def _NoTransaction(*args, **kwargs) -> ReferenceCore:
+    core = ReferenceCore(*args, **kwargs)
+    core.rounds.__class__ = _NoTransactionRounds
+    return core
 
 
 class _NoOffloadRetention(Retention):

@@ -19,9 +19,12 @@ import pytest
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
+from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.retention import Retention
+from tensorhub.core.rounds import Rounds
 from tensorhub.core.state import VISIBLE_SOURCE
+from tensorhub.core.versions import Versions
 from tensorhub.errors import InvalidState
 from tensorhub.sim import run_scenario
 
@@ -33,7 +36,7 @@ pytestmark = pytest.mark.sim
 
 def latest_answers_older(mp):
     """'latest' resolves to the second newest available version."""
-    orig = ReferenceCore._resolve_now
+    orig = Versions.resolve_now
 
     def bad(self, node, spec):
         v = orig(self, node, spec)
@@ -41,17 +44,17 @@ def latest_answers_older(mp):
         if spec == "latest" and node.in_flight < 0 and len(avail) > 1 and v == avail[-1]:
             return avail[-2]
         return v
-    mp.setattr(ReferenceCore, "_resolve_now", bad)
+    mp.setattr(Versions, "resolve_now", bad)
 
 
 def commit_before_every_shard(mp):
     """A version commits as soon as one shard of a replica publishes it."""
     def bad(self, node):
-        mod = self.models[node.model]
-        owner = self.nodes.get(node.owner) if node.host else node
+        mod = self.table.models[node.model]
+        owner = self.table.nodes.get(node.owner) if node.host else node
         if node.version not in mod.committed and owner is not None and node.state in VISIBLE_SOURCE:
-            self._commit(node.model, node.version, owner.replica_id)
-    mp.setattr(ReferenceCore, "_maybe_commit", bad)
+            self.commit(node.model, node.version, owner.replica_id)
+    mp.setattr(Versions, "maybe_commit", bad)
 
 
 def no_recovery_window(mp):
@@ -62,19 +65,19 @@ def no_recovery_window(mp):
 def retains_one_more(mp):
     """The server keeps ``versions_retained + 1`` versions."""
     def bad(self, model, v, by):
-        mod = self.models[model]
+        mod = self.table.models[model]
         if v < mod.forgotten_below:
             return
         mod.committed.append(v)
         mod.committed.sort()
-        self.crossdc.seed_remote(model)
-        keep = self.config.versions_retained + 1
+        self._seed_remote(model)
+        keep = self.table.config.versions_retained + 1
         if len(mod.committed) > keep:
             mod.forgotten_below = max(mod.forgotten_below, mod.committed[-keep])
             for old in [c for c in mod.committed if c < mod.forgotten_below]:
                 mod.committed.remove(old)
-                self.retention.forget(model, old)
-    mp.setattr(ReferenceCore, "_commit", bad)
+                self._forget(model, old)
+    mp.setattr(Versions, "commit", bad)
 
 
 def host_copies_never_dropped(mp):
@@ -91,12 +94,12 @@ def dead_holder_counts_as_live(mp):
 def no_round_check_at_done(mp):
     """ReplicateDone completes a read whose round moved to another version."""
     def bad(self, req, now):
-        node = self.nodes[req.client_id]
+        node = self.table.nodes[req.client_id]
         if node.version != req.version:
             raise InvalidState(f"done reported for version {req.version}")
-        self._complete_read(node)
+        self.complete(node)
         return m.Ok()
-    mp.setattr(ReferenceCore, "_on_ReplicateDone", bad)
+    mp.setattr(ReadRequests, "on_ReplicateDone", bad)
 
 
 def skip_to_oldest(mp):
@@ -138,16 +141,16 @@ def failed_note_ignored(mp):
 def unconfirmed_not_held_back(mp):
     """A fresh server accepts an unconfirmed sharded completion before its siblings announced
     (a confirmed sibling of another version then demotes it after its call returned ok)."""
-    mp.setattr(ReferenceCore, "_holds_back", lambda self, reg, hold, now: False)
+    mp.setattr(Rounds, "holds_back", lambda self, reg, hold, now: False)
 
 
 def swap_ignores_stage_readers(mp):
     """The server swaps a handle onto its staging copy while others still read that copy (the
     staging memory then holds the handle's old version under their reads)."""
-    orig = ReferenceCore._on_Swap
+    orig = ReadRequests.on_Swap
 
     def bad(self, req, now):
-        y = self.nodes.get(req.stage_id)
+        y = self.table.nodes.get(req.stage_id)
         if y is None:
             return orig(self, req, now)
         readers, y.readers = y.readers, type(y.readers)()
@@ -155,7 +158,7 @@ def swap_ignores_stage_readers(mp):
             return orig(self, req, now)
         finally:
             y.readers = readers
-    mp.setattr(ReferenceCore, "_on_Swap", bad)
+    mp.setattr(ReadRequests, "on_Swap", bad)
 
 
 def lost_completion_not_retried(mp):
@@ -266,7 +269,7 @@ def test_a_swap_whose_answer_is_lost_is_asked_again(monkeypatch):
         assert all(not r.violations for r in results), [r.violations[:2] for r in results]
         assert sum(r.paths.get("swap_retry", 0) for r in results) >= 3
         assert sum(r.paths.get("swap", 0) for r in results) >= 3
-        mp.setattr(ReferenceCore, "_on_Swap", _no_swap_retry(ReferenceCore._on_Swap))
+        mp.setattr(ReadRequests, "on_Swap", _no_swap_retry(ReadRequests.on_Swap))
         assert "torn" in _kinds(seeds)
 
 

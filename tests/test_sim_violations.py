@@ -252,7 +252,7 @@ def test_an_unconfirmed_completion_accepted_first_does_not_split_its_round(seed)
     after a restart a shard's unconfirmed completion was announced first and accepted (its
     update() returned ok), then demoted by a sibling's confirmed completion of that round at
     another version. Fixed: the fresh server holds an unconfirmed sharded completion back until
-    the replica's siblings are heard from (``ReferenceCore._holds_back``)."""
+    the replica's siblings are heard from (``Rounds.holds_back``)."""
     r = run_scenario(seed)
     assert not r.violations, r.violations[:3]
 

@@ -574,7 +574,7 @@ class HandleMachine:
         req = self._req
         if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
             # An unconfirmed completion of a sharded round waits for its siblings to announce
-            # (ReferenceCore._holds_back): announce again after a pause.
+            # (Rounds.holds_back): announce again after a pause.
             if isinstance(req, m.ReplicateDone):
                 held = self._hold_completion(now, Step.ANNOUNCE_PAUSE)
                 if held is not None:
@@ -686,7 +686,7 @@ class HandleMachine:
             case m.ReplicateDone(version=version):
                 if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
                     # A fresh server holds a completion of a sharded round back until every
-                    # sibling re-announced (ReferenceCore._on_ReplicateDone): ask again after a pause.
+                    # sibling re-announced (ReadRequests.on_ReplicateDone): ask again after a pause.
                     held = self._hold_completion(now, Step.RETRY_PAUSE)
                     if held is not None:
                         return held

@@ -54,7 +54,7 @@ LEGAL: dict[str, frozenset[NodeState]] = {
     "HostCopy": frozenset(NodeState),
     "Heartbeat": frozenset(NodeState),
     "Leave": frozenset(NodeState),
-    "Swap": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),  # published: only the same swap again (_on_Swap)
+    "Swap": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),  # published: only the same swap again (ReadRequests.on_Swap)
 }
 
 

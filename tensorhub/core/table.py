@@ -4,8 +4,9 @@
 reads (:class:`tensorhub.core.reference.ReferenceCore`, which owns the table and every rule that
 changes a node's state; :class:`tensorhub.core.crossdc.CrossDatacenter`, which gets it passed
 in), plus what one request or tick collects while it runs: its clock, the groups it touched
-(pumped when it settles) and the events it delivers. Queries only: a part changes a node through
-a function of the core it was given, never by writing a node's state here.
+(pumped when it settles) and the events it delivers. Queries, and one transition: a node's
+version and state change through :meth:`Table.set_version`, which keeps the groups, the index and
+the touched set; every other rule acts through a function of the core or of a part.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.index import Group, Index
-from tensorhub.core.state import ModelRecord, Node
+from tensorhub.core.state import ModelRecord, Node, NodeState
 
 Key = tuple[str, int, int]
 """(model, version, shard): one group of nodes."""
@@ -62,6 +63,22 @@ class Table:
         """Committed versions of ``model`` not yet forgotten (retention), oldest first."""
         mod = self.models.get(model)
         return [] if mod is None else [v for v in mod.committed if v >= mod.forgotten_below]
+
+    def set_version(self, node: Node, version: int, state: NodeState, progress: int) -> None:
+        """``node`` holds or receives ``version`` (-1: nothing) in ``state`` with ``progress``
+        units: it moves between groups, and the groups it left and joined are touched."""
+        if node.version >= 0:
+            group = self.groups.get(node.key)
+            if group is not None:
+                group.discard(node.id)
+                if not group:
+                    del self.groups[node.key]
+            self.touched.add(node.key)
+        node.version, node.state, node.progress = version, state, progress
+        self.index.mark(node)
+        if version >= 0:
+            self.groups.setdefault(node.key, set()).add(node.id)
+            self.touched.add(node.key)
 
     def deliver(self, client_id: str, event: m.Event) -> None:
         self.effects.append(m.Deliver(client_id=client_id, event=event))

@@ -14,7 +14,7 @@ heartbeats and progress reports are not (they change no version, holder or round
                        and skips only to a newer version.
 (l) ``atomic``         a version commits only when every shard of one replica holds it whole
                        (the world's memory or a host copy of that replica), never earlier: checked
-                       at each commit as it happens (the core's ``_commit``; a premature commit
+                       at each commit as it happens (the core's ``versions.commit``; a premature commit
                        may be undone later in the same step, after it pushed older versions out).
 (m) ``over_retention`` the server never retains more than ``versions_retained`` versions.
 (n) ``last_copy``      a holder of a retained version that the server lets go without an
@@ -90,7 +90,7 @@ class CoreObserver:
                 self._after(core, None, None, effects, pre)
                 return effects
 
-            commit = core._commit
+            commit = core.versions.commit
 
             def observed_commit(model, v, by):
                 # (l) as it happens: a premature commit may be undone within the same step (the
@@ -100,7 +100,7 @@ class CoreObserver:
                 return commit(model, v, by)
 
             core.handle, core.tick, core.declare_dead = observed_handle, observed_tick, observed_declare_dead
-            core._commit = observed_commit
+            core.versions.commit = observed_commit
             return core
         return make
 

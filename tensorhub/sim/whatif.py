@@ -13,19 +13,27 @@ import math
 from typing import Optional
 
 from tensorhub.config import Config
+from tensorhub.core.reading import Reading
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import NodeState
 from tensorhub.sim.scenario import Params, World
+
+
+class _NoPartialReading(Reading):
+    def downstream(self, node):
+        out = super().downstream(node)
+        t = self.table
+        out.update(i for i in t.groups.get(node.key, ()) if t.nodes[i].state is NodeState.READING)
+        return out
 
 
 class NoPartialSources(ReferenceCore):
     """The baseline scheduler: partial holders never serve (every reader counts them as
     downstream, which makes them ineligible)."""
 
-    def _downstream(self, node):
-        out = super()._downstream(node)
-        out.update(i for i in self.groups.get(node.key, ()) if self.nodes[i].state is NodeState.READING)
-        return out
+    def __init__(self, config: Optional[Config] = None) -> None:
+        super().__init__(config)
+        self.reading.__class__ = _NoPartialReading
 
 
 def run_whatif(num_readers: int, shard_bytes: int, *, unit_bytes: int = 1 << 30, nic_GBps: float = 50.0,

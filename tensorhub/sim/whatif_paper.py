@@ -54,6 +54,7 @@ import time
 from typing import Callable
 
 from tensorhub.config import Config
+from tensorhub.core.reading import Reading
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import NodeState
 from tensorhub.sim.client import SimClient
@@ -98,13 +99,18 @@ class StaticSources(ReferenceCore):
 
     def __init__(self, config: Config, plan: dict[str, set[str]]) -> None:
         super().__init__(config)
-        self.plan = plan
+        self.reading.__class__ = _StaticReading
+        self.reading.plan = plan
 
-    def _downstream(self, node):
-        out = super()._downstream(node)
+
+class _StaticReading(Reading):
+    plan: dict[str, set[str]]
+
+    def downstream(self, node):
+        out = super().downstream(node)
         allowed = self.plan.get(node.replica_id)
-        for i in self.groups.get(node.key, ()):
-            n = self.nodes[i]
+        for i in self.table.groups.get(node.key, ()):
+            n = self.table.nodes[i]
             if n.state is NodeState.READING or (allowed is not None and n.replica_id not in allowed):
                 out.add(i)
         return out

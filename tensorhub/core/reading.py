@@ -1,0 +1,258 @@
+"""Reading: the readers of the reference core, from queued to assigned to detached.
+
+A part of :class:`tensorhub.core.reference.ReferenceCore` (docs/design.md, section 1, rules 2
+and 5): :class:`Reading` gets the core's shared :class:`~tensorhub.core.table.Table` and the
+few functions of the core it acts through passed in, and owns the queue order of readers (their
+``stamp``). What it does:
+
+- a reader is queued (``enqueue``: WAITING at a version, FIFO by stamp), assigned a source by
+  :func:`tensorhub.core.scheduler.choose_source` when its group is pumped (``pump``: READING,
+  an ``Assignment`` delivered), sent back to wait when its source fails (``wait``), detached
+  when it finishes or stops (``detach``, which may end the source's drain);
+- a reader that stops (abort, a lost version) takes its own readers' source away: they wait
+  again and are reassigned from their progress (``stop``, ``orphan``);
+- a group with no complete holder left can never finish a read: its readers fail with
+  ``VersionLost`` (outside the recovery window after a restart, when holders may still
+  re-announce);
+- smart skipping's read that would have to cross datacenters after all fails instead (a
+  ``latest`` caller retries and resolves anew).
+
+Cost: a pump costs the readers it assigns plus those it looks at while some source is still
+free; once every source is busy, at most :data:`_CROSS_LOOK_MAX` (the origin's
+per-datacenter slots).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Callable, Iterable, Optional
+
+from tensorhub.core import messages as m
+from tensorhub.core import scheduler
+from tensorhub.core.state import VISIBLE_SOURCE, Node, NodeState
+from tensorhub.core.table import Key, Table
+from tensorhub.errors import TensorHubError, VersionLost, code_of
+
+log = logging.getLogger("tensorhub.core.reference")
+
+_CROSS_LOOK_MAX = 64
+"""Waiting readers a pump looks at once every source is busy, for an origin slot of their
+datacenter (``scheduler.choose_source``); the rest wait for the next event of the group."""
+
+
+class Reading:
+    """The readers' queues and assignments (see the module docstring): a part of the reference
+    core. It reads and changes nodes of the shared :class:`~tensorhub.core.table.Table` (their
+    state through :meth:`Table.set_version`), owns the readers' queue order, and acts through the
+    functions of the core it is given: ``finish_drain`` (a source whose last reader left),
+    ``seed_pending`` (offload seeding's datacenters that wait for their seeder,
+    :meth:`~tensorhub.core.crossdc.CrossDatacenter.seed_pending`), ``recovering`` (whether the
+    core's recovery window after a restart is open)."""
+
+    def __init__(self, table: Table, *, finish_drain: Callable[[Node], None],
+                 seed_pending: Callable[[str, int], dict[str, str]], recovering: Callable[[], bool]) -> None:
+        self.table = table
+        self._finish_drain = finish_drain
+        self._seed_pending = seed_pending
+        self._recovering = recovering
+        self._stamp = 0
+
+    def stamp(self, node: Node) -> None:
+        """``node`` joins the end of its group's queue."""
+        self._stamp += 1
+        node.stamp = self._stamp
+        self.table.index.mark(node)
+
+    def enqueue(self, node: Node, version: int, resume: int) -> None:
+        """``node`` waits to read ``version`` from unit ``resume`` on (clamped to its units)."""
+        self.table.set_version(node, version, NodeState.WAITING, max(0, min(resume, node.units)))
+        node.suspects.clear()
+        self.stamp(node)
+
+    def wait(self, node: Node) -> None:
+        """``node`` lost its source: it waits for another, keeping its place and progress."""
+        node.state = NodeState.WAITING
+        node.source = None
+        self.table.index.mark(node)
+        self.table.touched.add(node.key)
+
+    def detach(self, node: Node) -> None:
+        """``node`` no longer reads from its source (the source's drain may end here)."""
+        src = self.table.nodes.get(node.source) if node.source else None
+        node.source = None
+        if src is not None:
+            src.readers.discard(node.id)
+            self.table.index.mark(src)
+            self.table.touched.add(src.key)
+            if src.state is NodeState.DRAINING and not src.readers:
+                self._finish_drain(src)
+
+    def stop(self, node: Node) -> None:
+        """The node stops receiving (abort, lost version): its own readers lose their source."""
+        self.detach(node)
+        for r in sorted(node.readers):
+            self.orphan(r)
+        node.readers.clear()
+        self.table.set_version(node, -1, NodeState.IDLE, 0)
+
+    def orphan(self, reader_id: str) -> None:
+        """The source of ``reader_id`` is gone: a reading reader waits for another."""
+        reader = self.table.nodes.get(reader_id)
+        if reader is not None and reader.state is NodeState.READING:
+            reader.source = None
+            self.wait(reader)
+
+    def fail(self, node: Node, err: TensorHubError) -> None:
+        """``node``'s read ends with ``err`` (delivered, and kept as its ``failure``)."""
+        log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)
+        self.stop(node)
+        node.failure = m.Failed(code=code_of(err), message=str(err))
+        self.table.deliver(node.id, node.failure)
+
+    def attach(self, reader: Node, src: Node) -> None:
+        """``reader`` reads from ``src`` now (the caller delivers the assignment, or not: an
+        edge announced after a restart is restored as it was)."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model=%s version=%d reader=%s (%s) reads from %s (%s, %s, %d units)", reader.model,
+                      reader.version, reader.id, reader.datacenter, src.id, src.datacenter, src.state.name,
+                      src.progress)
+        reader.state = NodeState.READING
+        reader.source = src.id
+        reader.assign_no += 1
+        src.readers.add(reader.id)
+        self.table.index.mark(reader)
+        self.table.index.mark(src)
+
+    def assignment(self, node: Node) -> m.Assignment:
+        """The assignment of a reading node, as its reader gets it."""
+        src = self.table.nodes[node.source]
+        gone, node.failed_gone = node.failed_gone, False
+        return m.Assignment(
+            version=node.version, source_id=src.id, source_endpoint=src.endpoint,
+            source_partial=not src.complete, start_unit=node.progress, assign_no=node.assign_no,
+            cross_datacenter=src.datacenter != node.datacenter, failed_source_gone=gone,
+            in_flight=node.in_flight,
+        )
+
+    def downstream(self, node: Node) -> set[str]:
+        """Every node that reads from ``node``, directly or through others (never its source)."""
+        nodes = self.table.nodes
+        out: set[str] = set()
+        todo = list(node.readers)
+        while todo:
+            r = todo.pop()
+            if r in out or r not in nodes:
+                continue
+            out.add(r)
+            todo.extend(nodes[r].readers)
+        return out
+
+    def pump(self, key: Key) -> None:
+        """Assign the waiting readers of one group, FIFO. Cost: the readers assigned plus those
+        looked at while some source is still free (none once every source is busy)."""
+        table = self.table
+        g = table.index.group(key)
+        if g is None or (not g.waiting and not g.counts[NodeState.READING]):
+            return
+        if not self._recovering() and not g.complete():
+            # Every chain of partial holders roots at a complete one; with none left, no
+            # reader of this group can finish.
+            lost = VersionLost(f"{key[0]} version {key[1]} shard {key[2]}: no holder is left")
+            for n in sorted((table.nodes[i] for i in table.groups.get(key, ())), key=lambda n: n.stamp):
+                if n.state in (NodeState.WAITING, NodeState.READING):
+                    self.fail(n, lost)
+            return
+        blocked_dcs = self._seed_pending(key[0], key[1])
+        passed_over = False
+        pool = _GroupPool(table, key)
+        origin = table.models[key[0]].origin_dc.get(key[1]) if key[0] in table.models else None
+        after: tuple = ()
+        tried: set[str] = set()
+        looked = 0
+        while True:
+            g = table.index.group(key)
+            if g is None:
+                return
+            cross_only = not (g.free_all or g.staged)
+            if cross_only and not (origin is not None and g.visible_dc[origin]
+                                   and any(dc != origin and n for dc, n in g.active_dc.items())):
+                return  # every source is busy: no reader can be assigned (rules 2 and 4)
+            i = bisect.bisect_right(g.waiting, after)
+            if i == len(g.waiting):
+                return
+            after = g.waiting[i]
+            reader = table.nodes[after[1]]
+            if reader.awaiting_source is not None:
+                continue
+            if cross_only:
+                # Only the origin's per-datacenter slots may be left: one look per remote
+                # datacenter, and a bounded one (a queue of thousands is not scanned per event).
+                looked += 1
+                if looked > _CROSS_LOOK_MAX:
+                    return
+                if reader.datacenter == origin or reader.datacenter in tried:
+                    continue
+                tried.add(reader.datacenter)
+            src = scheduler.choose_source(
+                reader, pool, downstream=self.downstream(reader),
+                readers_per_source_max=table.config.readers_per_source_max,
+                seeding_blocked=reader.datacenter in blocked_dcs and not reader.stage_for
+                and blocked_dcs.get(reader.datacenter) != reader.replica_id,
+                origin_dc=origin,
+            )
+            if src is None:
+                blocked_dcs.setdefault(reader.datacenter, "")
+                passed_over = True
+                continue
+            if reader.in_flight >= 0 and src.datacenter != reader.datacenter:
+                # Smart skipping chose this version because it was complete here; its holders
+                # here moved on meanwhile. Fetching it across would cost the link for a version
+                # already stale: end the read (a "latest" caller retries and resolves anew).
+                self.fail(reader, VersionLost(
+                    f"{key[0]} version {key[1]} shard {key[2]}: chosen by smart skipping, no longer held in "
+                    f"datacenter {reader.datacenter}"))
+                continue
+            self.attach(reader, src)
+            table.deliver(reader.id, self.assignment(reader))
+            if passed_over:
+                # An earlier reader found no source; this one may now be its source (a seeder
+                # staging copy that started after it asked): look again.
+                table.touched.add(key)
+
+
+class _GroupPool:
+    """The scheduler's view (:class:`scheduler.Pool`) of one group through the core's index. A
+    host copy stands in for its owner's GPU copy only once the owner stops serving the version:
+    both live behind the owner's NIC, so serving from both would double its load (and break the
+    pipeline) instead of spreading it."""
+
+    def __init__(self, table: Table, key: Key) -> None:
+        self.table = table
+        self.key = key
+
+    def _nodes(self, ids: Iterable[str]) -> Iterable[Node]:
+        nodes = self.table.nodes
+        for i in ids:
+            n = nodes[i]
+            if n.host:
+                owner = nodes.get(n.owner)
+                if owner is not None and owner.key == self.key and owner.state in VISIBLE_SOURCE:
+                    continue
+            yield n
+
+    def everyone(self) -> Iterable[Node]:
+        return self._nodes(self.table.group(self.key).all_candidates())
+
+    def in_datacenter(self, dc: str) -> Iterable[Node]:
+        return self._nodes(self.table.group(self.key).candidates_in(dc))
+
+    def staged_for(self, reader_id: str) -> Iterable[Node]:
+        return self._nodes(self.table.group(self.key).staged.get(reader_id, ()))
+
+    def free(self, dc: Optional[str], machine: str) -> Iterable[Node]:
+        return self._nodes(self.table.group(self.key).free(dc, machine))
+
+    def readers_in(self, cand: Node, dc: str) -> int:
+        nodes = self.table.nodes
+        return sum(1 for r in cand.readers if r in nodes and nodes[r].datacenter == dc)
