@@ -1,5 +1,7 @@
 """Moving bytes between processes.
 
+- :mod:`tensorhub.transport.base`: the interfaces: a source (three kinds) and a tier's pull (two
+  tiers), as every kind and tier has them;
 - :mod:`tensorhub.transport.agent`: the process's NIXL agent and the rules for calling into one;
 - :mod:`tensorhub.transport.nixl`: registered regions with their control blocks, sources (remote
   regions seen from a reader);
