@@ -73,7 +73,7 @@ def test_prefetch_refuses_a_buffer_that_shares_memory_with_the_registered_tensor
     buf = rt if alias == "the tensors" else [t.view(t.shape) for t in rt]
     with pytest.raises(errors.LayoutMismatch, match="shares memory"):
         rollout.prefetch("latest", buffer=_named(rollout, buf))
-    assert rollout._prefetcher is None and rollout._stage is None
+    assert rollout._staging.executor is None and rollout.staging is None
     assert rollout.version == 1 and workload.digest(rt) == d1
     # a buffer of its own is still taken by the (first) prefetch
     assert rollout.prefetch("latest", buffer=workload.allocate(SPEC)).result(timeout=30).version == 2
@@ -153,10 +153,10 @@ def test_a_swap_unanswered_past_the_timeout_is_settled_by_the_next_call():
     trainer, tt, rollout = _double_buffered(port, cfg)
     with pytest.raises(errors.ServerUnavailable):
         rollout.update("latest")
-    assert rollout._unsettled_swap is not None and port.swaps >= 2
+    assert rollout._staging.unsettled_swap is not None and port.swaps >= 2
     port.lost = 0
     st = rollout.update("latest")
-    assert (st.action, st.version) == ("noop", 2) and rollout._unsettled_swap is None
+    assert (st.action, st.version) == ("noop", 2) and rollout._staging.unsettled_swap is None
     _swap_settled(port, rollout, tt, 2)
     _close(rollout, trainer)
 
@@ -169,7 +169,7 @@ def test_double_buffered_update_does_not_wait_for_a_prefetch_in_flight():
     trainer, tt, rollout = _double_buffered(port)
     assert rollout.update("latest").swapped and rollout.version == 2
     inproc.publish(trainer, tt, 3)
-    half, go = inproc.hold_half_way(rollout._stage)
+    half, go = inproc.hold_half_way(rollout.staging)
     fut = rollout.prefetch(3)
     assert half.wait(30)
     timer = threading.Timer(3.0, go.set)
@@ -204,17 +204,17 @@ def test_a_seed_asked_during_close_starts_no_staging_copy():
 
     def run(op):
         if isinstance(op, hm.CloseOp):
-            seed = threading.Thread(target=rollout._seed_asked, args=(2,))
+            seed = threading.Thread(target=rollout._staging.seed_asked, args=(2,))
             seed.start()
             seed.join(20)
-            job = rollout._prefetcher
+            job = rollout._staging.executor
             if job is not None:  # the defect: a prefetch was started; let it register its copy
                 job.shutdown(wait=True)
         return real_run(op)
 
     rollout._run = run
     rollout.close(drop_last_copy=True)
-    stage, left = rollout._stage, rollout._prefetcher
+    stage, left = rollout.staging, rollout._staging.executor
     try:
         assert rollout.state is tensorhub.HubState.CLOSED
         assert left is None and stage is None
@@ -235,7 +235,7 @@ def test_a_failure_closing_the_staging_copy_still_closes_the_handle():
     rollout.update("latest")
     inproc.publish(trainer, tt, 2)
     rollout.prefetch("latest").result(timeout=30)
-    stage = rollout._stage
+    stage = rollout.staging
     real = port.call
 
     def flaky(req, wait_s=0.0):
@@ -250,7 +250,7 @@ def test_a_failure_closing_the_staging_copy_still_closes_the_handle():
     finally:
         port.call = real
     assert stage.state is tensorhub.HubState.CLOSED and rollout.state is tensorhub.HubState.CLOSED
-    assert rollout._region is None and rollout._stage is None
+    assert rollout._region is None and rollout.staging is None
     assert not rollout.host_copies.pool_thread.is_alive()
     assert not any(rollout.client_id in p._members for p in pulse._pulses.values())
     assert rollout.client_id not in port.core.nodes
@@ -269,7 +269,7 @@ def test_a_staging_copy_holding_the_last_copy_keeps_both_open_and_prefetching():
     trainer.close(drop_last_copy=True)  # the staging copy holds the only copy of version 1
     with pytest.raises(errors.LastCopyHeld):
         rollout.close()
-    assert rollout.state is tensorhub.HubState.IDLE and rollout._stage is not None
+    assert rollout.state is tensorhub.HubState.IDLE and rollout.staging is not None
     assert rollout.prefetch(1).result(timeout=30).version == 1
     _close(rollout)
 
@@ -335,7 +335,7 @@ def test_aregister_takes_a_double_buffer():
     hub = tensorhub.open("m", port=port, config=CFG, replica="rollout")
     spare = workload.allocate(SPEC)
     asyncio.run(hub.aregister(workload.allocate(SPEC), double_buffer=(p for p in spare)))
-    assert hub._double is not None and len(hub._double) == len(spare)
+    assert hub._staging.double is not None and len(hub._staging.double) == len(spare)
     _close(hub, trainer)
 
 

@@ -38,7 +38,7 @@ def _wait(cond, timeout=20.0):
 
 
 def _staged(hub, version):
-    stage = hub._stage
+    stage = hub.staging
     return stage is not None and stage.version == version
 
 
@@ -52,9 +52,9 @@ def test_a_committed_version_is_seeded_into_each_remote_datacenter_once(port):
     c0, c0t = _hub(port, "c", replica="c0")
     _publish(trainer, tt, 1)
     _wait(lambda: _staged(b0, 1) and _staged(c0, 1))
-    assert b1._stage is None  # one seeder per datacenter
+    assert b1.staging is None  # one seeder per datacenter
     st = b1.update("latest")
-    assert st.version == 1 and st.sources == (b0._stage.client_id,) and not st.cross_datacenter
+    assert st.version == 1 and st.sources == (b0.staging.client_id,) and not st.cross_datacenter
     for hub, ts in ((b0, b0t), (c0, c0t)):
         up = hub.update("latest")
         assert up.prefetched and not up.cross_datacenter and workload.digest(ts) == workload.digest(tt)
@@ -71,7 +71,7 @@ def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locall
     _wait(lambda: _staged(b0, 1))
     assert b1.update("latest").version == 1 and b0.update("latest").prefetched
     # Hold b0's seed of version 2 half way.
-    stage = b0._stage
+    stage = b0.staging
     half, go = inproc.hold_half_way(stage)
     _publish(trainer, tt, 2)
     assert half.wait(20)
@@ -105,7 +105,7 @@ def test_a_landed_seed_stays_in_its_datacenter_while_the_next_one_crosses(port):
     assert b1.update("latest").version == 1 and b0.update("latest").prefetched
     _publish(trainer, tt, 2)
     _wait(lambda: _staged(b0, 2))  # landed; nobody in dc b updates
-    stage = b0._stage
+    stage = b0.staging
     half, go = inproc.hold_half_way(stage)
     _publish(trainer, tt, 3)
     assert half.wait(20)
@@ -131,7 +131,7 @@ def test_without_skipping_the_reader_waits_for_the_seed_and_reads_it_locally(por
     b0, _ = _hub(port, "b", config=cfg, replica="b0")
     b1, b1t = _hub(port, "b", config=cfg, replica="b1")
     _publish(trainer, tt, 1)
-    _wait(lambda: b0._stage is not None)
+    _wait(lambda: b0.staging is not None)
     st = b1.update("latest")
     assert st.version == 1 and st.skipped_in_flight is None and not st.cross_datacenter
     assert workload.digest(b1t) == workload.digest(tt)
@@ -146,7 +146,7 @@ def test_a_seeder_that_leaves_before_seeding_is_replaced(port):
     b1, b1t = _hub(port, "b", config=cfg, replica="b1")
     _publish(trainer, tt, 1)
     b0.close(drop_last_copy=True)  # asked to seed, never did
-    b1._take_notes()
+    b1._background.take_notes()
     _wait(lambda: _staged(b1, 1))
     assert b1.update("latest").prefetched and workload.digest(b1t) == workload.digest(tt)
     for h in (b1, trainer):
@@ -163,7 +163,7 @@ def test_no_seeding_inside_one_datacenter_or_when_off(port):
     _publish(trainer, tt, 1)
     _publish(t2, t2t, 1)
     time.sleep(0.5)
-    assert r._stage is None and b._stage is None
+    assert r.staging is None and b.staging is None
     assert b.update("latest").cross_datacenter
     for h in (r, trainer, b, t2):
         h.close(drop_last_copy=True)

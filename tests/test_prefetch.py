@@ -45,7 +45,7 @@ def test_prefetch_then_update_copies_locally_while_the_old_version_keeps_serving
     # The registered tensors still hold (and publish) version 1, untouched; the staging copy
     # is a complete holder of version 2 that others may read.
     assert rollout.version == 1 and workload.digest(rt) == v1
-    stage = rollout._stage
+    stage = rollout.staging
     held = _holders(port)
     assert held[stage.client_id].version == 2 and held[stage.client_id].state == "published"
     assert held[rollout.client_id].version == 1
@@ -75,7 +75,7 @@ def test_staging_copy_is_a_partial_holder_others_read_from(port):
     trainer.unpublish()  # the staging copy is now the only source of version 1
     late, lt = _hub(port, replica="late")
     st = late.replicate(1)
-    assert st.sources == (rollout._stage.client_id,)
+    assert st.sources == (rollout.staging.client_id,)
     workload.fill_version(tt, 1)
     assert workload.digest(lt) == workload.digest(tt)
     for h in (late, rollout, trainer):
@@ -90,7 +90,7 @@ def test_update_while_the_prefetch_is_still_arriving_copies_behind_it(port):
     rollout, rt = _hub(port, replica="rollout")
     _publish(trainer, tt, 1)
     rollout.prefetch(1).result(timeout=30)  # makes the staging copy
-    stage = rollout._stage
+    stage = rollout.staging
     half, go = inproc.hold_half_way(stage)
     _publish(trainer, tt, 3)
     fut = rollout.prefetch(3)
@@ -246,7 +246,7 @@ def test_double_buffer_update_swaps_instead_of_copying_and_serves_from_the_new_s
         assert [t.data_ptr() for _, t in rollout.tensors] == [t.data_ptr() for t in live]
         assert workload.digest(live) == workload.digest(tt) and rollout.version == v
         held = _holders(port)
-        assert held[rollout.client_id].version == v and held[rollout._stage.client_id].version == -1
+        assert held[rollout.client_id].version == v and held[rollout.staging.client_id].version == -1
         # Others read version v from the rollout: the server gives them the new set's endpoint.
         trainer.unpublish()
         reader, rt = _hub(port, replica=f"reader{v}")

@@ -285,29 +285,29 @@ def test_a_sharded_seeder_that_skips_a_seed_stays_in_its_siblings_rounds():
             inproc.publish(h, t, v)
 
     def settle(hub) -> None:
-        hub._prefetcher.submit(lambda: None).result(timeout=60)  # one worker: after every seed
+        hub._staging.executor.submit(lambda: None).result(timeout=60)  # one worker: after every seed
 
     try:
         for v in (1, 2, 3):
             publish(v)
-        r0._seed_asked(1), r1._seed_asked(1)
+        r0._staging.seed_asked(1), r1._staging.seed_asked(1)
         settle(r0), settle(r1)
         gate = threading.Event()
-        busy = r0._prefetcher.submit(gate.wait, 60)
-        r0._seed_asked(2), r0._seed_asked(3)  # queued behind the busy job: seed 2 is skipped
-        r1._seed_asked(2)
+        busy = r0._staging.executor.submit(gate.wait, 60)
+        r0._staging.seed_asked(2), r0._staging.seed_asked(3)  # queued behind the busy job: seed 2 is skipped
+        r1._staging.seed_asked(2)
         settle(r1)
         gate.set()
         busy.result(timeout=60)
         settle(r0)
-        r1._seed_asked(3)
+        r1._staging.seed_asked(3)
         settle(r1)
         publish(4)
         for hub in (r0, r1):  # shard 0 first: it meets the round shard 1 is in
-            hub._seed_asked(4)
+            hub._staging.seed_asked(4)
             settle(hub)
-        assert r0._stage.version == r1._stage.version == 4
-        assert r0._stage._machine.seq == r1._stage._machine.seq
+        assert r0.staging.version == r1.staging.version == 4
+        assert r0.staging._machine.seq == r1.staging._machine.seq
         assert all(sorted(consumed) == [0, 1] for (_, rid, _), (_, _, consumed) in port.core.txns.items()
                    if rid == "seeder~prefetch")
     finally:

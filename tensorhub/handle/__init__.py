@@ -1,17 +1,24 @@
 """The handle: one shard of one replica of one model, as users program against it.
 
 :class:`Hub` (``hub.py``) is the public API and the driver of the pure
-:class:`~tensorhub.core.handle.HandleMachine`; it applies the core's background rules
-(:mod:`tensorhub.core.background`). Its parts, each owning its state, lock and threads:
+:class:`~tensorhub.core.handle.HandleMachine`. Its parts, each owning its state, lock and
+threads, get what they need of the handle through their constructors:
 
-- ``hub.py``: :class:`Hub`, :class:`ReadStats`, :data:`HubState`: the calls, the machine and its
-  driver, reads, sources, the prefetch staging copy and the double-buffer swap;
+- ``hub.py``: :class:`Hub`, :data:`HubState`: the calls, the machine and its driver, reads,
+  sources;
+- ``staging.py``: :class:`~tensorhub.handle.staging.Staging` (``hub._staging``): the prefetch
+  staging copy, the prefetch job thread, seeds, the double buffer and its swap; it reaches the
+  handle (and the staging copy) only through :class:`~tensorhub.handle.staging.Owner`;
+- ``background.py``: :class:`~tensorhub.handle.background.Background` (``hub._background``): the
+  server's background notes (host copies, seeds, drops), the beat and re-announcing, by the
+  core's rules (:mod:`tensorhub.core.background`);
 - ``host_copies.py``: :class:`~tensorhub.handle.host_copies.HostCopies` (``hub.host_copies``):
   retention offloads, copies made ahead, the buffer pool and its thread;
 - ``sources.py``: :class:`~tensorhub.handle.sources.Sources`: the sources kept open across
   reads and the tier each takes (same-host mapping, else NIXL);
 - ``reads.py``: :class:`~tensorhub.handle.reads.ReadSession` (``hub.reads``): the read path as
   a named API for code that moves a read's bytes itself (compiled graphs) and for tools;
+  :class:`ReadStats`, what a read reports;
 - ``pulse.py``: one liveness loop per process and server, carrying every handle's beat.
 
 No code outside this package uses a private member of :class:`Hub` (``tests/test_layers.py``).
@@ -20,15 +27,16 @@ Lock order (a thread holding one may take those after it, never one before it):
 
 1. ``Hub._lock``: one user call at a time (``register``, ``publish``, ``replicate``, ...); the
    pulse thread only ever *tries* it (an idle handle's re-announcement, ``MakeHostCopy``);
-2. ``Hub._stage_lock``: the staging copy, prefetch jobs, ``close()`` begun;
-3. ``Hub._notes_lock`` (re-entrant): taking and applying the server's background notes, and
-   announcing (a drop fetched before an announcement is applied before it);
-4. ``Hub._mlock``: the machine (user thread and pulse thread);
-5. ``HostCopies.lock``, the ``Sources`` lock and a ``Pulse``'s own lock: leaves; nothing is
-   taken while one is held.
+2. ``Background._notes_lock`` (re-entrant): taking and applying the server's background
+   notes, and announcing (a drop fetched before an announcement is applied before it);
+3. ``Hub._mlock``: the machine (user thread and pulse thread);
+4. leaves, nothing is taken while one is held: ``Staging._lock`` (the staging copy, prefetch
+   jobs, ``close()`` begun; an update's swap takes it under ``_lock``, a seed under
+   ``_notes_lock``), ``HostCopies.lock``, the ``Sources`` lock and a ``Pulse``'s own lock.
 
-A staging copy is a second :class:`Hub` of the same process: its locks are taken only after its
-owner's ``_stage_lock`` has been released, never while the owner holds ``_mlock``.
+A staging copy is a second :class:`Hub` of the same process whose locks 1-3 rank after its
+owner's ``_mlock`` and before the leaves: a swap holds the owner's ``_lock``, then the copy's,
+and both ``_mlock``, the owner's first. The copy never takes a lock of its owner.
 """
 
 from tensorhub.handle.hub import Hub, HubState, NamedTensors, ReadStats

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -35,13 +33,14 @@ import torch
 
 from tensorhub import errors, metrics
 from tensorhub.handle import pulse
+from tensorhub.handle.background import Background
 from tensorhub.config import Config
-from tensorhub.core import background as bg
 from tensorhub.core import bounds
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.handle.host_copies import Held, HostCopies
-from tensorhub.handle.reads import ReadSession
+from tensorhub.handle.reads import ReadSession, ReadStats
+from tensorhub.handle.staging import Staging, Standing
 from tensorhub.handle.sources import Sources
 from tensorhub.layout import Layout, checksum_all, checksum_unit
 from tensorhub.logs import configure_from_env
@@ -58,49 +57,6 @@ NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tenso
 
 HubState = hm.Phase
 """The handle's lifecycle phase (``OPEN`` until register, ``IDLE``, ``PUBLISHED``, ``CLOSED``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadStats:
-    """What one replicate/update did."""
-
-    action: str
-    """``"replicated"`` (bytes moved) or ``"noop"`` (update: already current)."""
-    version: int
-    seconds: float = 0.0
-    """Wall time of the whole call (queueing, drain of the old version, offload, transfer)."""
-    transfer_s: float = 0.0
-    """Time from the first assignment to the last byte."""
-    bytes: int = 0
-    sources: tuple[str, ...] = ()
-    """Source client ids in order (more than one after a failover)."""
-    partial_source: bool = False
-    """The first source was itself still receiving (pipeline replication)."""
-    cross_datacenter: bool = False
-    failovers: int = 0
-    finished_at: float = 0.0
-    """Wall-clock time (``time.time()``) when the last byte was in place."""
-    stall_s: float = 0.0
-    """Part of ``seconds`` this call was blocked waiting for bytes: before its first source
-    (queueing for one, and the drain of the version it left, but not its own offload copy) and,
-    mid-read, starved by a source that had no further unit yet."""
-    offload_s: float = 0.0
-    """Part of ``seconds`` this handle spent copying its old version to host memory (it was the
-    last holder of a retained version)."""
-    prefetched: bool = False
-    """The bytes came from this handle's own prefetch staging copy (:meth:`Hub.prefetch`): a
-    local copy, complete or still arriving."""
-    swapped: bool = False
-    """A double buffer (:meth:`Hub.register`): the handle took over its complete staging copy's
-    memory instead of copying it; :attr:`Hub.tensors` are the other set of tensors now."""
-    skipped_in_flight: Optional[int] = None
-    """Smart skipping: ``"latest"`` gave ``version``, the newest complete in this datacenter,
-    because this newer version is still being seeded into it (None: no skip)."""
-
-    @property
-    def gbps(self) -> float:
-        """Transfer rate (bytes over ``transfer_s``)."""
-        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
 
 
 class Hub:
@@ -156,36 +112,26 @@ class Hub:
         self._hb_stop = threading.Event()
         self._lock = threading.Lock()  # one blocking call at a time
         self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
-        self._notes_lock = threading.RLock()
-        """Taking and applying background notes vs. announcing: a drop fetched before an
-        announcement is applied before it (the announcement then leaves the copy out)."""
-        self._notes_acked = 0
-        """The newest background event taken from a pulse (the next beat acknowledges it)."""
         self._stage_for = ""
         """Set on a prefetch staging handle: the client id of the handle it stages for."""
-        self._stage: Optional["Hub"] = None
-        """The prefetch staging handle (a second holder in this process), made by the first
-        :meth:`prefetch`."""
-        self._stage_lock = threading.Lock()
-        self._seeding = -1
-        """The newest version a SeedAhead asked this handle to prefetch."""
-        self._prefetcher: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._prefetching = 0
-        """Prefetch jobs running now (under ``_stage_lock``): an update does not wait for one."""
-        self._closing = False
-        """close() has begun (under ``_stage_lock``): no prefetch or staging copy starts any more."""
         self._verify_left: Optional[int] = None
         """Verify mode, during an update: the version it leaves, checked before its first pull."""
-        self._unsettled_swap: Optional[m.Swap] = None
-        """A swap the server did not answer: it may have made it. Settled before the next call."""
-        self._double: Optional[list[tuple[str, torch.Tensor]]] = None
-        """The second set of tensors registered as a double buffer: prefetches land there and an
-        update swaps the two sets instead of copying."""
+        self._staging = Staging(self, port=port, config=self.config)
+        """The prefetch staging copy, its job thread and the double buffer's swap (a part with
+        its own lock and thread, :mod:`tensorhub.handle.staging`)."""
         self.host_copies = HostCopies(
             model=model, shard=shard, client_id=self.client_id, spot=self.spot, config=self.config, port=port,
-            held=lambda: Held(self._tensors, self._layout, self._region), take_notes=self._take_notes,
+            held=lambda: Held(self._tensors, self._layout, self._region),
+            take_notes=lambda: self._background.take_notes(),  # the part made next, which needs this one
             record=self._record_host_copy, endpoint_of=self._host_copy_endpoint)
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
+        self._background = Background(
+            client_id=self.client_id, model=model, replica=self.replica, shard=shard, spot=self.spot,
+            config=self.config, port=port, machine=self._machine, mlock=self._mlock, call_lock=self._lock,
+            stopped=self._hb_stop, region=lambda: self._region, feed=self._feed, set_region=self._set_region,
+            host_copies=self.host_copies, seed_asked=self._staging.seed_asked)
+        """The server's notes, the beat and re-announcing (a part with its own lock,
+        :mod:`tensorhub.handle.background`)."""
         self.reads = ReadSession(self)
         """The read path as a named API (:mod:`tensorhub.handle.reads`), for code that moves a
         read's bytes itself (a compiled graph's member) and for tools."""
@@ -206,7 +152,7 @@ class Hub:
     def staging(self) -> Optional["Hub"]:
         """The prefetch staging handle (a second holder in this process, made by the first
         :meth:`prefetch` or seed), or None."""
-        return self._stage
+        return self._staging.copy
 
     @property
     def state(self) -> HubState:
@@ -285,7 +231,7 @@ class Hub:
                 if isinstance(exc, errors.LayoutMismatch):
                     self._explain_mismatch(msg.layout, exc)
                 raise
-            self._double = spare
+            self._staging.double = spare
             self._start_heartbeat()
             self.host_copies.start_pool()
             log.info("model=%s replica=%s shard=%d registered %d tensors, %d bytes, %d units",
@@ -358,129 +304,11 @@ class Hub:
         Verify mode (``verify_mutability``): the version it leaves is checked once drained,
         before the new one is written (``MutabilityViolation``; the handle is idle then)."""
         with self._lock:
-            if self._double is not None and round is None:
-                st = self._swap(spec)
+            if self._staging.double is not None and round is None:
+                st = self._staging.swap(spec)
                 if st is not None:
                     return st
             return self._replicate(spec, update=True, round_no=_check_round(round), progress=progress)
-
-    def _swap(self, spec: m.VersionSpec) -> Optional[ReadStats]:
-        """update() with a double buffer: take over the complete staging copy's memory (the
-        server exchanges the two holders' endpoints) instead of copying it. None: not possible
-        (sharded, no staging copy, a prefetch in flight -- the update must not wait for it: it
-        follows it, pipelined, and smart skipping may answer at once), the staging copy is
-        incomplete, or ``spec`` names another version. The server accepts a swap only from a
-        handle that publishes nothing, so the current version is unpublished first; if the server
-        then refuses, it is published again before this returns None: a refused swap changes
-        nothing. A swap the server may or may not have made (no answer) is asked again until
-        it answers; still unanswered after ``request_timeout_s``, ``ServerUnavailable`` is
-        raised and the next call settles it first (:meth:`_settle_swap`)."""
-        if self._unsettled_swap is not None:
-            self._settle_swap()
-        stage = self._stage
-        if stage is None or self.num_shards > 1:
-            return None
-        with self._stage_lock:
-            if self._prefetching:
-                return None
-        with stage._lock:  # no prefetch may start on the staging copy meanwhile
-            v = stage._machine.published
-            old = self._machine.published
-            if (v is None or stage._region is None or stage._region.progress != self._layout.unit_count
-                    or old == v or self._machine.reading or (isinstance(spec, int) and spec != v)):
-                return None
-            t0 = time.perf_counter()
-            stage.host_copies.stop_copy(cancel_it=False)
-            self.host_copies.stop_copy()
-            if old is not None:
-                self._unpublish_locked()
-            req = m.Swap(client_id=self.client_id, stage_id=stage.client_id, version=v, spec=spec,
-                         endpoint=stage._machine.register_msg.endpoint)  # as the server has it
-            reply = self._swap_call(req)
-            if isinstance(reply, m.ErrorReply):
-                log.info("model=%s replica=%s shard=%d: no swap, copying instead: %s", self.model, self.replica,
-                         self.shard, reply.message)
-                if old is not None:
-                    self._publish_again(old)
-                return None
-            self._swapped(stage, v)
-        dt = time.perf_counter() - t0
-        log.info("model=%s replica=%s shard=%d: swapped to prefetched version %d in %.4fs", self.model,
-                 self.replica, self.shard, v, dt)
-        st = ReadStats(action="replicated", version=v, seconds=dt, sources=(stage.client_id,), prefetched=True,
-                       swapped=True, finished_at=time.time())
-        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers, stall_s=0.0)
-        return st
-
-    def _swap_call(self, req: m.Swap) -> object:
-        """Send ``req`` until the server answers (the same swap again is answered ``Ok`` where it
-        was made: :class:`m.Swap`); a refusal comes back as its ``ErrorReply``. No answer within
-        ``request_timeout_s``: the swap is left unsettled and ``ServerUnavailable`` raised."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        pause = hm.RETRY_PAUSE_S
-        while True:
-            try:
-                reply = self._port.call(req)
-                self._unsettled_swap = None
-                return reply
-            except (errors.ServerUnavailable, errors.RequestTimeout) as e:
-                if time.monotonic() + pause >= deadline:
-                    self._unsettled_swap = req
-                    raise errors.ServerUnavailable(
-                        f"{self.client_id}: no answer to a swap to version {req.version} ({e}); the next "
-                        "call asks again before it touches either set of tensors") from e
-                time.sleep(pause)
-                pause = min(2 * pause, 1.0)
-                try:
-                    self._port.reconnect()
-                except errors.TensorHubError:
-                    pass
-            except errors.TensorHubError as e:
-                self._unsettled_swap = None
-                return m.ErrorReply(code=type(e).__name__, message=str(e))
-
-    def _swapped(self, stage: "Hub", v: int) -> None:
-        """The server made the swap: the two tensor sets (and their control blocks) change hands."""
-        with self._mlock, stage._mlock:
-            self._region, stage._region = stage._region, self._region
-            self._tensors, stage._tensors = stage._tensors, self._tensors
-            stage._region.set_progress(0)
-            stage._region.set_version(-1)
-            # The endpoints change hands as the server exchanged them (the same bytes).
-            mine, theirs = self._machine.register_msg.endpoint, stage._machine.register_msg.endpoint
-            self._machine.swapped_in(v, msgspec.structs.replace(self._machine.register_msg, endpoint=theirs))
-            stage._machine.swapped_out(msgspec.structs.replace(stage._machine.register_msg, endpoint=mine))
-        if self.config.checksums or self.config.verify_mutability:
-            self._checksums = (self._region.checksums() if self.config.checksums
-                               else checksum_all(self._tensors, self._layout))
-
-    def _settle_swap(self) -> None:
-        """A swap left unanswered (:meth:`_swap_call`) is asked again before anything touches
-        either set of tensors: made (``Ok``), the sets change hands now; refused, it was not
-        made. Raises ``ServerUnavailable`` while there is still no answer."""
-        req, stage = self._unsettled_swap, self._stage
-        if req is None or stage is None:
-            self._unsettled_swap = None  # no staging copy left: nothing to settle
-            return
-        with stage._lock:
-            reply = self._swap_call(req)
-            if isinstance(reply, m.ErrorReply):
-                log.info("model=%s replica=%s shard=%d: the unanswered swap was not made: %s", self.model,
-                         self.replica, self.shard, reply.message)
-                return
-            self._swapped(stage, req.version)
-        log.info("model=%s replica=%s shard=%d: the unanswered swap to version %d was made", self.model,
-                 self.replica, self.shard, req.version)
-
-    def _publish_again(self, version: int) -> None:
-        """A refused swap: publish ``version`` again from the tensors, which still hold it (it
-        was unpublished only for the swap, and verified unchanged in verify mode). If the server
-        cannot be told, the handle stays unpublished and the update copies from there."""
-        try:
-            self._run(hm.PublishOp(version, tuple(self._checksums) if self.config.checksums else ()))
-        except errors.TensorHubError as e:
-            log.warning("model=%s replica=%s shard=%d: version %d not published again after a refused swap: %s",
-                        self.model, self.replica, self.shard, version, e)
 
     def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
@@ -499,18 +327,17 @@ class Hub:
 
         Verify mode (``verify_mutability``): the version this call unpublished is checked like
         :meth:`unpublish` checks it, once the handle is closed (``MutabilityViolation``)."""
-        if self._unsettled_swap is not None:  # which set of tensors is whose, before either goes
+        if self._staging.unsettled_swap is not None:  # which set of tensors is whose, before either goes
             with self._lock:
                 try:
-                    self._settle_swap()
+                    self._staging.settle()
                 except errors.ServerUnavailable as e:
                     log.warning("model=%s replica=%s shard=%d: closing with a swap unanswered: %s", self.model,
                                 self.replica, self.shard, e)
         try:
-            self._close_stage(drop_last_copy)
+            self._staging.close(drop_last_copy)
         except errors.LastCopyHeld:
-            with self._stage_lock:
-                self._closing = False  # both stay open, as they were
+            self._staging.reopen()  # both stay open, as they were
             raise
         except BaseException as exc:  # noqa: BLE001 - the handle closes first, then this is raised
             stage_error: Optional[BaseException] = exc
@@ -522,8 +349,7 @@ class Hub:
             try:
                 self._run(hm.CloseOp(drop_last_copy=drop_last_copy))
             except errors.LastCopyHeld:
-                with self._stage_lock:
-                    self._closing = False  # the handle stays open (it serves its host copy)
+                self._staging.reopen()  # the handle stays open (it serves its host copy)
                 raise
             except errors.HandleClosed:
                 raise
@@ -566,118 +392,12 @@ class Hub:
         :meth:`register`, ``LayoutMismatch`` for a ``buffer`` of another layout, and
         ``HandleClosed``; nothing changes then. A ``buffer`` that shares memory with the registered
         tensors is a ``LayoutMismatch`` too."""
-        return self._start_prefetch(spec, _check_round(round), buffer, seed=None)
-
-    def _start_prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[NamedTensors],
-                        seed: Optional[int]) -> "concurrent.futures.Future[ReadStats]":
-        """``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked before
-        this one starts); its round is :func:`tensorhub.core.background.seed_round`."""
-        if seed is not None:
-            round_no = bg.seed_round(seed)
-        if self._stage_for:
-            raise errors.InvalidState("a prefetch staging handle does not prefetch")
-        with self._stage_lock:
-            if self._machine.phase is HubState.CLOSED or self._closing:
-                raise errors.HandleClosed(f"{self.client_id} is closed")
-            if self._layout is None:
-                raise errors.InvalidState("prefetch() needs register() first")
-            if buffer is not None:
-                if self._double is not None:
-                    raise errors.InvalidState("prefetches land in the registered double buffer: no buffer= here")
-                if self._stage is not None or self._prefetcher is not None:
-                    raise errors.InvalidState("the staging buffer is set by the first prefetch() only")
-                buffer = self._like(buffer, self._layout, "prefetch buffer")
-                if _share_memory([t for _, t in buffer], self._tensors):
-                    # The prefetch would write the published tensors while readers fetch them.
-                    raise errors.LayoutMismatch("prefetch buffer: shares memory with the registered tensors")
-            if self._prefetcher is None:
-                self._prefetcher = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"tensorhub-prefetch-{self.client_id}")
-                first_buffer = buffer
-            else:
-                first_buffer = None
-            return self._prefetcher.submit(self._prefetch_job, spec, round_no, first_buffer, seed)
+        return self._staging.prefetch(spec, _check_round(round), buffer)
 
     async def aprefetch(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
                         buffer: Optional[NamedTensors] = None) -> ReadStats:
         """:meth:`prefetch`, awaited until the staging copy is complete (its ReadStats)."""
         return await asyncio.wrap_future(self.prefetch(spec, round=round, buffer=buffer))
-
-    def _prefetch_job(self, spec: m.VersionSpec, round_no: Optional[int],
-                      buffer: Optional[list], seed: Optional[int] = None) -> ReadStats:
-        with self._stage_lock:
-            self._prefetching += 1
-        try:
-            return self._prefetch_now(spec, round_no, buffer, seed)
-        finally:
-            with self._stage_lock:
-                self._prefetching -= 1
-
-    def _prefetch_now(self, spec: m.VersionSpec, round_no: Optional[int],
-                      buffer: Optional[list], seed: Optional[int]) -> ReadStats:
-        if seed is not None and seed < self._seeding:
-            # A seed asked while an older one was crossing: only the newest is worth the link.
-            return ReadStats(action="noop", version=seed)
-        if self._unsettled_swap is not None:  # the staging tensors may be this handle's now
-            with self._lock:
-                self._settle_swap()
-        stage = self._stage
-        if stage is None:
-            stage = self._open_stage(buffer if buffer is not None else self._double)
-        st = stage.update(spec, round=round_no)
-        with stage._lock:
-            # A retention copy the server asked of the staging copy (MakeHostCopy) is part of
-            # the prefetch: the update that follows then copies in a quiet process.
-            stage.host_copies.stop_copy(cancel_it=False)
-        return st
-
-    def _open_stage(self, buffer: Optional[list]) -> "Hub":
-        """The staging handle: same model, shard, datacenter, spot flag and config, replica
-        ``<replica>~prefetch``. Like any holder it may be asked to copy a retained version to
-        host memory ahead (it is often the first in its process to finish a version)."""
-        stage = Hub(self.model, self._port, shard=self.shard, num_shards=self.num_shards,
-                    replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
-                    config=self.config)
-        stage._stage_for = self.client_id
-        stage._machine.incomplete_wait_s = self.config.lease_timeout_s
-        if buffer is None:  # touched here, in the background, not in the update that reads it
-            buffer = [(meta.name, c) for meta, c in zip(self._layout.metas, self.host_copies.host_like(touch=True))]
-        stage.register(buffer)
-        with self._stage_lock:
-            closing = self._machine.phase is HubState.CLOSED or self._closing
-            if not closing:
-                self._stage = stage
-        if closing:
-            stage.close(drop_last_copy=True)
-            raise errors.HandleClosed(f"{self.client_id} closed during its first prefetch")
-        log.info("model=%s replica=%s shard=%d: prefetch staging copy %s registered",
-                 self.model, self.replica, self.shard, stage.client_id)
-        return stage
-
-    def _seed_asked(self, version: int) -> None:
-        """Offload seeding (``SeedAhead``): this replica was chosen to bring ``version`` into its
-        datacenter; receive it into the staging copy in the background, unless the handle is
-        not in a state to (closed, not registered, a staging copy itself) or already has it.
-
-        Whether to seed is :func:`tensorhub.core.background.seed_decision` (the simulator's
-        seeders apply the same rule); the seed is the staging copy's round
-        :func:`~tensorhub.core.background.seed_round`."""
-        stage = self._stage
-        why = bg.seed_decision(version, bg.SeedView(
-            staging=bool(self._stage_for), registered=self._layout is not None,
-            closed=self._machine.phase is HubState.CLOSED, published=self._machine.published,
-            seeding=self._seeding, stage_version=stage.version if stage is not None else None,
-            stage_seq=stage._machine.seq if stage is not None else 0))
-        if why is not None:
-            log.debug("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, why)
-            return
-        self._seeding = version
-        try:
-            fut = self._start_prefetch(version, None, None, seed=version)
-        except errors.TensorHubError as e:
-            log.info("model=%s shard=%d: not seeding version %d: %s", self.model, self.shard, version, e)
-            return
-        fut.add_done_callback(functools.partial(_log_seed, self.model, self.shard, version))
 
     def _like(self, named: NamedTensors, layout: Layout, what: str) -> list[tuple[str, torch.Tensor]]:
         """``named`` as a list, if its layout is ``layout``'s (else ``LayoutMismatch``)."""
@@ -686,6 +406,60 @@ class Hub:
             raise errors.LayoutMismatch(f"{what}: its layout differs from the registered tensors' (names, "
                                         "dtypes, shapes and order must match)")
         return items
+
+    # ---- the staging part's side (tensorhub.handle.staging.Owner)
+
+    def _standing(self) -> Standing:
+        """What the staging part reads of this handle (read without ``_mlock``, as before it)."""
+        region, layout, reg = self._region, self._layout, self._machine.register_msg
+        return Standing(staging_for=self._stage_for, registered=layout is not None, reading=self._machine.reading,
+                        complete=region is not None and layout is not None and region.progress == layout.unit_count,
+                        endpoint=reg.endpoint if reg is not None else None, seq=self._machine.seq)
+
+    def _prefetch_buffer(self, named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+        """A prefetch's ``buffer=`` as a list, if it has this handle's layout and does not share
+        memory with the registered tensors (``LayoutMismatch`` otherwise)."""
+        buffer = self._like(named, self._layout, "prefetch buffer")
+        if _share_memory([t for _, t in buffer], self._tensors):
+            # The prefetch would write the published tensors while readers fetch them.
+            raise errors.LayoutMismatch("prefetch buffer: shares memory with the registered tensors")
+        return buffer
+
+    def _open_copy(self) -> "Hub":
+        """A prefetch staging handle for this one, not registered yet: same model, shard,
+        datacenter, spot flag and config, replica ``<replica>~prefetch``; a read of it waits
+        one lease for its siblings (``HandleMachine.incomplete_wait_s``)."""
+        stage = Hub(self.model, self._port, shard=self.shard, num_shards=self.num_shards,
+                    replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
+                    config=self.config)
+        stage._stage_for = self.client_id
+        stage._machine.incomplete_wait_s = self.config.lease_timeout_s
+        return stage
+
+    def _swapped(self, stage: "Hub", v: int) -> None:
+        """The server made the swap: the two tensor sets (and their control blocks) change hands."""
+        with self._mlock, stage._mlock:
+            self._region, stage._region = stage._region, self._region
+            self._tensors, stage._tensors = stage._tensors, self._tensors
+            stage._region.set_progress(0)
+            stage._region.set_version(-1)
+            # The endpoints change hands as the server exchanged them (the same bytes).
+            mine, theirs = self._machine.register_msg.endpoint, stage._machine.register_msg.endpoint
+            self._machine.swapped_in(v, msgspec.structs.replace(self._machine.register_msg, endpoint=theirs))
+            stage._machine.swapped_out(msgspec.structs.replace(stage._machine.register_msg, endpoint=mine))
+        if self.config.checksums or self.config.verify_mutability:
+            self._checksums = (self._region.checksums() if self.config.checksums
+                               else checksum_all(self._tensors, self._layout))
+
+    def _publish_again(self, version: int) -> None:
+        """A refused swap: publish ``version`` again from the tensors, which still hold it (it
+        was unpublished only for the swap, and verified unchanged in verify mode). If the server
+        cannot be told, the handle stays unpublished and the update copies from there."""
+        try:
+            self._run(hm.PublishOp(version, tuple(self._checksums) if self.config.checksums else ()))
+        except errors.TensorHubError as e:
+            log.warning("model=%s replica=%s shard=%d: version %d not published again after a refused swap: %s",
+                        self.model, self.replica, self.shard, version, e)
 
     def _explain_mismatch(self, mine: m.LayoutInfo, refused: errors.LayoutMismatch) -> None:
         """The server refused this registration's layout: if the model's layout for this shard
@@ -708,25 +482,6 @@ class Hub:
                 f"model={self.model} shard={self.shard}: this handle runs with checksums={ours}, the model's "
                 f"other clients with checksums={not ours}; every client of a model must use the same setting "
                 f"(Config.checksums, TENSORHUB_CHECKSUMS)") from refused
-
-    def _close_stage(self, drop_last_copy: bool) -> None:
-        """close(), first step: no prefetch starts from now on; the one in flight ends; the
-        staging copy closes (``LastCopyHeld``: kept, raised; any other failure closes it and
-        is raised)."""
-        with self._stage_lock:
-            self._closing = True
-            prefetcher, self._prefetcher = self._prefetcher, None
-        if prefetcher is not None:
-            prefetcher.shutdown(wait=True, cancel_futures=True)
-        with self._stage_lock:
-            stage = self._stage
-        try:
-            if stage is not None and stage.state is not HubState.CLOSED:
-                stage.close(drop_last_copy=drop_last_copy)
-        finally:
-            with self._stage_lock:
-                if self._stage is stage and (stage is None or stage.state is HubState.CLOSED):
-                    self._stage = None
 
     # asyncio twins
     async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
@@ -764,9 +519,9 @@ class Hub:
 
     def _run(self, op: hm.Op) -> hm.Outcome:
         """Carry out one operation (the caller holds ``_lock``); an unanswered swap is settled
-        first (:meth:`_settle_swap`)."""
-        if self._unsettled_swap is not None:
-            self._settle_swap()
+        first (:meth:`Staging.settle <tensorhub.handle.staging.Staging.settle>`)."""
+        if self._staging.unsettled_swap is not None:
+            self._staging.settle()
         return self._drive(self._feed(hm.Start(op)))
 
     def _drive(self, cmds: list, *, pause_at_pull: bool = False):
@@ -847,8 +602,7 @@ class Hub:
             case hm.Send(request, wait):
                 try:
                     if isinstance(request, m.Announce):
-                        with self._notes_lock:
-                            return hm.Replied(self._port.call(self._current_hosts(request)))
+                        return hm.Replied(self._background.send_announce(request))
                     return hm.Replied(self._port.call(request, self.config.request_timeout_s if wait else 0.0))
                 except errors.ServerUnavailable as e:
                     log.warning("model=%s shard=%d: reference server unavailable", self.model, self.shard)
@@ -949,7 +703,7 @@ class Hub:
             # The server may ask this new holder for the version's retention copy at once (not
             # after a prefetch: its staging copy, first to finish the version, was asked instead).
             try:
-                self._take_notes(in_call=True)
+                self._background.take_notes(in_call=True)
             except errors.TensorHubError:
                 pass
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
@@ -967,7 +721,7 @@ class Hub:
         nbytes = self._units_bytes(self._pull_from, self._layout.unit_count)  # each unit fetched once
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
-        first = out.first
+        first, stage = out.first, self._staging.copy
         waited = max(0.0, (self._t_assigned or t_end) - self._read_t0 - self._offload_s)
         stall = waited + max(0.0, self._region.starved_s - self._starved0)
         return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
@@ -975,8 +729,7 @@ class Hub:
                          partial_source=bool(first and first.source_partial),
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
                          finished_at=self._finished_at, offload_s=self._offload_s,
-                         prefetched=bool(self._stage is not None and out.sources
-                                         and out.sources[0] == self._stage.client_id),
+                         prefetched=bool(stage is not None and out.sources and out.sources[0] == stage.client_id),
                          skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
 
     # ---- a compiled graph's member moves the bytes of the first pull itself
@@ -1036,7 +789,7 @@ class Hub:
         final, a list or a growing :class:`~tensorhub.transport.KnownProgress` (then the
         source's control block is not read); ``should_stop``/``on_unit``: as for ``pull``."""
         if source is None and source_sums is None:
-            stage = self._stage
+            stage = self._staging.copy
             if stage is not None and a.source_id == stage.client_id and stage._region is not None:
                 own = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}")
                 return shm.pull(self._region, own, self._layout, expect_version=a.version, config=self.config,
@@ -1094,6 +847,8 @@ class Hub:
         background events; a second pulse carries read progress while a handle reads."""
         pulse.join(self)
 
+    # A pulse's member (tensorhub.handle.pulse.Member): the beat and its answer are the
+    # background part's.
     def _beat_interval(self) -> float:
         return self.config.heartbeat_interval_s
 
@@ -1101,83 +856,10 @@ class Hub:
         return self.config.pulse_hold_s
 
     def _beat(self) -> Optional[m.Beat]:
-        """This interval's heartbeat: read progress while reading (the pulse sends it)."""
-        if self._hb_stop.is_set():
-            return None
-        with self._mlock:
-            reading = self._machine.reading
-        region = self._region
-        if region is None:
-            return None
-        return m.Beat(self.client_id, region.progress if reading else -1, acked=self._notes_acked)
+        return self._background.beat()
 
     def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
-        """The pulse's answer for this handle: announce again if the server does not know it,
-        then apply the background events it brought (numbered up to ``acked``: the next beat
-        acknowledges them; one that comes again, its reply having been lost, is done already)."""
-        if self._hb_stop.is_set():
-            return
-        with self._notes_lock:
-            # Events the server sent before it forgot this handle come first (a host copy it
-            # dropped must not be announced again).
-            self._apply_notes(notes, in_call=False)
-            with self._mlock:
-                reading = self._machine.reading
-            # No call in flight (that call re-announces itself): the user lock is free.
-            free = not known and may_announce and not reading and self._lock.acquire(blocking=False)
-            try:
-                answer = bg.after_pulse(known=known, may_announce=may_announce, acked_before=self._notes_acked,
-                                        acked=acked, reading=reading,
-                                        idle=free and bg.registered_phase(self._machine.phase),
-                                        unoffered=bool(self.host_copies.unoffered))
-                self._notes_acked = answer.acked
-                if answer.reoffer:
-                    self.host_copies.reoffer()
-                if answer.announce:
-                    self._announce_now()
-            finally:
-                if free:
-                    self._lock.release()
-
-    def _take_notes(self, in_call: bool = False) -> None:
-        """Background events (host copies to make ahead or past retention, evictions) waiting at
-        the server, fetched now (the pulse brings them otherwise). ``in_call``: the caller holds
-        ``_lock`` (a user call that just finished)."""
-        with self._notes_lock:
-            self._apply_notes(self._port.notes(self.client_id), in_call)
-
-    def _apply_notes(self, notes: list, in_call: bool) -> None:
-        """Carry out background events; the caller holds ``_notes_lock``."""
-        for note in notes:
-            kind = bg.kind_of(note)
-            if kind is bg.Kind.HOST_COPY:
-                self._host_copy_asked(note.version, in_call)
-                continue
-            if kind is bg.Kind.SEED:
-                self._seed_asked(note.version)
-                continue
-            for cmd in self._feed(hm.Noted(note)):
-                if isinstance(cmd, hm.DropHost):
-                    self.host_copies.drop(cmd.version)
-                elif isinstance(cmd, hm.SetRegion):
-                    self._set_region(cmd)  # Demoted: advertise nothing
-
-    def _host_copy_asked(self, version: int, in_call: bool) -> None:
-        """The server asks this holder to copy ``version`` to host memory ahead (MakeHostCopy).
-        Only between calls (a call in progress may change the tensors) and only while the handle
-        still publishes that version; otherwise the request is dropped (the last holder will
-        offload instead)."""
-        between_calls = in_call or self._lock.acquire(blocking=False)
-        try:
-            if bg.host_copy_wanted(version, between_calls=between_calls, phase=self._machine.phase,
-                                   published=self._machine.published, spot=self.spot,
-                                   host_copy_ahead=self.config.host_copy_ahead,
-                                   versions_retained=self.config.versions_retained,
-                                   host_copies_pooled=self.config.host_copies_pooled):
-                self.host_copies.start_copy(version)
-        finally:
-            if between_calls and not in_call:
-                self._lock.release()
+        self._background.after_beat(known, notes, acked, may_announce)
 
     def _record_host_copy(self, version: int, endpoint: bytes) -> None:
         with self._mlock:
@@ -1187,23 +869,6 @@ class Hub:
         with self._mlock:
             return self._machine.host_copies.get(version)
 
-    def _current_hosts(self, req: m.Announce) -> m.Announce:
-        """``req`` without host copies freed since it was built."""
-        held = self.host_copies.held_versions(v for v, _ in req.holding.host_copies)
-        keep = tuple((v, e) for v, e in req.holding.host_copies if v in held)
-        if keep == req.holding.host_copies:
-            return req
-        return msgspec.structs.replace(req, holding=msgspec.structs.replace(req.holding, host_copies=keep))
-
-    def _announce_now(self) -> None:
-        with self._notes_lock:
-            with self._mlock:
-                req = self._machine.announce_request(reading_units=self._region.progress)
-            reply = self._port.call(self._current_hosts(req))
-        if isinstance(reply, m.ErrorReply):
-            raise errors.from_code(reply.code, reply.message)
-        log.info("model=%s replica=%s shard=%d re-announced to the reference server", self.model, self.replica, self.shard)
-
     def _release(self) -> None:
         entries = self.host_copies.release()
         self._sources.close()
@@ -1212,17 +877,6 @@ class Hub:
         if self._region is not None:
             self._region.close()
             self._region = None
-
-
-
-def _log_seed(model: str, shard: int, version: int, fut: "concurrent.futures.Future") -> None:
-    if fut.cancelled():
-        return
-    err = fut.exception()
-    if err is not None:
-        log.info("model=%s shard=%d: seeding version %d failed: %s", model, shard, version, err)
-    else:
-        log.info("model=%s shard=%d: seeded version %d into this datacenter", model, shard, version)
 
 
 def _share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

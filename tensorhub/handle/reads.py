@@ -14,13 +14,59 @@ A two-phase read::
     reads.pull_range(a, end_unit, source=src)    # no failover: the caller coordinates
     stats = reads.finish()                       # the rest with failover; now a holder
     # or reads.abort(why) if the caller gives up
+
+:class:`ReadStats` is what a read reports (``replicate``, ``update``, a prefetch's future).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 from tensorhub.core import messages as m
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """What one replicate/update did."""
+
+    action: str
+    """``"replicated"`` (bytes moved) or ``"noop"`` (update: already current)."""
+    version: int
+    seconds: float = 0.0
+    """Wall time of the whole call (queueing, drain of the old version, offload, transfer)."""
+    transfer_s: float = 0.0
+    """Time from the first assignment to the last byte."""
+    bytes: int = 0
+    sources: tuple[str, ...] = ()
+    """Source client ids in order (more than one after a failover)."""
+    partial_source: bool = False
+    """The first source was itself still receiving (pipeline replication)."""
+    cross_datacenter: bool = False
+    failovers: int = 0
+    finished_at: float = 0.0
+    """Wall-clock time (``time.time()``) when the last byte was in place."""
+    stall_s: float = 0.0
+    """Part of ``seconds`` this call was blocked waiting for bytes: before its first source
+    (queueing for one, and the drain of the version it left, but not its own offload copy) and,
+    mid-read, starved by a source that had no further unit yet."""
+    offload_s: float = 0.0
+    """Part of ``seconds`` this handle spent copying its old version to host memory (it was the
+    last holder of a retained version)."""
+    prefetched: bool = False
+    """The bytes came from this handle's own prefetch staging copy (:meth:`Hub.prefetch`): a
+    local copy, complete or still arriving."""
+    swapped: bool = False
+    """A double buffer (:meth:`Hub.register`): the handle took over its complete staging copy's
+    memory instead of copying it; :attr:`Hub.tensors` are the other set of tensors now."""
+    skipped_in_flight: Optional[int] = None
+    """Smart skipping: ``"latest"`` gave ``version``, the newest complete in this datacenter,
+    because this newer version is still being seeded into it (None: no skip)."""
+
+    @property
+    def gbps(self) -> float:
+        """Transfer rate (bytes over ``transfer_s``)."""
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
 
 
 class ReadSession:

@@ -134,11 +134,9 @@ class SimClient:
         self.host_copies: dict[int, list] = {}
         self.copy_gen = 0
         self.notes_acked = 0
+        """The newest background event taken (``Background._notes_acked``)."""
         self.unoffered: set[int] = set()
-        """Host copies whose offer got no answer (``Hub._unoffered``)."""
-        """The newest background event taken (``Hub._notes_acked``)."""
-        """The background host copy of a published version (Hub._host_copy); a new one, or an
-        operation that may change the tensors, cancels the one in progress."""
+        """Host copies whose offer got no answer (``HostCopies.unoffered``)."""
         self.alive = True
         self.retired = False
         self.op: Optional[Op] = None
@@ -439,9 +437,9 @@ class SimClient:
         self._offer_host_copy(version, endpoint, 0, self.copy_gen)
 
     def _offer_host_copy(self, version: int, endpoint: bytes, attempt: int, gen: int) -> None:
-        """``Hub._offer_host_copy``: offered again with a growing pause while the server does
+        """``HostCopies._offer``: offered again with a growing pause while the server does
         not answer, ``reconnects_max`` times, until the handle's next call stops it; then once
-        after each pulse the server answers (``Hub._reoffer_host_copies``)."""
+        after each pulse the server answers (``HostCopies.reoffer``)."""
         if not self.alive or version not in self.host_copies:
             return
         if gen != self.copy_gen or self.op is not None:

@@ -148,7 +148,7 @@ class World:
         self.double_buffer = (self.sim.rng("double_buffer").random() < 0.5 and self.user_prefetch
                               and self.params.workload == "standalone")
         """The prefetching standalone rollouts registered a double buffer: their prefetches land in it and an update
-        swaps to a complete one (``Hub._swap``) instead of copying."""
+        swaps to a complete one (``Staging.swap``) instead of copying."""
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None

@@ -1,6 +1,6 @@
 """Offload seeding in the simulator: a rollout that acts on ``SeedAhead`` as the real handle does.
 
-:class:`SeedingClient` does what ``Hub._seed_asked`` / ``Hub.prefetch`` do: open a staging
+:class:`SeedingClient` does what ``Staging.seed_asked`` / ``Hub.prefetch`` do: open a staging
 handle on the same host (replica ``<replica>~prefetch``, ``stage_for`` the handle) and
 ``replicate`` it to the version in the background, one prefetch at a time, the newest asked
 next. The staging handle lives in its owner's process: a crash takes both
@@ -13,10 +13,10 @@ the owner's next ``update()`` is assigned its staging copy first (the scheduler'
 behind it if it is still arriving.
 
 A double buffer (``World.double_buffer``: half the prefetching standalone seeds) makes that
-``update()`` a ``Swap`` where ``Hub._swap`` would: unpublish, ``Swap``, then the two memories
+``update()`` a ``Swap`` where ``Staging.swap`` would: unpublish, ``Swap``, then the two memories
 (and their endpoints: readers reach memory by the endpoint the server assigns,
 ``World.memory_of``) change hands; a refusal publishes the old version again and copies; a swap
-without an answer is sent again until it is answered (``Hub._swap_call``), else left unsettled
+without an answer is sent again until it is answered (``Staging._swap_call``), else left unsettled
 and settled before the next call.
 """
 
@@ -33,20 +33,20 @@ from tensorhub.sim.client import DIRTY_VERSION, SimClient
 
 
 class StagingClient(SimClient):
-    """A prefetch staging handle (``Hub._open_stage``): a holder of its own in host memory on
+    """A prefetch staging handle (``Hub._open_copy``): a holder of its own in host memory on
     its owner's host; the owner reads from it first."""
 
     def __init__(self, world, cid: str, *, stage_for: str, **kw) -> None:
         self.stage_for = stage_for
         super().__init__(world, cid, **kw)
-        self.machine.incomplete_wait_s = world.config.lease_timeout_s  # Hub._open_stage
+        self.machine.incomplete_wait_s = world.config.lease_timeout_s  # Hub._open_copy
 
     def registration(self) -> m.Register:
         return msgspec.structs.replace(super().registration(), stage_for=self.stage_for)
 
 
 class SeedingClient(SimClient):
-    """A rollout shard that acts on ``SeedAhead`` as ``Hub._seed_asked`` does: prefetch the
+    """A rollout shard that acts on ``SeedAhead`` as ``Staging.seed_asked`` does: prefetch the
     version into its staging copy in the background (one prefetch at a time, newest wins)."""
 
     def __init__(self, world, cid: str, *, staging_own_nic: bool = False, **kw) -> None:
@@ -66,7 +66,7 @@ class SeedingClient(SimClient):
         """(version, outcome) of every swap tried: "ok", the code that refused it, "unsettled"
         (no answer), "settled" (made, learnt by asking again)."""
         self.unsettled: Optional[m.Swap] = None
-        """A swap the server did not answer (``Hub._unsettled_swap``): settled before the next call."""
+        """A swap the server did not answer (``Staging.unsettled_swap``): settled before the next call."""
         super().__init__(world, cid, **kw)
 
     def _notes(self, notes: list) -> None:
@@ -77,7 +77,7 @@ class SeedingClient(SimClient):
 
     def _seed_asked(self, version: int) -> None:
         if self.unsettled is not None:
-            return  # Hub._prefetch_now settles the swap first; here the seed is skipped
+            return  # Staging._prefetch_now settles the swap first; here the seed is skipped
         if not self.alive:
             return
         st = self.stage
@@ -116,7 +116,7 @@ class SeedingClient(SimClient):
         if code == "ok":
             self._stage_read(version, asked)
         elif self.stage is not None and self.stage.op is None:
-            # Hub._open_stage: a staging handle whose register() raised is dropped (the next
+            # Hub._open_copy: a staging handle whose register() raised is dropped (the next
             # prefetch opens another); the server lets a registration it got expire.
             self.stage.retire()
             self.stage = None
@@ -144,7 +144,7 @@ class SeedingClient(SimClient):
 
     def replicate(self, spec, update: bool, cb, round=None) -> None:
         """``Hub.update`` with a double buffer swaps to a complete prefetch when it can
-        (``Hub._swap``); otherwise, and for every other call, it copies."""
+        (``Staging.swap``); otherwise, and for every other call, it copies."""
         if update and round is None and self.double_buffer and self.unsettled is None and self._swappable(spec):
             self._swap(spec, cb)
         else:
@@ -159,7 +159,7 @@ class SeedingClient(SimClient):
         self._settle(lambda settled: self._feed(hm.Start(op)) if settled else self._finish("ServerUnavailable"))
 
     def _swappable(self, spec) -> bool:
-        """``Hub._swap``'s own checks, before it asks the server: an unsharded handle, a
+        """``Staging.swap``'s own checks, before it asks the server: an unsharded handle, a
         staging copy that is complete, not prefetching, at another version than this handle's
         (``spec``'s, if it names one), and no read of this handle's in progress."""
         st = self.stage
@@ -192,7 +192,7 @@ class SeedingClient(SimClient):
         self._feed(hm.Start(hm.UnpublishOp()))
 
     def _swap_call(self, req: m.Swap, deadline: float, answer, pause: float = hm.RETRY_PAUSE_S) -> None:
-        """``Hub._swap_call``: the same swap again while the server does not answer (it may have
+        """``Staging._swap_call``: the same swap again while the server does not answer (it may have
         made it: it answers Ok again then), until ``deadline``; ``answer(None)``: still no answer,
         the swap is left unsettled (:attr:`unsettled`)."""
         w = self.world
@@ -228,7 +228,7 @@ class SeedingClient(SimClient):
         self._finish("ok", version, prefetched=True)
 
     def _settle(self, then) -> None:
-        """``Hub._settle_swap``: the unanswered swap asked again; made, the memories change
+        """``Staging.settle``: the unanswered swap asked again; made, the memories change
         hands now. ``then(True)``: settled (either way), ``then(False)``: still no answer."""
         req, w = self.unsettled, self.world
 

@@ -34,7 +34,7 @@ measured bandwidth:
 What the simulator does not do by itself, modelled here explicitly:
 
 - Offload seeding: simulated clients ignore ``SeedAhead``. :class:`SeedingClient` does what
-  ``Hub._seed_asked`` / ``Hub.prefetch`` do: open a staging handle on the same host (replica
+  ``Staging.seed_asked`` / ``Hub.prefetch`` do: open a staging handle on the same host (replica
   ``<replica>~prefetch``, ``stage_for`` the handle) and ``update`` it to the version in the
   background. Its memory is host memory: a copy into the GPU goes at ``pcie_GBps``.
 - There is no GPU compute model: generation and training take no time beyond ``step_s``; a GPU
