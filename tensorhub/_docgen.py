@@ -8,7 +8,7 @@ imported or evaluated beyond constant arithmetic): every annotated field of ``Co
 its type, its default, and the first sentence of the attribute docstring written under it (a
 string literal right after the field). A field without one says so in the table. The table
 replaces whatever lies between the two marker comments (:data:`BEGIN`, :data:`END`) of the
-Markdown file; the rest of the file is written by hand. ``tests/test_docs.py`` regenerates it
+Markdown file; the rest of the file is written by hand. ``tests/project/test_docs.py`` regenerates it
 and fails when the file differs.
 """
 

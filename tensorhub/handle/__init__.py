@@ -21,7 +21,7 @@ threads, get what they need of the handle through their constructors:
   :class:`ReadStats`, what a read reports;
 - ``pulse.py``: one liveness loop per process and server, carrying every handle's beat.
 
-No code outside this package uses a private member of :class:`Hub` (``tests/test_layers.py``).
+No code outside this package uses a private member of :class:`Hub` (``tests/project/test_layers.py``).
 
 Lock order (a thread holding one may take those after it, never one before it):
 

@@ -3,7 +3,7 @@
 A compiled graph's member (:mod:`tensorhub.graphs.member`) reads in two phases with the bytes
 moved by the graph in between; tools and benchmarks look at a handle's region. They use this
 API (``hub.reads``) instead of the handle's private members, so the handle may change inside
-without them (``tests/test_layers.py`` checks that no code outside ``tensorhub/handle/`` uses a
+without them (``tests/project/test_layers.py`` checks that no code outside ``tensorhub/handle/`` uses a
 private member of the handle).
 
 A two-phase read::

@@ -10,7 +10,7 @@
 - :mod:`tensorhub.transport.shm`: the same-host tier (a holder's memory mapped by a reader on its
   host), and :mod:`tensorhub.transport.cuda_ipc`, its CUDA IPC half for GPU tensors.
 
-Their public names are re-exported here, by name (``tests/test_exports.py`` pins them). Importing this package does not import nixl (the agent
+Their public names are re-exported here, by name (``tests/project/test_exports.py`` pins them). Importing this package does not import nixl (the agent
 is created lazily).
 """
 

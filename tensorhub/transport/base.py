@@ -19,7 +19,7 @@ verify and publish their progress unit by unit (so the reader can be a source it
 reads), call ``on_unit(u)`` after each, stop when ``should_stop()`` says so, return the bytes read,
 and end every read they started before they return or raise. Which tier a read takes is the
 handle's choice (:mod:`tensorhub.handle.sources`: the same-host tier where the holder lives on
-this host and the config allows it, else NIXL). ``tests/test_transport_interfaces.py`` checks that
+this host and the config allows it, else NIXL). ``tests/transport/test_transport_interfaces.py`` checks that
 every kind and tier has the interface stated here.
 """
 

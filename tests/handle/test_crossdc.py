@@ -1,7 +1,7 @@
 """Cross-datacenter rules with real handles against an in-process server (LocalPort): offload
 seeding (the server asks one replica per remote datacenter to prefetch a committed version),
 smart skipping while that seed is in flight, and the datacenter's readers reading the seed
-locally. The byte counts on real (emulated) links are in tests/test_crossdc_cluster.py."""
+locally. The byte counts on real (emulated) links are in tests/cluster/test_crossdc_cluster.py."""
 
 from __future__ import annotations
 

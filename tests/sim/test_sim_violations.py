@@ -10,7 +10,7 @@ import pytest
 from tensorhub.core import messages as m
 from tensorhub.sim import run_scenario
 
-from tests.test_core import LAYOUT, World
+from tests.core.test_core import LAYOUT, World
 
 pytestmark = pytest.mark.sim
 

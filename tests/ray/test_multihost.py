@@ -24,7 +24,7 @@ from tensorhub.emucluster.net import unavailable_reason
 _SKIP = unavailable_reason()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GBIT = 0.1
 
 

@@ -12,7 +12,7 @@ from tensorhub.core import background as bg
 from tensorhub.core import messages as m
 from tensorhub.core.handle import Phase
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "tensorhub"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "tensorhub"
 
 
 def test_every_background_event_has_one_owner():

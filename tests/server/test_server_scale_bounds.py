@@ -363,7 +363,7 @@ def test_the_churn_figure_of_server_scale_runs_every_operation():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "server_scale.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "server_scale.py"
     spec = importlib.util.spec_from_file_location("server_scale", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

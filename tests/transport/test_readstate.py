@@ -83,7 +83,7 @@ def test_a_resumed_pull_starts_at_its_prefix_and_a_full_one_is_finished():
 
 def test_both_read_loops_drive_the_same_rules():
     """The NIXL reader and the simulated transport use ReadState, not rules of their own."""
-    root = pathlib.Path(__file__).resolve().parents[1] / "tensorhub"
+    root = pathlib.Path(__file__).resolve().parents[2] / "tensorhub"
     for path in ("transport/reader.py", "sim/transport.py"):
         text = (root / path).read_text()
         assert "ReadState(" in text, path

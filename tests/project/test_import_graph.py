@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def modules(package: pathlib.Path) -> dict[str, pathlib.Path]:

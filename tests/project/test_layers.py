@@ -8,7 +8,7 @@ Arrows point from importer to imported; nothing points back. Fixtures (synthetic
 ready-made replica actor, the emulated cluster) live in ``tensorhub.testing``, which only the CLI
 commands built on them (``demo``, ``chaos``, ``cli``) and the simulator may import. The rule that
 ``tensorhub/core`` imports no ray/torch/time/... is pinned next to the core's own tests
-(``tests/test_core.py::test_core_has_no_forbidden_imports``).
+(``tests/core/test_core.py::test_core_has_no_forbidden_imports``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tensorhub"
 
 # Outside tensorhub/testing, these may import it: commands and the simulator built on fixtures.

@@ -174,7 +174,7 @@ def test_two_models_two_servers_each_lists_only_its_model_and_both_transfer(ray_
     a, b = f"{model_name}-a", f"{model_name}/b"  # b's name needs encoding
     fleets = _fleets(ray, cfg, [a, b])
     # Tensors in actors come from this checkout (the cwd leads sys.path), not another one.
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     where = ray.get(fleets[a][0].__ray_call__.remote(lambda self: __import__("tensorhub").__file__))
     assert where.startswith(here), (where, here)
 

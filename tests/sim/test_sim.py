@@ -20,7 +20,7 @@ from tensorhub.sim.whatif import run_whatif
 
 pytestmark = pytest.mark.sim
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # Seeds that exposed core bugs, fixed since; pinned by name so a regression names its bug

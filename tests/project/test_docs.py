@@ -13,7 +13,7 @@ import pytest
 
 from tensorhub import _docgen
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 

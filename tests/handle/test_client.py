@@ -15,7 +15,7 @@ from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
 
 CFG, SPEC = inproc.CONFIG, inproc.SPEC
-"""The NIXL data path (every handle here shares one host); tests/test_shm.py covers the same-host tier."""
+"""The NIXL data path (every handle here shares one host); tests/transport/test_shm.py covers the same-host tier."""
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import re
 import tensorhub
 from tensorhub import errors
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 PUBLIC = ["Config", "Hub", "HubState", "ReadStats", "TensorHubError", "open"]
 TRANSPORT = ["Agent", "Endpoint", "KnownProgress", "MemRegion", "Region", "Source", "decode_endpoint",

@@ -23,7 +23,7 @@ verl_ce = pytest.importorskip("verl.checkpoint_engine")
 
 from tensorhub import errors  # noqa: E402
 
-WORKTREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKTREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULE = "tensorhub.integrations.verl"
 
 
@@ -166,7 +166,7 @@ def _rank_cls(ray):
     from verl.single_controller.base import Worker
     from verl.single_controller.base.decorator import Dispatch, register
 
-    env = {"PYTHONPATH": f"{WORKTREE}:{WORKTREE}/tests",  # this tensorhub, and this module (`weights`)
+    env = {"PYTHONPATH": f"{WORKTREE}:{WORKTREE}/tests/integrations",  # this tensorhub, and this module (`weights`)
            "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
 
     @ray.remote(num_cpus=0, runtime_env={"env_vars": env})
