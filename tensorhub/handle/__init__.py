@@ -4,8 +4,10 @@
 :class:`~tensorhub.core.handle.HandleMachine`. Its parts, each owning its state, lock and
 threads, get what they need of the handle through their constructors:
 
-- ``hub.py``: :class:`Hub`, :data:`HubState`: the calls, the machine and its driver, reads,
-  sources;
+- ``hub.py``: :class:`Hub`, :data:`HubState`: the calls, reads' phases and what they report;
+- ``driver.py``: :class:`~tensorhub.handle.driver.Driver` (``hub._driver``): the machine, its
+  lock, and carrying out its commands (requests, pulls, offloads, the region); it reaches the
+  handle only through :class:`~tensorhub.handle.driver.Handle`;
 - ``staging.py``: :class:`~tensorhub.handle.staging.Staging` (``hub._staging``): the prefetch
   staging copy, the prefetch job thread, seeds, the double buffer and its swap; it reaches the
   handle (and the staging copy) only through :class:`~tensorhub.handle.staging.Owner`;
@@ -17,7 +19,8 @@ threads, get what they need of the handle through their constructors:
 - ``sources.py``: :class:`~tensorhub.handle.sources.Sources`: the sources kept open across
   reads and the tier each takes (same-host mapping, else NIXL);
 - ``reads.py``: :class:`~tensorhub.handle.reads.ReadSession` (``hub.reads``): the read path as
-  a named API for code that moves a read's bytes itself (compiled graphs) and for tools;
+  a named API for code that moves a read's bytes itself (compiled graphs) and for tools, and the
+  pull path the driver uses too (``pull_range``: staging copy, same-host mapping, else NIXL);
   :class:`ReadStats`, what a read reports;
 - ``pulse.py``: one liveness loop per process and server, carrying every handle's beat.
 
@@ -29,14 +32,14 @@ Lock order (a thread holding one may take those after it, never one before it):
    pulse thread only ever *tries* it (an idle handle's re-announcement, ``MakeHostCopy``);
 2. ``Background._notes_lock`` (re-entrant): taking and applying the server's background
    notes, and announcing (a drop fetched before an announcement is applied before it);
-3. ``Hub._mlock``: the machine (user thread and pulse thread);
+3. ``Driver.lock`` (``hub._driver.lock``): the machine (user thread and pulse thread);
 4. leaves, nothing is taken while one is held: ``Staging._lock`` (the staging copy, prefetch
    jobs, ``close()`` begun; an update's swap takes it under ``_lock``, a seed under
    ``_notes_lock``), ``HostCopies.lock``, the ``Sources`` lock and a ``Pulse``'s own lock.
 
 A staging copy is a second :class:`Hub` of the same process whose locks 1-3 rank after its
-owner's ``_mlock`` and before the leaves: a swap holds the owner's ``_lock``, then the copy's,
-and both ``_mlock``, the owner's first. The copy never takes a lock of its owner.
+owner's ``Driver.lock`` and before the leaves: a swap holds the owner's ``_lock``, then the
+copy's, and both ``Driver.lock``, the owner's first. The copy never takes a lock of its owner.
 """
 
 from tensorhub.handle.hub import Hub, HubState, NamedTensors, ReadStats

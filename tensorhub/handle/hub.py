@@ -34,6 +34,7 @@ import torch
 from tensorhub import errors, metrics
 from tensorhub.handle import pulse
 from tensorhub.handle.background import Background
+from tensorhub.handle.driver import Driver
 from tensorhub.config import Config
 from tensorhub.core import bounds
 from tensorhub.core import handle as hm
@@ -62,9 +63,10 @@ HubState = hm.Phase
 class Hub:
     """One shard handle. Build with :func:`tensorhub.open`.
 
-    A thin driver of :class:`tensorhub.core.handle.HandleMachine`: the machine decides (rounds,
-    retries, failover, re-announce, aborts); this class carries out its commands with the server
-    port, the NIXL transport and threads, and feeds back what happened."""
+    A thin shell over :class:`tensorhub.core.handle.HandleMachine`: the machine decides (rounds,
+    retries, failover, re-announce, aborts); its driver (:mod:`tensorhub.handle.driver`) carries
+    out its commands with the server port, the transport and threads, and feeds back what
+    happened."""
 
     def __init__(self, model: str, port: ServerPort, *, shard: int = 0, num_shards: int = 1,
                  replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
@@ -91,9 +93,8 @@ class Hub:
         self.config = config or Config()
         self.client_id = f"{model}/{self.replica}/{shard}/{uuid.uuid4().hex[:6]}"
         self._port = port
-        self._machine = hm.HandleMachine(self.client_id, request_timeout_s=self.config.request_timeout_s,
-                                         reconnects_max=self.config.reconnects_max,
-                                         failovers_max=self.config.failovers_max)
+        self._driver = Driver(self, port=port, config=self.config)
+        """The machine, its lock and its driver (a part, :mod:`tensorhub.handle.driver`)."""
         self._layout: Optional[Layout] = None
         self._tensors: list[torch.Tensor] = []
         self._region: Optional[tx.Region] = None
@@ -103,19 +104,11 @@ class Hub:
         self._pending_pull: Optional[hm.Pull] = None
         """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
         self._read_t0 = 0.0
-        self._t_assigned = 0.0
-        self._offload_s = 0.0
         self._starved0 = 0.0
-        self._progress: Optional[Callable[[int, int], None]] = None
-        self._finished_at = 0.0
-        self._pull_from = 0
         self._hb_stop = threading.Event()
         self._lock = threading.Lock()  # one blocking call at a time
-        self._mlock = threading.Lock()  # the machine: user thread and heartbeat thread
         self._stage_for = ""
         """Set on a prefetch staging handle: the client id of the handle it stages for."""
-        self._verify_left: Optional[int] = None
-        """Verify mode, during an update: the version it leaves, checked before its first pull."""
         self._staging = Staging(self, port=port, config=self.config)
         """The prefetch staging copy, its job thread and the double buffer's swap (a part with
         its own lock and thread, :mod:`tensorhub.handle.staging`)."""
@@ -127,8 +120,9 @@ class Hub:
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
         self._background = Background(
             client_id=self.client_id, model=model, replica=self.replica, shard=shard, spot=self.spot,
-            config=self.config, port=port, machine=self._machine, mlock=self._mlock, call_lock=self._lock,
-            stopped=self._hb_stop, region=lambda: self._region, feed=self._feed, set_region=self._set_region,
+            config=self.config, port=port, machine=self._driver.machine, mlock=self._driver.lock,
+            call_lock=self._lock, stopped=self._hb_stop, region=lambda: self._region, feed=self._driver.feed,
+            set_region=self._driver.set_region,
             host_copies=self.host_copies, seed_asked=self._staging.seed_asked)
         """The server's notes, the beat and re-announcing (a part with its own lock,
         :mod:`tensorhub.handle.background`)."""
@@ -354,7 +348,7 @@ class Hub:
             except errors.HandleClosed:
                 raise
             except BaseException:
-                with self._mlock:
+                with self._driver.lock:
                     self._machine.phase = HubState.CLOSED
                 try:
                     self._port.call(m.Leave(self.client_id, drop_last_copy=True))
@@ -410,7 +404,7 @@ class Hub:
     # ---- the staging part's side (tensorhub.handle.staging.Owner)
 
     def _standing(self) -> Standing:
-        """What the staging part reads of this handle (read without ``_mlock``, as before it)."""
+        """What the staging part reads of this handle (read without the machine lock, as before it)."""
         region, layout, reg = self._region, self._layout, self._machine.register_msg
         return Standing(staging_for=self._stage_for, registered=layout is not None, reading=self._machine.reading,
                         complete=region is not None and layout is not None and region.progress == layout.unit_count,
@@ -438,7 +432,7 @@ class Hub:
 
     def _swapped(self, stage: "Hub", v: int) -> None:
         """The server made the swap: the two tensor sets (and their control blocks) change hands."""
-        with self._mlock, stage._mlock:
+        with self._driver.lock, stage._driver.lock:
             self._region, stage._region = stage._region, self._region
             self._tensors, stage._tensors = stage._tensors, self._tensors
             stage._region.set_progress(0)
@@ -511,193 +505,31 @@ class Hub:
         if self._machine.phase is not HubState.CLOSED:
             self.close()
 
-    # ------------------------------------------------------------------ the driver
+    # ------------------------------------------------------------------ the driver's side
 
-    def _feed(self, event: hm.Event) -> list:
-        with self._mlock:
-            return self._machine.handle(event, time.monotonic())
+    @property
+    def _machine(self) -> hm.HandleMachine:
+        """The machine (the driver's, :class:`~tensorhub.handle.driver.Driver`)."""
+        return self._driver.machine
 
     def _run(self, op: hm.Op) -> hm.Outcome:
         """Carry out one operation (the caller holds ``_lock``); an unanswered swap is settled
         first (:meth:`Staging.settle <tensorhub.handle.staging.Staging.settle>`)."""
         if self._staging.unsettled_swap is not None:
             self._staging.settle()
-        return self._drive(self._feed(hm.Start(op)))
-
-    def _drive(self, cmds: list, *, pause_at_pull: bool = False):
-        """Carry out the machine's commands until the operation ends: returns its
-        :class:`~tensorhub.core.handle.Outcome`, raises its typed error. ``pause_at_pull``:
-        return the first :class:`~tensorhub.core.handle.Pull` instead of running it (resume
-        with ``_drive([pull])``). Any exception of the driver itself (KeyboardInterrupt, a
-        bug) is fed to the machine, which ends the operation (aborting a read on the server),
-        and re-raised."""
-        while True:
-            awaiting = None
-            for cmd in cmds:
-                match cmd:
-                    case hm.Done(outcome):
-                        return outcome
-                    case hm.Fail(code, message):
-                        raise errors.from_code(code, message)
-                    case hm.SetRegion():
-                        self._set_region(cmd)
-                    case hm.DropHost(version):
-                        self.host_copies.drop(version)
-                    case hm.Send(request, fire=True):
-                        self._fire(request)
-                    case _:
-                        awaiting = cmd
-            assert awaiting is not None, f"{self.client_id}: the machine stopped without an outcome"
-            if isinstance(awaiting, hm.Pull) and self._verify_left is not None:
-                # Verify mode: the server drained the version this update leaves; its bytes must
-                # still be what was published, checked before the first byte of the new one lands.
-                left, self._verify_left = self._verify_left, None
-                try:
-                    self._verify_unchanged(left)
-                except BaseException as exc:
-                    self._finish_interrupted(exc)
-                    raise
-            if pause_at_pull and isinstance(awaiting, hm.Pull):
-                return awaiting
-            try:
-                event = self._execute(awaiting)
-            except BaseException as exc:
-                self._finish_interrupted(exc)
-                raise
-            cmds = self._feed(event)
-
-    def _finish_interrupted(self, exc: BaseException) -> None:
-        """The machine's clean-up after the driver's own exception: aborts, region, and an
-        update's old version published again (best effort: a failure here is logged, the
-        original exception is what the caller sees)."""
-        cmds = self._feed(hm.Interrupted(f"{type(exc).__name__}: {exc}"))
-        while cmds:
-            awaiting = None
-            for cmd in cmds:
-                match cmd:
-                    case hm.Send(request, fire=True):
-                        self._fire(request)
-                    case hm.SetRegion():
-                        self._set_region(cmd)
-                    case hm.DropHost(version):
-                        self.host_copies.drop(version)
-                    case hm.Send():
-                        awaiting = cmd
-            if awaiting is None:
-                return
-            try:
-                reply = self._port.call(awaiting.request)
-            except errors.TensorHubError as e:
-                reply = m.ErrorReply(code=type(e).__name__, message=str(e))
-            cmds = self._feed(hm.Replied(reply))
-
-    def _fire(self, request: m.Request) -> None:
-        try:
-            self._port.call(request)
-        except errors.TensorHubError:
-            log.info("model=%s shard=%d: %s not delivered", self.model, self.shard, type(request).__name__)
-
-    def _execute(self, cmd) -> hm.Event:
-        match cmd:
-            case hm.Send(request, wait):
-                try:
-                    if isinstance(request, m.Announce):
-                        return hm.Replied(self._background.send_announce(request))
-                    return hm.Replied(self._port.call(request, self.config.request_timeout_s if wait else 0.0))
-                except errors.ServerUnavailable as e:
-                    log.warning("model=%s shard=%d: reference server unavailable", self.model, self.shard)
-                    return hm.Unavailable(str(e))
-            case hm.Reconnect(delay_s):
-                time.sleep(delay_s)
-                self._port.reconnect()
-                return hm.TimerFired()
-            case hm.Sleep(delay_s):
-                time.sleep(delay_s)
-                return hm.TimerFired()
-            case hm.Recheck(version, units):
-                return hm.Rechecked(self._recheck(version, units))
-            case hm.Pull(assignment, _start):
-                return self._pull(assignment)
-            case hm.Offload(version):
-                t0 = time.perf_counter()
-                endpoint = self.host_copies.offload(version)
-                self._offload_s += time.perf_counter() - t0
-                return hm.Offloaded(version, endpoint)
-        raise AssertionError(f"unknown command {cmd!r}")
-
-    def _set_region(self, cmd: hm.SetRegion) -> None:
-        region = self._region
-        if region is None:
-            return
-        if cmd.version < 0:
-            region.set_progress(0)
-            region.set_version(-1)
-        elif self._layout is not None and cmd.progress >= self._layout.unit_count:
-            region.publish_complete(cmd.version, list(cmd.checksums) if cmd.checksums else None)
-        else:
-            region.set_version(cmd.version)
-            region.set_progress(cmd.progress)
-
-    def _pull(self, a: m.Assignment) -> hm.Pulled:
-        """One source, no failover (the machine decides that): every posted read is terminal
-        when this returns, unless ``not_terminal`` says otherwise."""
-        if not self._t_assigned:
-            self._t_assigned = time.perf_counter()
-            self._pull_from = self._resume_point(a.version)  # units this call did not fetch
-        if not self._region.settle(self.config.source_stall_timeout_s):
-            # An earlier pull left reads that NIXL never reported ended: none of this region's
-            # units past its progress can be trusted yet.
-            return hm.Pulled(self._region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
-        try:
-            self.reads.pull_range(a, self._layout.unit_count, on_unit=self._unit_landed if self._progress else None)
-        except errors.ReadsNotTerminal as err:
-            log.error("model=%s version=%d shard=%d: %s", self.model, a.version, self.shard, err)
-            return hm.Pulled(self._region.progress, str(err), not_terminal=True)
-        except (errors.TransferError, errors.ChecksumMismatch) as err:
-            log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
-                        self.model, a.version, self.shard, a.source_id, self._region.progress, err)
-            return hm.Pulled(self._region.progress, str(err) or type(err).__name__,
-                             unreachable=isinstance(err, errors.SourceUnreachable))
-        self._finished_at = time.time()
-        return hm.Pulled(self._region.progress)
-
-    def _unit_landed(self, _unit: int) -> None:
-        cb = self._progress
-        if cb is not None:
-            cb(self._region.progress, self._layout.unit_count)
-
-    def _recheck(self, version: int, units: int) -> int:
-        """A partial read left by an earlier call is resumed only as far as it is still intact:
-        between calls the handle is idle and the user may have written its tensors. Keeps the
-        leading units whose bytes still match the checksums recorded when they landed (none
-        without checksums)."""
-        region = self._region
-        keep = 0
-        if self.config.checksums:
-            # The control block's header may say "nothing" (hidden after the failed call); its
-            # checksum slots still hold what the units had when they landed.
-            sums = region.checksums()
-            layout_units = self._layout.units
-            while keep < units and checksum_unit(self._tensors, layout_units[keep]) == sums[keep]:
-                keep += 1
-        if keep < units:
-            log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "
-                     "(the rest changed since)", self.model, self.shard, keep, units, version)
-        return keep
+        return self._driver.drive(self._driver.feed(hm.Start(op)))
 
     def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None,
                    progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
         self.host_copies.stop_copy()
         self._read_t0 = time.perf_counter()
-        self._t_assigned = self._offload_s = 0.0
         self._starved0 = self._region.starved_s if self._region is not None else 0.0
-        self._progress = progress
-        self._verify_left = self._machine.published if update and self.config.verify_mutability else None
+        self._driver.begin_read(self._machine.published if update and self.config.verify_mutability else None,
+                                progress)
         try:
             out = self._run(hm.ReplicateOp(spec, update, round_no))
         finally:
-            self._progress = None
-            self._verify_left = None
+            self._driver.end_read()
         st = self._read_stats(out)
         if st.action == "replicated" and not st.prefetched:
             # The server may ask this new holder for the version's retention copy at once (not
@@ -713,22 +545,23 @@ class Hub:
     def _read_stats(self, out: hm.Outcome) -> ReadStats:
         t_end = time.perf_counter()
         dt = t_end - self._read_t0
+        d = self._driver
         if out.action == "noop":
-            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=self._offload_s,
+            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=d.offload_s,
                              skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
         if self.config.checksums or self.config.verify_mutability:
             self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
-        nbytes = self._units_bytes(self._pull_from, self._layout.unit_count)  # each unit fetched once
+        nbytes = self.reads.units_bytes(d.pull_from, self._layout.unit_count)  # each unit fetched once
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
         first, stage = out.first, self._staging.copy
-        waited = max(0.0, (self._t_assigned or t_end) - self._read_t0 - self._offload_s)
+        waited = max(0.0, (d.t_assigned or t_end) - self._read_t0 - d.offload_s)
         stall = waited + max(0.0, self._region.starved_s - self._starved0)
         return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
-                         transfer_s=t_end - (self._t_assigned or t_end), bytes=nbytes, sources=out.sources,
+                         transfer_s=t_end - (d.t_assigned or t_end), bytes=nbytes, sources=out.sources,
                          partial_source=bool(first and first.source_partial),
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
-                         finished_at=self._finished_at, offload_s=self._offload_s,
+                         finished_at=d.finished_at, offload_s=d.offload_s,
                          prefetched=bool(stage is not None and out.sources and out.sources[0] == stage.client_id),
                          skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
 
@@ -740,13 +573,13 @@ class Hub:
         :meth:`_abort_read`). Returns ``NoChange`` if there is nothing to read."""
         self.host_copies.stop_copy()
         self._read_t0 = time.perf_counter()
-        self._t_assigned = self._offload_s = 0.0
         self._starved0 = self._region.starved_s if self._region is not None else 0.0
-        self._verify_left = self._machine.published if update and self.config.verify_mutability else None
+        d = self._driver
+        d.begin_read(self._machine.published if update and self.config.verify_mutability else None)
         try:
-            res = self._drive(self._feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+            res = d.drive(d.feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
         finally:
-            self._verify_left = None
+            d.verify_left = None
         if isinstance(res, hm.Outcome):
             return m.NoChange(version=res.version)
         self._pending_pull = res
@@ -756,7 +589,7 @@ class Hub:
         """Phase 2: pull what is missing (failover included), report done, become a holder."""
         pull, self._pending_pull = self._pending_pull, None
         assert pull is not None, "no read paused"
-        st = self._read_stats(self._drive([pull]))
+        st = self._read_stats(self._driver.drive([pull]))
         metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
                             stall_s=st.stall_s)
         return st
@@ -767,62 +600,7 @@ class Hub:
         if self._pending_pull is None:
             return
         self._pending_pull = None
-        self._finish_interrupted(errors.TransferError(why))
-
-    # ------------------------------------------------------------------ transport helpers
-    def _open_source(self, a: m.Assignment) -> tx.Source:
-        """The NIXL source of ``a``, kept open across reads (:class:`~tensorhub.handle.sources.Sources`)."""
-        return self._sources.nixl(a)
-
-    def _source_checksums(self, source: tx.Source, version: int) -> Optional[list[int]]:
-        """The checksums of a complete source holding ``version`` (one control read), or None if
-        it does not (yet) hold all of it."""
-        v, progress, sums = source.read_control(self.config.source_stall_timeout_s)
-        return sums if v == version and progress == self._layout.unit_count else None
-
-    def _pull_range(self, a: m.Assignment, end_unit: int, *, source: Optional[tx.Source] = None,
-                    source_sums=None, should_stop=None, on_unit=None) -> int:
-        """Read units [own progress, end_unit) of ``a.version`` from ``a``'s source, without
-        failover (a caller that coordinates the pipeline itself, e.g. a compiled graph, falls
-        back to :meth:`_read` on error, which resumes from the same progress). ``source``: an
-        open source to use (kept open); ``source_sums``: checksums of the source's units known
-        final, a list or a growing :class:`~tensorhub.transport.KnownProgress` (then the
-        source's control block is not read); ``should_stop``/``on_unit``: as for ``pull``."""
-        if source is None and source_sums is None:
-            stage = self._staging.copy
-            if stage is not None and a.source_id == stage.client_id and stage._region is not None:
-                own = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}")
-                return shm.pull(self._region, own, self._layout, expect_version=a.version, config=self.config,
-                                start_unit=self._resume_point(a.version), end_unit=end_unit,
-                                should_stop=should_stop, on_unit=on_unit)
-            near = self._sources.same_host(a)
-            if near is not None:
-                try:
-                    return shm.pull(self._region, near, self._layout, expect_version=a.version, config=self.config,
-                                    start_unit=self._resume_point(a.version), end_unit=end_unit,
-                                    should_stop=should_stop, on_unit=on_unit)
-                except (errors.TransferError, errors.ChecksumMismatch):
-                    self._sources.drop(a)
-                    raise
-        if source is None:
-            source = self._open_source(a)
-        try:
-            return tx.pull(self._region, source, self._layout, expect_version=a.version, config=self.config,
-                           start_unit=self._resume_point(a.version), end_unit=end_unit, source_sums=source_sums,
-                           should_stop=should_stop, on_unit=on_unit)
-        except (errors.TransferError, errors.ChecksumMismatch) as e:
-            self._sources.drop(a)  # a source that failed is opened afresh if assigned again
-            if (isinstance(e, errors.ChecksumMismatch) or source.reached or source_sums is not None
-                    or isinstance(e, errors.SourceUnreachable)):
-                raise
-            raise errors.SourceUnreachable(str(e)) from e
-
-    def _units_bytes(self, start: int, end: int) -> int:
-        return sum(self._layout.unit_nbytes(u) for u in range(start, end))
-
-    def _resume_point(self, version: int) -> int:
-        """Units of ``version`` already in place: a read after a failover refetches nothing."""
-        return self._region.progress if self._region.version == version else 0
+        self._driver.finish_interrupted(errors.TransferError(why))
 
     def _verify_unchanged(self, version: Optional[int]) -> None:
         """Verify mode: the bytes must still be what was published (or replicated)."""
@@ -862,11 +640,11 @@ class Hub:
         self._background.after_beat(known, notes, acked, may_announce)
 
     def _record_host_copy(self, version: int, endpoint: bytes) -> None:
-        with self._mlock:
+        with self._driver.lock:
             self._machine.host_copies[version] = endpoint
 
     def _host_copy_endpoint(self, version: int) -> Optional[bytes]:
-        with self._mlock:
+        with self._driver.lock:
             return self._machine.host_copies.get(version)
 
     def _release(self) -> None:

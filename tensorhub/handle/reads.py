@@ -15,6 +15,11 @@ A two-phase read::
     stats = reads.finish()                       # the rest with failover; now a holder
     # or reads.abort(why) if the caller gives up
 
+:class:`ReadSession` is also the handle's own pull path: :meth:`ReadSession.pull_range` picks
+the tier (the staging copy's memory, a same-host mapping through :mod:`tensorhub.transport.shm`,
+else NIXL through :func:`tensorhub.transport.pull`) for the handle's driver
+(:mod:`tensorhub.handle.driver`) as for a graph.
+
 :class:`ReadStats` is what a read reports (``replicate``, ``update``, a prefetch's future).
 """
 
@@ -23,7 +28,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
+from tensorhub import errors
+from tensorhub import transport as tx
 from tensorhub.core import messages as m
+from tensorhub.transport import shm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +100,56 @@ class ReadSession:
         self._hub._abort_read(why)
 
     # ---- moving bytes between the phases -------------------------------------------------
-    def open_source(self, a: m.Assignment):
-        """The NIXL source of ``a``, kept open by the handle (never close it)."""
-        return self._hub._open_source(a)
+    def open_source(self, a: m.Assignment) -> tx.Source:
+        """The NIXL source of ``a``, kept open by the handle across reads (never close it;
+        :class:`~tensorhub.handle.sources.Sources`)."""
+        return self._hub._sources.nixl(a)
 
-    def source_checksums(self, source, version: int) -> Optional[list[int]]:
+    def source_checksums(self, source: tx.Source, version: int) -> Optional[list[int]]:
         """The checksums of a complete source holding ``version``, or None if it does not (yet)
         hold all of it (one control read)."""
-        return self._hub._source_checksums(source, version)
+        v, progress, sums = source.read_control(self._hub.config.source_stall_timeout_s)
+        return sums if v == version and progress == self._hub._layout.unit_count else None
 
-    def pull_range(self, a: m.Assignment, end_unit: int, **kw) -> int:
-        """Read units [own progress, ``end_unit``) of ``a.version`` without failover (keywords:
-        ``source``, ``source_sums``, ``should_stop``, ``on_unit``); returns the bytes read."""
-        return self._hub._pull_range(a, end_unit, **kw)
+    def pull_range(self, a: m.Assignment, end_unit: int, *, source: Optional[tx.Source] = None,
+                   source_sums=None, should_stop=None, on_unit=None) -> int:
+        """Read units [own progress, ``end_unit``) of ``a.version`` from ``a``'s source, without
+        failover (a caller that coordinates the pipeline itself, e.g. a compiled graph, falls
+        back to :meth:`finish` on error, which resumes from the same progress); returns the bytes
+        read. ``source``: an open source to use (kept open); ``source_sums``: checksums of the
+        source's units known final, a list or a growing :class:`~tensorhub.transport.KnownProgress`
+        (then the source's control block is not read); ``should_stop``/``on_unit``: as for
+        ``pull``. The handle's own pulls come here too (:class:`~tensorhub.handle.driver.Driver`)."""
+        hub = self._hub
+        region, layout, config = hub._region, hub._layout, hub.config
+        if source is None and source_sums is None:
+            stage = hub._staging.copy
+            if stage is not None and a.source_id == stage.client_id and stage._region is not None:
+                own = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}")
+                return shm.pull(region, own, layout, expect_version=a.version, config=config,
+                                start_unit=self.resume_point(a.version), end_unit=end_unit,
+                                should_stop=should_stop, on_unit=on_unit)
+            near = hub._sources.same_host(a)
+            if near is not None:
+                try:
+                    return shm.pull(region, near, layout, expect_version=a.version, config=config,
+                                    start_unit=self.resume_point(a.version), end_unit=end_unit,
+                                    should_stop=should_stop, on_unit=on_unit)
+                except (errors.TransferError, errors.ChecksumMismatch):
+                    hub._sources.drop(a)
+                    raise
+        if source is None:
+            source = self.open_source(a)
+        try:
+            return tx.pull(region, source, layout, expect_version=a.version, config=config,
+                           start_unit=self.resume_point(a.version), end_unit=end_unit, source_sums=source_sums,
+                           should_stop=should_stop, on_unit=on_unit)
+        except (errors.TransferError, errors.ChecksumMismatch) as e:
+            hub._sources.drop(a)  # a source that failed is opened afresh if assigned again
+            if (isinstance(e, errors.ChecksumMismatch) or source.reached or source_sums is not None
+                    or isinstance(e, errors.SourceUnreachable)):
+                raise
+            raise errors.SourceUnreachable(str(e)) from e
 
     # ---- what the handle holds -----------------------------------------------------------
     @property
@@ -113,12 +158,14 @@ class ReadSession:
         return self._hub._layout.unit_count
 
     def resume_point(self, version: int) -> int:
-        """Units of ``version`` already in place here."""
-        return self._hub._resume_point(version)
+        """Units of ``version`` already in place here: a read after a failover refetches nothing."""
+        region = self._hub._region
+        return region.progress if region.version == version else 0
 
     def units_bytes(self, start: int, end: int) -> int:
         """Bytes of units ``[start, end)``."""
-        return self._hub._units_bytes(start, end)
+        layout = self._hub._layout
+        return sum(layout.unit_nbytes(u) for u in range(start, end))
 
     def checksums(self) -> list[int]:
         """The checksums of the units in place in the registered region."""

@@ -400,8 +400,8 @@ class SimClient:
             self.world.sim.after(0.1, self._reconnect, token, deadline)
 
     def _recheck(self, version: int, units: int) -> int:
-        """``Hub._recheck``: the leading units that still hold ``version``; none without
-        checksums (nothing could tell whether the user wrote them), so the read starts over."""
+        """``Driver._recheck`` (:mod:`tensorhub.handle.driver`): the leading units that still hold
+        ``version``; none without checksums (nothing could tell whether the user wrote them), so the read starts over."""
         if not self.world.config.checksums:
             self.world.checker.observer.path("checksums_off")
             return 0

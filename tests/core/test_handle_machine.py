@@ -301,13 +301,13 @@ def test_interrupted_read_leaves_no_phantom_reader_and_the_source_can_unpublish(
     workload.fill_version(tt, 1)
     t.publish(1)
     r, _ = _hub(port, replica="r")
-    real = type(r)._pull_range
+    real = type(r.reads).pull_range
 
     def interrupted(self, a, end_unit, **kw):
         real(self, a, 2)
         raise KeyboardInterrupt
 
-    r._pull_range = interrupted.__get__(r)
+    r.reads.pull_range = interrupted.__get__(r.reads)
     with pytest.raises(KeyboardInterrupt):
         r.replicate(1)
     assert port.core.nodes[r.client_id].state is NodeState.IDLE

@@ -9,7 +9,6 @@ import pytest
 
 import tensorhub
 from tensorhub import errors
-from tensorhub.handle import Hub
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
@@ -165,7 +164,7 @@ def _failed_partial_read(port):
     r, rt = _hub(port, replica="r")
     workload.fill_version(tt, 1)
     t.publish(1)
-    real = Hub._pull_range
+    real = type(r.reads).pull_range
     calls = {"n": 0}
 
     def flaky(self, a, end_unit, **kw):
@@ -174,10 +173,10 @@ def _failed_partial_read(port):
             real(self, a, 3)
         raise errors.TransferError("injected: source unreachable")
 
-    r._pull_range = flaky.__get__(r)
+    r.reads.pull_range = flaky.__get__(r.reads)
     with pytest.raises(errors.TransferError):
         r.replicate(1)
-    del r._pull_range
+    del r.reads.pull_range
     # three units of version 1 stay in place for a later call, hidden from followers meanwhile
     assert (r._machine.region_version, r._machine.region_progress) == (1, 3)
     assert (r._region.version, r._region.progress) == (-1, 0)
@@ -200,6 +199,6 @@ def test_resume_after_failed_read_keeps_untouched_units():
     """The same, without a write in between: the units already in place are not fetched again."""
     t, tt, r, rt = _failed_partial_read(LocalPort(CFG))
     st = r.replicate(1)
-    assert st.bytes == r._layout.total_bytes - r._units_bytes(0, 3)
+    assert st.bytes == r._layout.total_bytes - r.reads.units_bytes(0, 3)
     assert workload.digest(rt) == workload.digest(tt)
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)

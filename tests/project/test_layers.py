@@ -126,7 +126,7 @@ def test_no_code_outside_the_handle_uses_its_private_members():
     """The handle's inside may change without the graphs, tools, fixtures or benchmarks: they
     use its public API and its named read API (``hub.reads``, :mod:`tensorhub.handle.reads`)."""
     names = _hub_private_names()
-    assert {"_begin_read", "_pull_range", "_machine", "_region"} <= names  # the scan sees the class
+    assert {"_begin_read", "_run", "_machine", "_region"} <= names  # the scan sees the class
     bad = {}
     for base in ("tensorhub", "benchmarks", "examples"):
         for path in sorted((ROOT / base).rglob("*.py")):
