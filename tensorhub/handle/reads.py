@@ -122,27 +122,26 @@ class ReadSession:
         ``pull``. The handle's own pulls come here too (:class:`~tensorhub.handle.driver.Driver`)."""
         hub = self._hub
         region, layout, config = hub._region, hub._layout, hub.config
+        start = self.resume_point(a.version)
         if source is None and source_sums is None:
+            # The tier: this handle's own staging copy, else the holder's memory mapped here (same
+            # host), else NIXL.
             stage = hub._staging.copy
-            if stage is not None and a.source_id == stage.client_id and stage._region is not None:
-                own = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}")
-                return shm.pull(region, own, layout, expect_version=a.version, config=config,
-                                start_unit=self.resume_point(a.version), end_unit=end_unit,
-                                should_stop=should_stop, on_unit=on_unit)
-            near = hub._sources.same_host(a)
+            own = stage is not None and a.source_id == stage.client_id and stage._region is not None
+            near = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}") if own else hub._sources.same_host(a)
             if near is not None:
                 try:
                     return shm.pull(region, near, layout, expect_version=a.version, config=config,
-                                    start_unit=self.resume_point(a.version), end_unit=end_unit,
-                                    should_stop=should_stop, on_unit=on_unit)
+                                    start_unit=start, end_unit=end_unit, should_stop=should_stop, on_unit=on_unit)
                 except (errors.TransferError, errors.ChecksumMismatch):
-                    hub._sources.drop(a)
+                    if not own:
+                        hub._sources.drop(a)  # a mapping that failed is made afresh if assigned again
                     raise
         if source is None:
             source = self.open_source(a)
         try:
             return tx.pull(region, source, layout, expect_version=a.version, config=config,
-                           start_unit=self.resume_point(a.version), end_unit=end_unit, source_sums=source_sums,
+                           start_unit=start, end_unit=end_unit, source_sums=source_sums,
                            should_stop=should_stop, on_unit=on_unit)
         except (errors.TransferError, errors.ChecksumMismatch) as e:
             hub._sources.drop(a)  # a source that failed is opened afresh if assigned again
