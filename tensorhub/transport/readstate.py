@@ -55,7 +55,7 @@ class ReadState:
         """The source's control block says (``version``, ``progress``, checksums)."""
         if version != self.version:
             if self.seen_version or version > self.version:
-                raise TransferError(f"source {self.source} holds version {version}, expected {self.version}")
+                raise TransferError(f"source {self.source} moved on: holds version {version}, expected {self.version}")
             return
         self.seen_version = True
         if progress > self.remote_progress:
