@@ -4,7 +4,10 @@
 :class:`~tensorhub.core.handle.HandleMachine`. Its parts, each owning its state, lock and
 threads, get what they need of the handle through their constructors:
 
-- ``hub.py``: :class:`Hub`, :data:`HubState`: the calls, reads' phases and what they report;
+- ``hub.py``: :class:`Hub`, :data:`HubState`: the calls;
+- ``memory.py``: :class:`~tensorhub.handle.memory.Memory` (``hub._memory``): the registered
+  tensors, their layout, transport region and the checksums of the version they hold;
+- ``registration.py``: what a registration is checked against (pure helpers);
 - ``driver.py``: :class:`~tensorhub.handle.driver.Driver` (``hub._driver``): the machine, its
   lock, and carrying out its commands (requests, pulls, offloads, the region); it reaches the
   handle only through :class:`~tensorhub.handle.driver.Handle`;
@@ -18,10 +21,10 @@ threads, get what they need of the handle through their constructors:
   retention offloads, copies made ahead, the buffer pool and its thread;
 - ``sources.py``: :class:`~tensorhub.handle.sources.Sources`: the sources kept open across
   reads and the tier each takes (same-host mapping, else NIXL);
-- ``reads.py``: :class:`~tensorhub.handle.reads.ReadSession` (``hub.reads``): the read path as
-  a named API for code that moves a read's bytes itself (compiled graphs) and for tools, and the
+- ``reads.py``: :class:`~tensorhub.handle.reads.ReadSession` (``hub.reads``): a read from its
+  start to its :class:`ReadStats` (``call`` for ``replicate``/``update``; ``begin``/``finish``
+  for code that moves a read's bytes itself, compiled graphs), tools' view of the region, and the
   pull path the driver uses too (``pull_range``: staging copy, same-host mapping, else NIXL);
-  :class:`ReadStats`, what a read reports;
 - ``pulse.py``: one liveness loop per process and server, carrying every handle's beat.
 
 No code outside this package uses a private member of :class:`Hub` (``tests/project/test_layers.py``).

@@ -25,17 +25,16 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
-import torch
 
 from tensorhub import errors
-from tensorhub import transport as tx
 from tensorhub.config import Config
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.handle.background import Background
 from tensorhub.handle.host_copies import HostCopies
+from tensorhub.handle.memory import Memory
 from tensorhub.handle.reads import ReadSession
-from tensorhub.layout import Layout, checksum_unit
+from tensorhub.layout import checksum_unit
 from tensorhub.ports import ServerPort
 
 log = logging.getLogger("tensorhub.client")
@@ -45,18 +44,17 @@ log = logging.getLogger("tensorhub.client")
 class Handle(Protocol):
     """The handle as :class:`Driver` sees it: a :class:`~tensorhub.handle.hub.Hub`.
 
-    Public: ``client_id``, ``model``, ``shard``, ``host_copies``, ``reads``. Read live (a swap
-    exchanges them, ``close`` drops the region): ``_region``, ``_layout``, ``_tensors``. And
-    ``_background`` (it sends the machine's announcements) and :meth:`_verify_unchanged`."""
+    Public: ``client_id``, ``model``, ``shard``, ``host_copies``, ``reads``. Its registered
+    memory ``_memory`` (:class:`~tensorhub.handle.memory.Memory`: region, layout and tensors,
+    read live: a swap exchanges them, ``close`` drops the region). And ``_background`` (it sends
+    the machine's announcements) and :meth:`_verify_unchanged`."""
 
     client_id: str
     model: str
     shard: int
     host_copies: HostCopies
     reads: ReadSession
-    _region: Optional[tx.Region]
-    _layout: Optional[Layout]
-    _tensors: list[torch.Tensor]
+    _memory: Memory
     _background: Background
 
     def _verify_unchanged(self, version: Optional[int]) -> None:
@@ -179,13 +177,13 @@ class Driver:
     def set_region(self, cmd: hm.SetRegion) -> None:
         """Carry out a ``SetRegion``: what the handle's region advertises (nothing before register)."""
         h = self._handle
-        region = h._region
+        region = h._memory.region
         if region is None:
             return
         if cmd.version < 0:
             region.set_progress(0)
             region.set_version(-1)
-        elif h._layout is not None and cmd.progress >= h._layout.unit_count:
+        elif h._memory.layout is not None and cmd.progress >= h._memory.layout.unit_count:
             region.publish_complete(cmd.version, list(cmd.checksums) if cmd.checksums else None)
         else:
             region.set_version(cmd.version)
@@ -236,27 +234,27 @@ class Driver:
         if not self.t_assigned:
             self.t_assigned = time.perf_counter()
             self.pull_from = h.reads.resume_point(a.version)  # units this call did not fetch
-        if not h._region.settle(self._config.source_stall_timeout_s):
+        if not h._memory.region.settle(self._config.source_stall_timeout_s):
             # An earlier pull left reads that NIXL never reported ended: none of this region's
             # units past its progress can be trusted yet.
-            return hm.Pulled(h._region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
+            return hm.Pulled(h._memory.region.progress, "reads of an earlier pull are still in flight", not_terminal=True)
         try:
-            h.reads.pull_range(a, h._layout.unit_count, on_unit=self._unit_landed if self.progress else None)
+            h.reads.pull_range(a, h._memory.layout.unit_count, on_unit=self._unit_landed if self.progress else None)
         except errors.ReadsNotTerminal as err:
             log.error("model=%s version=%d shard=%d: %s", h.model, a.version, h.shard, err)
-            return hm.Pulled(h._region.progress, str(err), not_terminal=True)
+            return hm.Pulled(h._memory.region.progress, str(err), not_terminal=True)
         except (errors.TransferError, errors.ChecksumMismatch) as err:
             log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
-                        h.model, a.version, h.shard, a.source_id, h._region.progress, err)
-            return hm.Pulled(h._region.progress, str(err) or type(err).__name__,
+                        h.model, a.version, h.shard, a.source_id, h._memory.region.progress, err)
+            return hm.Pulled(h._memory.region.progress, str(err) or type(err).__name__,
                              unreachable=isinstance(err, errors.SourceUnreachable))
         self.finished_at = time.time()
-        return hm.Pulled(h._region.progress)
+        return hm.Pulled(h._memory.region.progress)
 
     def _unit_landed(self, _unit: int) -> None:
         cb = self.progress
         if cb is not None:
-            cb(self._handle._region.progress, self._handle._layout.unit_count)
+            cb(self._handle._memory.region.progress, self._handle._memory.layout.unit_count)
 
     def _recheck(self, version: int, units: int) -> int:
         """A partial read left by an earlier call is resumed only as far as it is still intact:
@@ -264,14 +262,14 @@ class Driver:
         leading units whose bytes still match the checksums recorded when they landed (none
         without checksums)."""
         h = self._handle
-        region = h._region
+        region = h._memory.region
         keep = 0
         if self._config.checksums:
             # The control block's header may say "nothing" (hidden after the failed call); its
             # checksum slots still hold what the units had when they landed.
             sums = region.checksums()
-            layout_units = h._layout.units
-            while keep < units and checksum_unit(h._tensors, layout_units[keep]) == sums[keep]:
+            layout_units = h._memory.layout.units
+            while keep < units and checksum_unit(h._memory.tensors, layout_units[keep]) == sums[keep]:
                 keep += 1
         if keep < units:
             log.info("model=%s shard=%d: %d of %d units kept from the earlier partial read of version %d "

@@ -24,9 +24,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 import uuid
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import msgspec
 import torch
@@ -40,21 +39,20 @@ from tensorhub.core import bounds
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.handle.host_copies import Held, HostCopies
+from tensorhub.handle.memory import Memory
+from tensorhub.handle import registration
 from tensorhub.handle.reads import ReadSession, ReadStats
+from tensorhub.handle.registration import NamedTensors
 from tensorhub.handle.staging import Staging, Standing
 from tensorhub.handle.sources import Sources
-from tensorhub.layout import Layout, checksum_all, checksum_unit
+from tensorhub.layout import Layout, checksum_all
 from tensorhub.logs import configure_from_env
 from tensorhub.ports import ServerPort
 from tensorhub import transport as tx
 from tensorhub.transport import shm
-from tensorhub.transport.storages import distinct_storages
 
 log = logging.getLogger("tensorhub.client")
 """The handle's log (its name from before the handle package, kept for users' log filters)."""
-
-NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
-
 
 HubState = hm.Phase
 """The handle's lifecycle phase (``OPEN`` until register, ``IDLE``, ``PUBLISHED``, ``CLOSED``)."""
@@ -95,16 +93,11 @@ class Hub:
         self._port = port
         self._driver = Driver(self, port=port, config=self.config)
         """The machine, its lock and its driver (a part, :mod:`tensorhub.handle.driver`)."""
-        self._layout: Optional[Layout] = None
-        self._tensors: list[torch.Tensor] = []
-        self._region: Optional[tx.Region] = None
-        self._checksums: list[int] = []
+        self._memory = Memory(self.config)
+        """The registered tensors, their layout, region and checksums (a part,
+        :mod:`tensorhub.handle.memory`)."""
         self._sources = Sources(self.config, model, shard)
         """Sources kept open across reads (a part with its own lock)."""
-        self._pending_pull: Optional[hm.Pull] = None
-        """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
-        self._read_t0 = 0.0
-        self._starved0 = 0.0
         self._hb_stop = threading.Event()
         self._lock = threading.Lock()  # one blocking call at a time
         self._stage_for = ""
@@ -114,14 +107,14 @@ class Hub:
         its own lock and thread, :mod:`tensorhub.handle.staging`)."""
         self.host_copies = HostCopies(
             model=model, shard=shard, client_id=self.client_id, spot=self.spot, config=self.config, port=port,
-            held=lambda: Held(self._tensors, self._layout, self._region),
+            held=lambda: Held(self._memory.tensors, self._memory.layout, self._memory.region),
             take_notes=lambda: self._background.take_notes(),  # the part made next, which needs this one
             record=self._record_host_copy, endpoint_of=self._host_copy_endpoint)
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
         self._background = Background(
             client_id=self.client_id, model=model, replica=self.replica, shard=shard, spot=self.spot,
             config=self.config, port=port, machine=self._driver.machine, mlock=self._driver.lock,
-            call_lock=self._lock, stopped=self._hb_stop, region=lambda: self._region, feed=self._driver.feed,
+            call_lock=self._lock, stopped=self._hb_stop, region=lambda: self._memory.region, feed=self._driver.feed,
             set_region=self._driver.set_region,
             host_copies=self.host_copies, seed_asked=self._staging.seed_asked)
         """The server's notes, the beat and re-announcing (a part with its own lock,
@@ -166,9 +159,7 @@ class Hub:
         """The registered tensors that hold :attr:`version`, as ``(name, tensor)`` in layout
         order. With a double buffer they alternate between the two sets after each swapped
         update (``ReadStats.swapped``): hand these to the engine after such an update."""
-        if self._layout is None:
-            return []
-        return [(meta.name, t) for meta, t in zip(self._layout.metas, self._tensors)]
+        return self._memory.named()
 
     def register(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
         """Declare the tensors this shard holds, in order (a state dict works). Registers their
@@ -194,36 +185,36 @@ class Hub:
         with self._lock:
             if self._machine.phase is not HubState.OPEN:
                 self._run(hm.RegisterOp(None))  # raises HandleClosed / InvalidState
-            items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+            items = registration.named_list(tensors)
             layout = Layout.for_config(items, self.config)
-            bounds.check_layout(_layout_info(layout, self.config.checksums))
+            info = registration.layout_info(layout, self.config.checksums)
+            bounds.check_layout(info)
             spare = None
             if double_buffer is not None:
-                spare = self._like(double_buffer, layout, "double_buffer")
-                if _share_memory([t for _, t in spare], [t for _, t in items]):
-                    raise errors.LayoutMismatch("double_buffer: shares memory with the tensors")
+                spare = registration.apart(double_buffer, layout, self.config, [t for _, t in items], "double_buffer")
             ts = [t for _, t in items]
             region = tx.Region.register(ts, layout, self.config)
             try:
                 msg = m.Register(
                     client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
-                    num_shards=self.num_shards, layout=_layout_info(layout, self.config.checksums),
+                    num_shards=self.num_shards, layout=info,
                     endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
                     process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
                 )
             except BaseException:
                 region.close()  # nothing registered: the transport registration goes too
                 raise
-            self._layout, self._tensors, self._region = layout, ts, region
+            self._memory.attach(layout, ts, region)
             self._machine.unit_count = layout.unit_count
             try:
                 bounds.check_endpoint("endpoint", msg.endpoint)
                 self._run(hm.RegisterOp(msg))
             except BaseException as exc:
-                self._layout, self._tensors, self._region = None, [], None
+                self._memory.detach()
                 region.close()
                 if isinstance(exc, errors.LayoutMismatch):
-                    self._explain_mismatch(msg.layout, exc)
+                    registration.explain_mismatch(self._port, self.model, self.shard, self.config.checksums,
+                                                  msg.layout, exc)
                 raise
             self._staging.double = spare
             self._start_heartbeat()
@@ -243,14 +234,14 @@ class Hub:
                 raise errors.BadVersionSpec(f"publish() needs an int version >= 0, got {version!r}")
             bounds.check_version("version", version)
             if self._machine.phase in (HubState.IDLE, HubState.PUBLISHED) and self._machine.published is None:
-                _sync_devices(self._tensors)
+                _sync_devices(self._memory.tensors)
                 need_sums = self.config.checksums or self.config.verify_mutability
-                sums = checksum_all(self._tensors, self._layout) if need_sums else []
+                sums = checksum_all(self._memory.tensors, self._memory.layout) if need_sums else []
             else:
                 sums = []
             self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
             if self._machine.published == version and sums:
-                self._checksums = sums
+                self._memory.checksums = sums
             metrics.record_publish(self.model)
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 
@@ -282,7 +273,7 @@ class Hub:
         ``progress(units_done, units_total)``: called in this thread as units land (verified),
         for a long read; it must be quick and must not call this handle."""
         with self._lock:
-            return self._replicate(spec, update=False, round_no=_check_round(round), progress=progress)
+            return self.reads.call(spec, update=False, round_no=_check_round(round), progress=progress)
 
     def update(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
                progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
@@ -302,7 +293,7 @@ class Hub:
                 st = self._staging.swap(spec)
                 if st is not None:
                     return st
-            return self._replicate(spec, update=True, round_no=_check_round(round), progress=progress)
+            return self.reads.call(spec, update=True, round_no=_check_round(round), progress=progress)
 
     def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second
@@ -321,22 +312,7 @@ class Hub:
 
         Verify mode (``verify_mutability``): the version this call unpublished is checked like
         :meth:`unpublish` checks it, once the handle is closed (``MutabilityViolation``)."""
-        if self._staging.unsettled_swap is not None:  # which set of tensors is whose, before either goes
-            with self._lock:
-                try:
-                    self._staging.settle()
-                except errors.ServerUnavailable as e:
-                    log.warning("model=%s replica=%s shard=%d: closing with a swap unanswered: %s", self.model,
-                                self.replica, self.shard, e)
-        try:
-            self._staging.close(drop_last_copy)
-        except errors.LastCopyHeld:
-            self._staging.reopen()  # both stay open, as they were
-            raise
-        except BaseException as exc:  # noqa: BLE001 - the handle closes first, then this is raised
-            stage_error: Optional[BaseException] = exc
-        else:
-            stage_error = None
+        stage_error = self._staging.close_first(drop_last_copy)
         with self._lock:
             self.host_copies.stop_copy()
             was = self._machine.published
@@ -393,31 +369,20 @@ class Hub:
         """:meth:`prefetch`, awaited until the staging copy is complete (its ReadStats)."""
         return await asyncio.wrap_future(self.prefetch(spec, round=round, buffer=buffer))
 
-    def _like(self, named: NamedTensors, layout: Layout, what: str) -> list[tuple[str, torch.Tensor]]:
-        """``named`` as a list, if its layout is ``layout``'s (else ``LayoutMismatch``)."""
-        items = list(named.items()) if isinstance(named, Mapping) else list(named)
-        if _layout_info(Layout.for_config(items, self.config)) != _layout_info(layout):
-            raise errors.LayoutMismatch(f"{what}: its layout differs from the registered tensors' (names, "
-                                        "dtypes, shapes and order must match)")
-        return items
-
     # ---- the staging part's side (tensorhub.handle.staging.Owner)
 
     def _standing(self) -> Standing:
         """What the staging part reads of this handle (read without the machine lock, as before it)."""
-        region, layout, reg = self._region, self._layout, self._machine.register_msg
-        return Standing(staging_for=self._stage_for, registered=layout is not None, reading=self._machine.reading,
-                        complete=region is not None and layout is not None and region.progress == layout.unit_count,
+        reg = self._machine.register_msg
+        return Standing(staging_for=self._stage_for, registered=self._memory.layout is not None,
+                        reading=self._machine.reading, complete=self._memory.complete,
                         endpoint=reg.endpoint if reg is not None else None, seq=self._machine.seq)
 
     def _prefetch_buffer(self, named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         """A prefetch's ``buffer=`` as a list, if it has this handle's layout and does not share
         memory with the registered tensors (``LayoutMismatch`` otherwise)."""
-        buffer = self._like(named, self._layout, "prefetch buffer")
-        if _share_memory([t for _, t in buffer], self._tensors):
-            # The prefetch would write the published tensors while readers fetch them.
-            raise errors.LayoutMismatch("prefetch buffer: shares memory with the registered tensors")
-        return buffer
+        return registration.apart(named, self._memory.layout, self.config, self._memory.tensors,
+                                  "prefetch buffer")
 
     def _open_copy(self) -> "Hub":
         """A prefetch staging handle for this one, not registered yet: same model, shard,
@@ -433,49 +398,22 @@ class Hub:
     def _swapped(self, stage: "Hub", v: int) -> None:
         """The server made the swap: the two tensor sets (and their control blocks) change hands."""
         with self._driver.lock, stage._driver.lock:
-            self._region, stage._region = stage._region, self._region
-            self._tensors, stage._tensors = stage._tensors, self._tensors
-            stage._region.set_progress(0)
-            stage._region.set_version(-1)
+            self._memory.exchange(stage._memory)
             # The endpoints change hands as the server exchanged them (the same bytes).
             mine, theirs = self._machine.register_msg.endpoint, stage._machine.register_msg.endpoint
             self._machine.swapped_in(v, msgspec.structs.replace(self._machine.register_msg, endpoint=theirs))
             stage._machine.swapped_out(msgspec.structs.replace(stage._machine.register_msg, endpoint=mine))
-        if self.config.checksums or self.config.verify_mutability:
-            self._checksums = (self._region.checksums() if self.config.checksums
-                               else checksum_all(self._tensors, self._layout))
+        self._memory.hold_checksums()
 
     def _publish_again(self, version: int) -> None:
         """A refused swap: publish ``version`` again from the tensors, which still hold it (it
         was unpublished only for the swap, and verified unchanged in verify mode). If the server
         cannot be told, the handle stays unpublished and the update copies from there."""
         try:
-            self._run(hm.PublishOp(version, tuple(self._checksums) if self.config.checksums else ()))
+            self._run(hm.PublishOp(version, tuple(self._memory.checksums) if self.config.checksums else ()))
         except errors.TensorHubError as e:
             log.warning("model=%s replica=%s shard=%d: version %d not published again after a refused swap: %s",
                         self.model, self.replica, self.shard, version, e)
-
-    def _explain_mismatch(self, mine: m.LayoutInfo, refused: errors.LayoutMismatch) -> None:
-        """The server refused this registration's layout: if the model's layout for this shard
-        differs from ours only in the ``checksums`` setting, raise ``ConfigError`` saying so
-        (the server's message could only name a fingerprint). Else return: ``refused`` stands.
-        Costs one query, on this failure path only."""
-        try:
-            status = self._port.call(m.Query(model=self.model, layouts=True))
-        except errors.TensorHubError:
-            return
-        if not isinstance(status, m.Status):
-            return
-        view = next((v for v in status.models if v.model == self.model), None)
-        known = next((sl.layout for sl in (view.layouts if view is not None else ()) if sl.shard == self.shard), None)
-        if known is None:
-            return
-        ours = self.config.checksums
-        if known.fingerprint == mine.fingerprint.removesuffix(_SUMS_TAG[ours]) + _SUMS_TAG[not ours]:
-            raise errors.ConfigError(
-                f"model={self.model} shard={self.shard}: this handle runs with checksums={ours}, the model's "
-                f"other clients with checksums={not ours}; every client of a model must use the same setting "
-                f"(Config.checksums, TENSORHUB_CHECKSUMS)") from refused
 
     # asyncio twins
     async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
@@ -519,99 +457,9 @@ class Hub:
             self._staging.settle()
         return self._driver.drive(self._driver.feed(hm.Start(op)))
 
-    def _replicate(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None,
-                   progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
-        self.host_copies.stop_copy()
-        self._read_t0 = time.perf_counter()
-        self._starved0 = self._region.starved_s if self._region is not None else 0.0
-        self._driver.begin_read(self._machine.published if update and self.config.verify_mutability else None,
-                                progress)
-        try:
-            out = self._run(hm.ReplicateOp(spec, update, round_no))
-        finally:
-            self._driver.end_read()
-        st = self._read_stats(out)
-        if st.action == "replicated" and not st.prefetched:
-            # The server may ask this new holder for the version's retention copy at once (not
-            # after a prefetch: its staging copy, first to finish the version, was asked instead).
-            try:
-                self._background.take_notes(in_call=True)
-            except errors.TensorHubError:
-                pass
-        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
-                            stall_s=st.stall_s)
-        return st
-
-    def _read_stats(self, out: hm.Outcome) -> ReadStats:
-        t_end = time.perf_counter()
-        dt = t_end - self._read_t0
-        d = self._driver
-        if out.action == "noop":
-            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=d.offload_s,
-                             skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
-        if self.config.checksums or self.config.verify_mutability:
-            self._checksums = self._region.checksums() if self.config.checksums else checksum_all(self._tensors, self._layout)
-        nbytes = self.reads.units_bytes(d.pull_from, self._layout.unit_count)  # each unit fetched once
-        log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
-                 self.model, out.version, self.shard, nbytes, dt, " -> ".join(out.sources))
-        first, stage = out.first, self._staging.copy
-        waited = max(0.0, (d.t_assigned or t_end) - self._read_t0 - d.offload_s)
-        stall = waited + max(0.0, self._region.starved_s - self._starved0)
-        return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
-                         transfer_s=t_end - (d.t_assigned or t_end), bytes=nbytes, sources=out.sources,
-                         partial_source=bool(first and first.source_partial),
-                         cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
-                         finished_at=d.finished_at, offload_s=d.offload_s,
-                         prefetched=bool(stage is not None and out.sources and out.sources[0] == stage.client_id),
-                         skipped_in_flight=out.in_flight if out.in_flight >= 0 else None)
-
-    # ---- a compiled graph's member moves the bytes of the first pull itself
-
-    def _begin_read(self, spec: m.VersionSpec, update: bool) -> Union[m.Assignment, m.NoChange]:
-        """Phase 1 of a read: resolve, drain the old version if updating, get a source; the read
-        pauses at its first pull (the caller moves bytes, then :meth:`_finish_read`, or
-        :meth:`_abort_read`). Returns ``NoChange`` if there is nothing to read."""
-        self.host_copies.stop_copy()
-        self._read_t0 = time.perf_counter()
-        self._starved0 = self._region.starved_s if self._region is not None else 0.0
-        d = self._driver
-        d.begin_read(self._machine.published if update and self.config.verify_mutability else None)
-        try:
-            res = d.drive(d.feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
-        finally:
-            d.verify_left = None
-        if isinstance(res, hm.Outcome):
-            return m.NoChange(version=res.version)
-        self._pending_pull = res
-        return res.assignment
-
-    def _finish_read(self) -> ReadStats:
-        """Phase 2: pull what is missing (failover included), report done, become a holder."""
-        pull, self._pending_pull = self._pending_pull, None
-        assert pull is not None, "no read paused"
-        st = self._read_stats(self._driver.drive([pull]))
-        metrics.record_read(self.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
-                            stall_s=st.stall_s)
-        return st
-
-    def _abort_read(self, why: str) -> None:
-        """End a paused read (the graph's driver is gone): the server must not keep a reader
-        that never finishes."""
-        if self._pending_pull is None:
-            return
-        self._pending_pull = None
-        self._driver.finish_interrupted(errors.TransferError(why))
-
     def _verify_unchanged(self, version: Optional[int]) -> None:
         """Verify mode: the bytes must still be what was published (or replicated)."""
-        if not self._checksums:
-            return
-        for u, unit in enumerate(self._layout.units):
-            if checksum_unit(self._tensors, unit) != self._checksums[u]:
-                names = sorted({self._layout.metas[p.tensor_index].name for p in unit})
-                raise errors.MutabilityViolation(
-                    f"{self.model} version {version} shard {self.shard}: unit {u} ({', '.join(names)}) "
-                    f"was written while published")
+        self._memory.verify_unchanged(self.model, self.shard, version)
 
     def _stop_threads(self) -> None:
         self._hb_stop.set()
@@ -652,20 +500,7 @@ class Hub:
         self._sources.close()
         for region, _ in entries:
             region.close()
-        if self._region is not None:
-            self._region.close()
-            self._region = None
-
-
-def _share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """Whether any tensor of ``a`` lies in memory under a tensor of ``b``: one storage, or two
-    storages whose byte ranges overlap on one device (e.g. views made with ``from_blob``)."""
-    spans = [(st.device, st.data_ptr(), st.data_ptr() + st.nbytes()) for st in distinct_storages(b).values()]
-    for st in distinct_storages(a).values():
-        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
-        if any(dev == st.device and lo < end and start < hi for dev, start, end in spans):
-            return True
-    return False
+        self._memory.release()
 
 
 def _check_round(round_no: Optional[int]) -> Optional[int]:
@@ -679,17 +514,3 @@ def _sync_devices(tensors: Sequence[torch.Tensor]) -> None:
     reader may fetch must be final)."""
     for dev in sorted({t.device.index or 0 for t in tensors if t.is_cuda}):
         torch.cuda.synchronize(dev)
-
-
-_SUMS_TAG = {True: ":sums", False: ":nosums"}
-"""The end of a registered layout's fingerprint: the handle's ``checksums`` setting, which every
-client of a model must share (the server refuses a registration whose fingerprint differs)."""
-
-
-def _layout_info(layout: Layout, checksums: bool = True) -> m.LayoutInfo:
-    return m.LayoutInfo(
-        fingerprint=layout.fingerprint + ":" + layout.unit_signature[:16] + _SUMS_TAG[bool(checksums)],
-        unit_count=layout.unit_count,
-        total_bytes=layout.total_bytes,
-        tensors=tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in layout.metas),
-    )

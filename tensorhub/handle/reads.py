@@ -26,12 +26,18 @@ else NIXL through :func:`tensorhub.transport.pull`) for the handle's driver
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+import logging
+import time
+from typing import Callable, Optional, Union
 
-from tensorhub import errors
+from tensorhub import errors, metrics
 from tensorhub import transport as tx
+from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.transport import shm
+
+log = logging.getLogger("tensorhub.client")
+"""The handle's log (one name for all its parts, kept for users' log filters)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,26 +84,112 @@ class ReadStats:
 
 
 class ReadSession:
-    """The read path of one handle (``hub.reads``). Not thread-safe beyond what the handle is:
-    one read at a time, as one user call at a time."""
+    """The read path of one handle (``hub.reads``): its reads from start to
+    :class:`ReadStats`, in one call (:meth:`call`, what ``replicate`` and ``update`` run) or in
+    two phases (:meth:`begin`, :meth:`finish`), and the pull each makes (:meth:`pull_range`).
+    Owns what one read measures from its start (its clock, the region's starved time then, a
+    read paused at its first pull). Not thread-safe beyond what the handle is: one read at a
+    time, as one user call at a time; the caller holds the handle's call lock."""
 
     def __init__(self, hub) -> None:  # a tensorhub.Hub (not imported: hub.py imports this module)
         self._hub = hub
+        self._t0 = 0.0
+        """When the read in progress started (``perf_counter``)."""
+        self._starved0 = 0.0
+        """The region's starved time when the read started (its stall is the growth)."""
+        self._paused: Optional[hm.Pull] = None
+        """A read paused at its first pull (a compiled graph's member moves the bytes itself)."""
+
+    def _start(self, update: bool, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        hub = self._hub
+        hub.host_copies.stop_copy()
+        self._t0 = time.perf_counter()
+        self._starved0 = hub._memory.region.starved_s if hub._memory.region is not None else 0.0
+        machine = hub._driver.machine
+        hub._driver.begin_read(machine.published if update and hub.config.verify_mutability else None, progress)
+
+    # ---- one call ------------------------------------------------------------------------
+    def call(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None,
+             progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
+        """A whole read (``replicate``, ``update``): resolve, drain the old version if updating,
+        pull with failover, report done, become a holder; the handle's rules are the machine's."""
+        hub = self._hub
+        self._start(update, progress)
+        try:
+            out = hub._run(hm.ReplicateOp(spec, update, round_no))
+        finally:
+            hub._driver.end_read()
+        st = self._stats(out)
+        if st.action == "replicated" and not st.prefetched:
+            # The server may ask this new holder for the version's retention copy at once (not
+            # after a prefetch: its staging copy, first to finish the version, was asked instead).
+            try:
+                hub._background.take_notes(in_call=True)
+            except errors.TensorHubError:
+                pass
+        metrics.record_read(hub.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
+                            stall_s=st.stall_s)
+        return st
+
+    def _stats(self, out: hm.Outcome) -> ReadStats:
+        """What the read that ended with ``out`` did; a read that replicated refreshes the
+        handle's checksums of what it holds."""
+        hub = self._hub
+        t_end = time.perf_counter()
+        dt = t_end - self._t0
+        d = hub._driver
+        in_flight = out.in_flight if out.in_flight >= 0 else None
+        if out.action == "noop":
+            return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=d.offload_s,
+                             skipped_in_flight=in_flight)
+        hub._memory.hold_checksums()
+        nbytes = self.units_bytes(d.pull_from, hub._memory.layout.unit_count)  # each unit fetched once
+        log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
+                 hub.model, out.version, hub.shard, nbytes, dt, " -> ".join(out.sources))
+        first, stage = out.first, hub._staging.copy
+        waited = max(0.0, (d.t_assigned or t_end) - self._t0 - d.offload_s)
+        stall = waited + max(0.0, hub._memory.region.starved_s - self._starved0)
+        return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
+                         transfer_s=t_end - (d.t_assigned or t_end), bytes=nbytes, sources=out.sources,
+                         partial_source=bool(first and first.source_partial),
+                         cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
+                         finished_at=d.finished_at, offload_s=d.offload_s,
+                         prefetched=bool(stage is not None and out.sources and out.sources[0] == stage.client_id),
+                         skipped_in_flight=in_flight)
 
     # ---- the two phases ------------------------------------------------------------------
     def begin(self, spec: m.VersionSpec = "latest", update: bool = True) -> Union[m.Assignment, m.NoChange]:
         """Phase 1: resolve, drain the old version if updating, get a source; the read pauses at
-        its first pull. ``NoChange`` if there is nothing to read."""
-        return self._hub._begin_read(spec, update)
+        its first pull (the caller moves bytes, then :meth:`finish`, or :meth:`abort`).
+        ``NoChange`` if there is nothing to read."""
+        self._start(update)
+        d = self._hub._driver
+        try:
+            res = d.drive(d.feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+        finally:
+            d.verify_left = None
+        if isinstance(res, hm.Outcome):
+            return m.NoChange(version=res.version)
+        self._paused = res
+        return res.assignment
 
-    def finish(self):
+    def finish(self) -> ReadStats:
         """Phase 2: pull what is missing (failover included), report done, become a holder; returns
         the read's :class:`~tensorhub.ReadStats`."""
-        return self._hub._finish_read()
+        pull, self._paused = self._paused, None
+        assert pull is not None, "no read paused"
+        st = self._stats(self._hub._driver.drive([pull]))
+        metrics.record_read(self._hub.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
+                            stall_s=st.stall_s)
+        return st
 
     def abort(self, why: str) -> None:
-        """End a paused read on the server too (its driver is gone)."""
-        self._hub._abort_read(why)
+        """End a paused read on the server too (its driver is gone): the server must not keep a
+        reader that never finishes. Nothing to do if no read is paused."""
+        if self._paused is None:
+            return
+        self._paused = None
+        self._hub._driver.finish_interrupted(errors.TransferError(why))
 
     # ---- moving bytes between the phases -------------------------------------------------
     def open_source(self, a: m.Assignment) -> tx.Source:
@@ -109,7 +201,7 @@ class ReadSession:
         """The checksums of a complete source holding ``version``, or None if it does not (yet)
         hold all of it (one control read)."""
         v, progress, sums = source.read_control(self._hub.config.source_stall_timeout_s)
-        return sums if v == version and progress == self._hub._layout.unit_count else None
+        return sums if v == version and progress == self._hub._memory.layout.unit_count else None
 
     def pull_range(self, a: m.Assignment, end_unit: int, *, source: Optional[tx.Source] = None,
                    source_sums=None, should_stop=None, on_unit=None) -> int:
@@ -121,14 +213,14 @@ class ReadSession:
         (then the source's control block is not read); ``should_stop``/``on_unit``: as for
         ``pull``. The handle's own pulls come here too (:class:`~tensorhub.handle.driver.Driver`)."""
         hub = self._hub
-        region, layout, config = hub._region, hub._layout, hub.config
+        region, layout, config = hub._memory.region, hub._memory.layout, hub.config
         start = self.resume_point(a.version)
         if source is None and source_sums is None:
             # The tier: this handle's own staging copy, else the holder's memory mapped here (same
             # host), else NIXL.
             stage = hub._staging.copy
-            own = stage is not None and a.source_id == stage.client_id and stage._region is not None
-            near = shm.LocalSource(stage._region, f"prefetch:{stage.client_id}") if own else hub._sources.same_host(a)
+            own = stage is not None and a.source_id == stage.client_id and stage._memory.region is not None
+            near = shm.LocalSource(stage._memory.region, f"prefetch:{stage.client_id}") if own else hub._sources.same_host(a)
             if near is not None:
                 try:
                     return shm.pull(region, near, layout, expect_version=a.version, config=config,
@@ -154,26 +246,26 @@ class ReadSession:
     @property
     def unit_count(self) -> int:
         """Transfer units of the registered layout."""
-        return self._hub._layout.unit_count
+        return self._hub._memory.layout.unit_count
 
     def resume_point(self, version: int) -> int:
         """Units of ``version`` already in place here: a read after a failover refetches nothing."""
-        region = self._hub._region
+        region = self._hub._memory.region
         return region.progress if region.version == version else 0
 
     def units_bytes(self, start: int, end: int) -> int:
         """Bytes of units ``[start, end)``."""
-        layout = self._hub._layout
+        layout = self._hub._memory.layout
         return sum(layout.unit_nbytes(u) for u in range(start, end))
 
     def checksums(self) -> list[int]:
         """The checksums of the units in place in the registered region."""
-        return self._hub._region.checksums()
+        return self._hub._memory.region.checksums()
 
     def progress(self) -> tuple[Optional[int], int, int]:
         """(the version being read or held, units in place, units in all); (None, 0, 0) before
         register."""
-        region, layout = self._hub._region, self._hub._layout
+        region, layout = self._hub._memory.region, self._hub._memory.layout
         if region is None or layout is None:
             return None, 0, 0
         return region.version, region.progress, layout.unit_count
@@ -181,9 +273,9 @@ class ReadSession:
     @property
     def region(self):
         """The registered transport region (for raw-transport baselines; do not publish into it)."""
-        return self._hub._region
+        return self._hub._memory.region
 
     @property
     def layout(self):
         """The registered :class:`~tensorhub.layout.Layout`."""
-        return self._hub._layout
+        return self._hub._memory.layout

@@ -367,6 +367,28 @@ class Staging:
 
     # ------------------------------------------------------------------ close
 
+    def close_first(self, drop_last_copy: bool) -> Optional[BaseException]:
+        """The handle's ``close()`` begins here: a swap left unanswered is settled (which set of
+        tensors is whose, before either goes; a server still unreachable is logged), then
+        :meth:`close`. Its ``LastCopyHeld`` is raised with both left open (:meth:`reopen`); any
+        other failure is returned, for the handle to raise once it has closed itself."""
+        owner = self._owner
+        if self.unsettled_swap is not None:
+            with owner._lock:
+                try:
+                    self.settle()
+                except errors.ServerUnavailable as e:
+                    log.warning("model=%s replica=%s shard=%d: closing with a swap unanswered: %s", owner.model,
+                                owner.replica, owner.shard, e)
+        try:
+            self.close(drop_last_copy)
+        except errors.LastCopyHeld:
+            self.reopen()  # both stay open, as they were
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the handle closes first, then this is raised
+            return exc
+        return None
+
     def close(self, drop_last_copy: bool) -> None:
         """close(), first step: no prefetch starts from now on; the one in flight ends; the
         staging copy closes (``LastCopyHeld``: kept, raised; any other failure closes it and

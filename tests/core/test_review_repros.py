@@ -179,7 +179,7 @@ def _failed_partial_read(port):
     del r.reads.pull_range
     # three units of version 1 stay in place for a later call, hidden from followers meanwhile
     assert (r._machine.region_version, r._machine.region_progress) == (1, 3)
-    assert (r._region.version, r._region.progress) == (-1, 0)
+    assert (r._memory.region.version, r._memory.region.progress) == (-1, 0)
     return t, tt, r, rt
 
 
@@ -190,7 +190,7 @@ def test_resume_after_failed_read_refetches_units_the_user_wrote():
     t, tt, r, rt = _failed_partial_read(LocalPort(CFG))
     workload.fill_version(rt, 99)  # idle handle: the user loads other weights
     st = r.replicate(1)
-    assert st.bytes == r._layout.total_bytes
+    assert st.bytes == r._memory.layout.total_bytes
     assert workload.digest(rt) == workload.digest(tt)
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
@@ -199,6 +199,6 @@ def test_resume_after_failed_read_keeps_untouched_units():
     """The same, without a write in between: the units already in place are not fetched again."""
     t, tt, r, rt = _failed_partial_read(LocalPort(CFG))
     st = r.replicate(1)
-    assert st.bytes == r._layout.total_bytes - r.reads.units_bytes(0, 3)
+    assert st.bytes == r._memory.layout.total_bytes - r.reads.units_bytes(0, 3)
     assert workload.digest(rt) == workload.digest(tt)
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)

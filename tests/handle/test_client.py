@@ -107,7 +107,7 @@ def test_reader_fails_over_when_its_source_disappears(port):
     for hub, ts in ((h, ht), (t, tt)):
         workload.fill_version(ts, 1)
         hub.publish(1)
-    h._region.close()  # alive to the server, unreadable to readers
+    h._memory.region.close()  # alive to the server, unreadable to readers
     st = r.replicate(1)
     assert st.sources == (h.client_id, t.client_id) and st.failovers == 1
     assert workload.digest(rt) == workload.digest(tt)
@@ -416,7 +416,7 @@ def test_progress_callback_and_stall_seconds(port, monkeypatch):
     t.publish(1)
     seen = []
     st = r.replicate(1, progress=lambda done, total: seen.append((done, total)))
-    total = r._layout.unit_count
+    total = r._memory.layout.unit_count
     assert seen and seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert 0.0 <= st.stall_s <= st.seconds and recorded[-1] == {"stall_s": st.stall_s}
     assert workload.digest(rt) == workload.digest(tt)

@@ -53,7 +53,7 @@ def _close(*hubs):
 
 
 def _named(hub, tensors):
-    return list(zip([meta.name for meta in hub._layout.metas], tensors))
+    return list(zip([meta.name for meta in hub._memory.layout.metas], tensors))
 
 
 # --------------------------------------------------------------------------- prefetch buffer
@@ -250,7 +250,7 @@ def test_a_failure_closing_the_staging_copy_still_closes_the_handle():
     finally:
         port.call = real
     assert stage.state is tensorhub.HubState.CLOSED and rollout.state is tensorhub.HubState.CLOSED
-    assert rollout._region is None and rollout.staging is None
+    assert rollout._memory.region is None and rollout.staging is None
     assert not rollout.host_copies.pool_thread.is_alive()
     assert not any(rollout.client_id in p._members for p in pulse._pulses.values())
     assert rollout.client_id not in port.core.nodes
@@ -299,7 +299,7 @@ def test_verify_mode_checks_the_version_an_update_leaves():
     rt[1].view(-1)[0] += 1
     with pytest.raises(errors.MutabilityViolation, match="version 2"):
         rollout.close(drop_last_copy=True)
-    assert rollout.state is tensorhub.HubState.CLOSED and rollout._region is None
+    assert rollout.state is tensorhub.HubState.CLOSED and rollout._memory.region is None
     _close(trainer)
 
 
@@ -350,7 +350,7 @@ def test_mixed_checksums_are_refused_at_register_with_a_config_error(first_off):
     second = tensorhub.open("m", port=port, config=on if first_off else off, replica="second")
     with pytest.raises(errors.ConfigError, match="checksums"):
         second.register(workload.allocate(SPEC))
-    assert second.state is tensorhub.HubState.OPEN and second._region is None
+    assert second.state is tensorhub.HubState.OPEN and second._memory.region is None
     assert second.client_id not in port.core.nodes
     _close(second, first)
 
@@ -382,7 +382,7 @@ def test_register_deregisters_the_region_when_the_request_cannot_be_built(monkey
     with pytest.raises(errors.ConfigError):
         hub.register(workload.allocate(SPEC))
     assert len(made) == 1 and made[0]._closed
-    assert hub.state is tensorhub.HubState.OPEN and hub._region is None
+    assert hub.state is tensorhub.HubState.OPEN and hub._memory.region is None
 
 
 # --------------------------------------------------------------------------- transport pieces

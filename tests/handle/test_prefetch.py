@@ -135,7 +135,7 @@ def test_prefetch_whose_source_dies_fails_over_and_update_still_gets_exact_bytes
     rollout, rt = _hub(port, replica="rollout")
     for hub, ts in ((h, ht), (t, tt)):
         _publish(hub, ts, 1)
-    h._region.close()  # alive to the server, unreadable to readers
+    h._memory.region.close()  # alive to the server, unreadable to readers
     st = rollout.prefetch(1).result(timeout=30)
     assert st.sources == (h.client_id, t.client_id) and st.failovers == 1
     up = rollout.update(1)
@@ -151,7 +151,7 @@ def test_prefetch_whose_only_source_dies_fails_and_update_reads_anew(port):
     rollout, rt = _hub(port, replica="rollout")
     _publish(trainer, tt, 1)
     trainer._hb_stop.set()  # the trainer dies: no more heartbeats, its memory unreadable
-    trainer._region.close()
+    trainer._memory.region.close()
     with pytest.raises(errors.VersionLost):
         rollout.prefetch(1).result(timeout=60)
     assert rollout.version is None and rollout.state is tensorhub.HubState.IDLE

@@ -126,7 +126,7 @@ def test_no_code_outside_the_handle_uses_its_private_members():
     """The handle's inside may change without the graphs, tools, fixtures or benchmarks: they
     use its public API and its named read API (``hub.reads``, :mod:`tensorhub.handle.reads`)."""
     names = _hub_private_names()
-    assert {"_begin_read", "_run", "_machine", "_region"} <= names  # the scan sees the class
+    assert {"_run", "_machine", "_memory", "_driver"} <= names  # the scan sees the class
     bad = {}
     for base in ("tensorhub", "benchmarks", "examples"):
         for path in sorted((ROOT / base).rglob("*.py")):
@@ -140,5 +140,5 @@ def test_no_code_outside_the_handle_uses_its_private_members():
 
 def test_the_private_member_scan_finds_a_planted_use(tmp_path):
     planted = tmp_path / "planted.py"
-    planted.write_text("def f(hub):\n    return hub._begin_read('latest', True)\n")
-    assert _private_uses(planted, _hub_private_names()) == ["2: hub._begin_read"]
+    planted.write_text("def f(hub):\n    return hub._run(None)\n")
+    assert _private_uses(planted, _hub_private_names()) == ["2: hub._run"]

@@ -339,7 +339,7 @@ def test_a_second_job_is_refused_and_the_model_goes_on(ray_cluster, model_name, 
 
         assert holders() == before
         trainer.unpublish()
-        trainer._tensors[0].add_(1)
+        trainer._memory.tensors[0].add_(1)
         trainer.publish(2)
         stats = rollout.update("latest")
         assert stats.version == 2 and torch.equal(rollout.tensors[0][1], torch.arange(4096, dtype=torch.float32) + 1)

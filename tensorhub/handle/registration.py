@@ -1,0 +1,101 @@
+"""What a handle's registration is checked against, before and after the server answers.
+
+Pure helpers of :class:`~tensorhub.handle.hub.Hub` (``register``, ``prefetch(buffer=)``):
+
+- :func:`layout_info`: the layout as the server sees it (``Register.layout``); its fingerprint
+  ends with the handle's ``checksums`` setting, which every client of a model must share;
+- :func:`like`: a second set of tensors (a double buffer, a prefetch buffer) must have the
+  registered layout, and :func:`share_memory` must not find it inside the registered tensors
+  (a prefetch would write the published tensors while readers fetch them);
+- :func:`explain_mismatch`: a layout the server refused that differs from the model's only in
+  the ``checksums`` setting is a :class:`~tensorhub.errors.ConfigError` saying so (the server
+  can only name a fingerprint).
+
+Every refusal raises before anything is registered or changed.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Union
+
+import torch
+
+from tensorhub import errors
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.layout import Layout
+from tensorhub.ports import ServerPort
+from tensorhub.transport.storages import distinct_storages
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
+
+SUMS_TAG = {True: ":sums", False: ":nosums"}
+"""The end of a registered layout's fingerprint: the handle's ``checksums`` setting, which every
+client of a model must share (the server refuses a registration whose fingerprint differs)."""
+
+
+def named_list(named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs as a list; a mapping, a sequence or a generator, read once."""
+    return list(named.items()) if isinstance(named, Mapping) else list(named)
+
+
+def layout_info(layout: Layout, checksums: bool = True) -> m.LayoutInfo:
+    """The layout as a registration states it to the server."""
+    return m.LayoutInfo(
+        fingerprint=layout.fingerprint + ":" + layout.unit_signature[:16] + SUMS_TAG[bool(checksums)],
+        unit_count=layout.unit_count,
+        total_bytes=layout.total_bytes,
+        tensors=tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in layout.metas),
+    )
+
+
+def like(named: NamedTensors, layout: Layout, config: Config, what: str) -> list[tuple[str, torch.Tensor]]:
+    """``named`` as a list, if its layout is ``layout``'s (names, dtypes, shapes and order);
+    ``LayoutMismatch`` naming ``what`` otherwise."""
+    items = named_list(named)
+    if layout_info(Layout.for_config(items, config)) != layout_info(layout):
+        raise errors.LayoutMismatch(f"{what}: its layout differs from the registered tensors' (names, "
+                                    "dtypes, shapes and order must match)")
+    return items
+
+
+def apart(named: NamedTensors, layout: Layout, config: Config, registered: Sequence[torch.Tensor],
+          what: str) -> list[tuple[str, torch.Tensor]]:
+    """:func:`like`, and sharing no memory with ``registered`` (``LayoutMismatch`` otherwise)."""
+    items = like(named, layout, config, what)
+    if share_memory([t for _, t in items], registered):
+        raise errors.LayoutMismatch(f"{what}: shares memory with the registered tensors")
+    return items
+
+
+def share_memory(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether any tensor of ``a`` lies in memory under a tensor of ``b``: one storage, or two
+    storages whose byte ranges overlap on one device (e.g. views made with ``from_blob``)."""
+    spans = [(st.device, st.data_ptr(), st.data_ptr() + st.nbytes()) for st in distinct_storages(b).values()]
+    for st in distinct_storages(a).values():
+        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+        if any(dev == st.device and lo < end and start < hi for dev, start, end in spans):
+            return True
+    return False
+
+
+def explain_mismatch(port: ServerPort, model: str, shard: int, checksums: bool, mine: m.LayoutInfo,
+                     refused: errors.LayoutMismatch) -> None:
+    """The server refused the layout ``mine``: if the model's layout for ``shard`` differs from
+    it only in the ``checksums`` setting, raise ``ConfigError`` saying so. Else return:
+    ``refused`` stands. Costs one query, on this failure path only."""
+    try:
+        status = port.call(m.Query(model=model, layouts=True))
+    except errors.TensorHubError:
+        return
+    if not isinstance(status, m.Status):
+        return
+    view = next((v for v in status.models if v.model == model), None)
+    known = next((sl.layout for sl in (view.layouts if view is not None else ()) if sl.shard == shard), None)
+    if known is None:
+        return
+    if known.fingerprint == mine.fingerprint.removesuffix(SUMS_TAG[checksums]) + SUMS_TAG[not checksums]:
+        raise errors.ConfigError(
+            f"model={model} shard={shard}: this handle runs with checksums={checksums}, the model's "
+            f"other clients with checksums={not checksums}; every client of a model must use the same setting "
+            f"(Config.checksums, TENSORHUB_CHECKSUMS)") from refused
