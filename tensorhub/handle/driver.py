@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
+import msgspec
 
 from tensorhub import errors
 from tensorhub.config import Config
@@ -99,6 +100,30 @@ class Driver:
         """The read's call returns: no callback, nothing left to verify."""
         self.progress = None
         self.verify_left = None
+
+    # ------------------------------------------------------------------ the machine's state
+
+    def record_host_copy(self, version: int, endpoint: bytes) -> None:
+        """A host copy of ``version`` at ``endpoint`` is this handle's now (re-announced after a
+        server restart)."""
+        with self.lock:
+            self.machine.host_copies[version] = endpoint
+
+    def host_copy_endpoint(self, version: int) -> Optional[bytes]:
+        """The endpoint of this handle's host copy of ``version``, or None."""
+        with self.lock:
+            return self.machine.host_copies.get(version)
+
+    def swapped(self, stage: "Driver", mine: Memory, theirs: Memory, version: int) -> None:
+        """The server made a double buffer's swap with ``stage`` (the staging copy's driver):
+        the two memories change hands, and the endpoints as the server exchanged them (the same
+        bytes); this machine publishes ``version``, the staging copy's holds nothing. Takes both
+        machine locks, this one first."""
+        with self.lock, stage.lock:
+            mine.exchange(theirs)
+            reg, stage_reg = self.machine.register_msg, stage.machine.register_msg
+            self.machine.swapped_in(version, msgspec.structs.replace(reg, endpoint=stage_reg.endpoint))
+            stage.machine.swapped_out(msgspec.structs.replace(stage_reg, endpoint=reg.endpoint))
 
     # ------------------------------------------------------------------ the machine
 

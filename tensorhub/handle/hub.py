@@ -27,7 +27,6 @@ import threading
 import uuid
 from typing import Callable, Optional, Sequence
 
-import msgspec
 import torch
 
 from tensorhub import errors, metrics
@@ -109,7 +108,7 @@ class Hub:
             model=model, shard=shard, client_id=self.client_id, spot=self.spot, config=self.config, port=port,
             held=lambda: Held(self._memory.tensors, self._memory.layout, self._memory.region),
             take_notes=lambda: self._background.take_notes(),  # the part made next, which needs this one
-            record=self._record_host_copy, endpoint_of=self._host_copy_endpoint)
+            record=self._driver.record_host_copy, endpoint_of=self._driver.host_copy_endpoint)
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
         self._background = Background(
             client_id=self.client_id, model=model, replica=self.replica, shard=shard, spot=self.spot,
@@ -397,12 +396,7 @@ class Hub:
 
     def _swapped(self, stage: "Hub", v: int) -> None:
         """The server made the swap: the two tensor sets (and their control blocks) change hands."""
-        with self._driver.lock, stage._driver.lock:
-            self._memory.exchange(stage._memory)
-            # The endpoints change hands as the server exchanged them (the same bytes).
-            mine, theirs = self._machine.register_msg.endpoint, stage._machine.register_msg.endpoint
-            self._machine.swapped_in(v, msgspec.structs.replace(self._machine.register_msg, endpoint=theirs))
-            stage._machine.swapped_out(msgspec.structs.replace(stage._machine.register_msg, endpoint=mine))
+        self._driver.swapped(stage._driver, self._memory, stage._memory, v)
         self._memory.hold_checksums()
 
     def _publish_again(self, version: int) -> None:
@@ -486,14 +480,6 @@ class Hub:
 
     def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
         self._background.after_beat(known, notes, acked, may_announce)
-
-    def _record_host_copy(self, version: int, endpoint: bytes) -> None:
-        with self._driver.lock:
-            self._machine.host_copies[version] = endpoint
-
-    def _host_copy_endpoint(self, version: int) -> Optional[bytes]:
-        with self._driver.lock:
-            return self._machine.host_copies.get(version)
 
     def _release(self) -> None:
         entries = self.host_copies.release()

@@ -243,7 +243,7 @@ class SeedingClient(SimClient):
         self._swap_call(req, w.sim.now + w.config.request_timeout_s, answered)
 
     def _take_swap(self, version: int, old) -> None:
-        """``Hub._swapped``: the two tensor sets (and their control blocks and endpoints) change
+        """``Hub._swapped`` (``Driver.swapped``): the two tensor sets (and their control blocks and endpoints) change
         hands; the staging copy holds nothing now. The memory each client names changes: the
         checkers see it as writes."""
         w, st = self.world, self.stage
