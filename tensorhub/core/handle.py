@@ -4,7 +4,10 @@ The shipped handle (:class:`tensorhub.Hub`) and the simulator's client
 (:mod:`tensorhub.sim.client`) are two drivers of this one machine: they carry out its commands
 (send a request, pull units, offload to host memory, sleep) and feed back what happened (the
 reply, the pull's outcome, the timer). Nothing here touches a clock, a thread, a transport or
-the server; ``now`` comes with every event.
+the server; ``now`` comes with every event. The read in progress of a replicate/update call
+is a part the machine holds (``machine.read``, :class:`tensorhub.core.handle_read.Read`): it owns
+the read's assignments, failover budget, completion deadlines and lost-version retry, and never
+sees the machine.
 
 Rules, in the order they are applied:
 
@@ -25,13 +28,12 @@ Rules, in the order they are applied:
    (:class:`Interrupted`, e.g. KeyboardInterrupt). An ``update()`` that fails after the server
    drained its old version, before any byte of the new one was written, publishes the old
    version again (all or nothing); if it cannot, the handle ends unpublished.
-4. A pull ends only when every posted read is terminal (the driver's contract for
-   :class:`Pulled`); a failed pull is reported (``SourceFailed``) only then, so the server never
-   hands the source back to its writer while a read of ours may still land. A pull whose reads
-   could not be brought to an end (``Pulled.not_terminal``) keeps nothing and aborts.
-5. Failover: after each failed pull the server assigns another source; a pull that failed on a
-   source the server found dead costs nothing; ``failovers_max`` failures in a row without
-   progress end the read with ``TransferError``, with a growing pause between them.
+4. A pull ends only when every posted read is terminal; only then is a failed pull reported
+   (``SourceFailed``). A pull whose reads could not be brought to an end keeps nothing and
+   aborts. Stated in full by the read's part, :mod:`tensorhub.core.handle_read`.
+5. Failover: ``failovers_max`` failures in a row without progress end the read with
+   ``TransferError``, with a growing pause between them; a source the server found dead costs
+   nothing (:mod:`tensorhub.core.handle_read`).
 6. A partial read left by an earlier call is hidden from its followers when the call fails (the
    control block says "nothing"), and resumed by a later call only as far as its units still
    match their recorded checksums (:class:`Recheck`): between calls the user may write them.
@@ -55,6 +57,7 @@ import enum
 from typing import Optional
 
 from tensorhub.core import messages as m
+from tensorhub.core.handle_read import Read
 from tensorhub.core.handle_io import (  # re-exported: the machine's vocabulary
     Phase, RegisterOp, PublishOp, UnpublishOp, ReplicateOp, CloseOp, Op, LEGAL, Start, Replied,
     Unavailable, Rechecked, Pulled, Offloaded, TimerFired, Interrupted, Noted, Event, Send,
@@ -120,29 +123,8 @@ class HandleMachine:
         None: ``request_timeout_s``. A staging copy's is one lease (its driver sets it): a sibling
         staging copy lost with its process is opened again only when that process is asked to
         seed, so waiting the whole request timeout only holds a seed that will not come."""
-        self._incomplete_by = 0.0
-        self._done_by = 0.0
-        """Until when a read's completion (``ReplicateDone``) is tried again."""
-        self._held_by: Optional[float] = None
-        """Until when a completion a fresh server holds back (``ServerRecovering``) is announced
-        again: a request timeout from the first such answer."""
-        self._read_open = False
-        """A Replicate was sent and the read has not ended on the server."""
-        self._retried_lost = False
-        self._lost_at_server: Optional[m.Failed] = None
-        """The server failed the read in progress (its liveness reply said so, ``Noted(Failed)``):
-        if the server then restarts before the read's own call learns it, the read must not be
-        announced as complete (that would split a sharded replica's round)."""
-        self._assignment: Optional[m.Assignment] = None
-        self._first: Optional[m.Assignment] = None
-        self._sources: list[str] = []
-        self._failovers = 0
-        self._stuck = 0
-        self._last_progress = -1
-        self._start_units = 0
-        self._last_error = ""
-        self._drained_old = False
-        """update(): the server drained and unpublished the old version for this read."""
+        self.read = Read(client_id, request_timeout_s=request_timeout_s, failovers_max=failovers_max)
+        """The read in progress of a replicate/update call (:mod:`tensorhub.core.handle_read`)."""
         self._restoring: Optional[tuple[str, str]] = None
         """update() failed after the drain: the old version is being published again; the error."""
 
@@ -167,11 +149,18 @@ class HandleMachine:
     @property
     def reading(self) -> bool:
         """A pull may be writing the region (heartbeats report progress)."""
-        return self.step is Step.PULL or (self._read_open and self._assignment is not None)
+        return self.step is Step.PULL or (self.read.open and self.read.assignment is not None)
 
     @property
     def current_source(self) -> str:
-        return self._assignment.source_id if self._assignment is not None and self.step is Step.PULL else ""
+        a = self.read.assignment
+        return a.source_id if a is not None and self.step is Step.PULL else ""
+
+    @property
+    def read_source(self) -> Optional[str]:
+        """The holder of the current read's latest assignment (None outside a read, or before
+        its first assignment)."""
+        return self.read.source
 
     def replicate_request(self) -> m.Replicate:
         """The Replicate this round sends (also used by a compiled graph's member)."""
@@ -268,7 +257,6 @@ class HandleMachine:
                     return [Fail("InvalidState",
                                  f"version {self.published} is published: unpublish() first, or update()")]
         self.op = op
-        self._retried_lost = False
         match op:
             case RegisterOp(request):
                 self.register_msg = request
@@ -283,9 +271,8 @@ class HandleMachine:
             case ReplicateOp(round=round_no):
                 self.seq = round_no if round_no is not None else self.seq + 1
                 self._deadline = now + self.request_timeout_s
-                wait = self.request_timeout_s if self.incomplete_wait_s is None else self.incomplete_wait_s
-                self._incomplete_by = now + min(self.request_timeout_s, wait)
-                self._reset_read()
+                self.read.begin(now, self.request_timeout_s if self.incomplete_wait_s is None else self.incomplete_wait_s)
+                self._restoring = None
                 if self.published is None and self.region_version >= 0 and self.region_progress > 0:
                     self.step = Step.RECHECK
                     return [Recheck(self.region_version, self.region_progress)]
@@ -299,22 +286,6 @@ class HandleMachine:
                 return self._send(m.Leave(self.client_id, drop_last_copy=op.drop_last_copy), False, now)
         raise AssertionError(op)
 
-    @property
-    def read_source(self) -> Optional[str]:
-        """The holder of the current read's latest assignment (None outside a read, or before
-        its first assignment)."""
-        return self._sources[-1] if self._sources else None
-
-    def _reset_read(self) -> None:
-        self._read_open = False
-        self._drained_old = False
-        self._restoring = None
-        self._assignment = self._first = None
-        self._sources = []
-        self._failovers = self._stuck = 0
-        self._last_progress = -1
-        self._start_units = 0
-
     # ------------------------------------------------------------------ sending and recovery
 
     def _send(self, request: m.Request, wait: bool, now: float, *, fresh: bool = True) -> list[Command]:
@@ -323,7 +294,7 @@ class HandleMachine:
         self._req = request
         self.step = Step.SEND
         if isinstance(request, m.Replicate):
-            self._read_open = True
+            self.read.open = True
         return [Send(request, wait=wait)]
 
     def _resend(self, now: float) -> list[Command]:
@@ -334,7 +305,7 @@ class HandleMachine:
         if self.step not in (Step.SEND, Step.ANNOUNCE):
             raise AssertionError(f"Unavailable in step {self.step}")
         self._attempt += 1
-        if self._attempt > self.reconnects_max and not (isinstance(self._req, m.ReplicateDone) and now < self._done_by):
+        if self._attempt > self.reconnects_max and not self.read.outlasts_reconnects(self._req, now):
             return self._fail("ServerUnavailable", message or "the reference server is unavailable")
         self.step = Step.RECONNECT
         return [Reconnect(min(0.2 * 2 ** (self._attempt - 1), 2.0))]
@@ -348,7 +319,7 @@ class HandleMachine:
             case Step.RECONNECT:
                 if self.register_msg is None or isinstance(self._req, (m.Register, m.Leave)):
                     return self._resend(now)
-                if isinstance(self._req, m.ReplicateDone) and self._lost_at_server is not None:
+                if isinstance(self._req, m.ReplicateDone) and self.read.lost_at_server is not None:
                     # The server we lost had failed this read: end it as that failure instead of
                     # announcing it complete (that would split a sharded replica's round); a
                     # relative update retries once in its round first.
@@ -369,14 +340,14 @@ class HandleMachine:
             # (Rounds.holds_back): announce again after a pause.
             if isinstance(req, m.ReplicateDone):
                 held = self._hold_completion(now, Step.ANNOUNCE_PAUSE)
-                if held is not None:
+                if held:
                     self._attempt = 0  # the server answered: held back is not lost
                     return held
             elif now + RETRY_PAUSE_S < self._deadline:
                 self._attempt = 0
                 self.step = Step.ANNOUNCE_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]
-        if isinstance(reply, m.ErrorReply) and isinstance(req, m.ReplicateDone) and self._may_retry_lost(reply):
+        if isinstance(reply, m.ErrorReply) and isinstance(req, m.ReplicateDone) and self.read.may_retry_lost(reply, self.op):
             # A completion that met a restart is refused by the fresh server (a sibling shard's
             # round moved on to another version, or the version is gone): the table keeps us
             # idle, and the relative update retries once in its round, as after a failed pull.
@@ -388,7 +359,7 @@ class HandleMachine:
         if isinstance(req, m.OffloadDone):
             return self._replied_to(req, m.UnpublishDone(version=req.version), now)  # announced unpublished
         if isinstance(req, m.Replicate):
-            self._read_open = False
+            self.read.open = False
             req = self.replicate_request()  # with what is in place now
         return self._send(req, _waits(req), now, fresh=False)
 
@@ -401,7 +372,7 @@ class HandleMachine:
             raise AssertionError(f"a reply in step {self.step}")
         req = self._req
         if (isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient" and isinstance(req, m.ReplicateDone)
-                and self._lost_at_server is not None):
+                and self.read.lost_at_server is not None):
             # The server that forgot us had failed this read: it ends as that failure, not as a
             # complete holder (a relative update retries once, announcing the handle again).
             return self._end_lost_read(now)
@@ -412,7 +383,7 @@ class HandleMachine:
                 return self._announce(now)
         if isinstance(reply, m.Waiting) and _waits(req):
             if isinstance(req, m.Replicate):
-                self._drained_old = True  # the server took the read (and drained an update's old version)
+                self.read.drained_old = True  # the server took the read (and drained an update's old version)
             return self._fail("RequestTimeout",
                               f"{type(req).__name__} did not finish within {self.request_timeout_s}s")
         if isinstance(reply, m.Evicted):
@@ -421,7 +392,7 @@ class HandleMachine:
                 # it, so nobody is sent here again; once the control block says "nothing" (their
                 # reads re-check it) the tensors are the user's: that is an unpublish.
                 return self._unpublished(now)
-            self._read_open = False  # the server dropped the read with the handle
+            self.read.open = False  # the server dropped the read with the handle
             return self._fail("UnknownClient", f"evicted by the server: {reply.reason}")
         return self._replied_to(req, reply, now)
 
@@ -472,25 +443,22 @@ class HandleMachine:
                 if isinstance(reply, m.Assignment):
                     return self._reassigned(reply, now)
                 if _is_error(reply):
-                    self._read_open = False  # the server ended the read
-                    if self._may_retry_lost(reply):
+                    self.read.open = False  # the server ended the read
+                    if self.read.may_retry_lost(reply, self.op):
                         return self._retry_lost(now)
             case m.ReplicateDone(version=version):
                 if isinstance(reply, m.ErrorReply) and reply.code == "ServerRecovering":
                     # A fresh server holds a completion of a sharded round back until every
                     # sibling re-announced (ReadRequests.on_ReplicateDone): ask again after a pause.
                     held = self._hold_completion(now, Step.RETRY_PAUSE)
-                    if held is not None:
+                    if held:
                         return held
                 if isinstance(reply, m.Ok):
-                    self._read_open = False
+                    self.read.open = False
                     self.published = version
                     self.phase = Phase.PUBLISHED
-                    return self._end([Done(Outcome(
-                        action="replicated", version=version, sources=tuple(self._sources),
-                        failovers=self._failovers, start_units=self._start_units, first=self._first,
-                        in_flight=self._first.in_flight if self._first is not None else -1))])
-                if _is_error(reply) and self._may_retry_lost(reply):
+                    return self._end([Done(self.read.outcome(version))])
+                if _is_error(reply) and self.read.may_retry_lost(reply, self.op):
                     # Every byte landed, but the server had failed the read (its source died;
                     # a mapping of a dead holder's memory stays readable): the relative update
                     # retries once in its round, as after a failed pull.
@@ -507,24 +475,24 @@ class HandleMachine:
         op = self.op
         assert isinstance(op, ReplicateOp)
         if isinstance(reply, m.ErrorReply):
-            by = self._incomplete_by if reply.code == "ReplicaIncomplete" else self._deadline
+            by = self.read.incomplete_by if reply.code == "ReplicaIncomplete" else self._deadline
             if reply.code in ("ReplicaIncomplete", "ServerRecovering") and now < by:
-                self._read_open = False
+                self.read.open = False
                 self.step = Step.RETRY_PAUSE
                 return [Sleep(RETRY_PAUSE_S)]
-            self._read_open = False  # the server refused the read: nothing to abort
-            if self._may_retry_lost(reply):
+            self.read.open = False  # the server refused the read: nothing to abort
+            if self.read.may_retry_lost(reply, op):
                 return self._retry_lost(now)
             return self._fail_reply(reply)
         if not isinstance(reply, m.NoChange):
-            self._drained_old = True  # the server took the read: an update drained the old version
+            self.read.drained_old = True  # the server took the read: an update drained the old version
         if isinstance(reply, m.Failed):
-            self._read_open = False
-            if self._may_retry_lost(reply):
+            self.read.open = False
+            if self.read.may_retry_lost(reply, op):
                 return self._retry_lost(now)
             return self._fail_reply(reply)
         if isinstance(reply, m.NoChange):
-            self._read_open = False
+            self.read.open = False
             self.round = (self.seq, reply.version)
             return self._end([Done(Outcome(action="noop", version=reply.version, in_flight=reply.in_flight))])
         if isinstance(reply, m.OffloadOrder):
@@ -536,49 +504,31 @@ class HandleMachine:
         if isinstance(reply, m.Assignment):
             self.round = (self.seq, reply.version)
             cmds = self._drop_published() if op.update else []
-            self._first = reply
-            start = self.region_progress if self.region_version == reply.version else 0
-            self._start_units = start
-            if start == 0:
+            if self.read.first_assigned(reply, self.region_version, self.region_progress) == 0:
                 self.region_version, self.region_progress = reply.version, 0
             return cmds + self._assign(reply)
         return self._fail_reply(reply)
 
-    def _may_retry_lost(self, reply) -> bool:
-        """update() of a relative spec whose version was lost mid-way retries once."""
-        op = self.op
-        return (reply.code == "VersionLost" and isinstance(op, ReplicateOp) and op.update
-                and not isinstance(op.spec, int) and not self._retried_lost)
-
     def _end_lost_read(self, now: float) -> list[Command]:
         """A finished read whose completion got no answer, the server having failed it (its
         ``Failed`` note came first): retried once if the update is relative, else its failure."""
-        lost, self._lost_at_server = self._lost_at_server, None
-        self._read_open = False
-        if self._may_retry_lost(lost):
+        lost = self.read.take_lost()
+        if self.read.may_retry_lost(lost, self.op):
             return self._retry_lost(now)
         return self._fail(lost.code, lost.message)
 
-    def _hold_completion(self, now: float, step: Step) -> Optional[list[Command]]:
-        """A fresh server held this completion back (``ServerRecovering``): pause in ``step``,
-        then send it again, for a request timeout from the first such answer. A lost answer once
-        the server takes it is still tried again as long as after the last byte (the wait does
-        not use up the completion's own time). None: that time is up."""
-        if self._held_by is None:
-            self._held_by = now + self.request_timeout_s
-        if now + RETRY_PAUSE_S >= self._held_by:
-            return None
-        self._done_by = max(self._done_by, now + self.request_timeout_s)
+    def _hold_completion(self, now: float, step: Step) -> list[Command]:
+        """A completion a fresh server held back (:meth:`Read.hold`): pause in ``step``, then
+        send it again; empty: its time is up."""
+        held = self.read.hold(now, RETRY_PAUSE_S)
+        if held is None:
+            return []
         self.step = step
-        return [Sleep(RETRY_PAUSE_S)]
+        return [held]
 
     def _retry_lost(self, now: float) -> list[Command]:
-        """The one retry of a relative update whose version was lost: the read it ends is over
-        (nothing to abort). Same round: the server keeps every shard of this replica in one
-        transaction (it re-resolves the round only if no sibling holds its version)."""
-        self._read_open = False
-        self._retried_lost = True
-        self._assignment = None
+        """The one retry of a lost version (:meth:`Read.retry_lost`), in the same round."""
+        self.read.retry_lost()
         return self._send(self.replicate_request(), True, now)
 
     def _drop_published(self) -> list[Command]:
@@ -613,64 +563,37 @@ class HandleMachine:
     # ------------------------------------------------------------------ reading
 
     def _assign(self, a: m.Assignment) -> list[Command]:
-        self._lost_at_server = None
-        self._assignment = a
-        self._sources.append(a.source_id)
+        self.read.assign(a)
         return self._pull()
 
     def _pull(self) -> list[Command]:
-        a = self._assignment
         self.step = Step.PULL
-        start = self.region_progress if self.region_version == a.version else 0
-        return [Pull(a, start)]
+        return [self.read.pull(self.region_version, self.region_progress)]
 
     def _pulled(self, ev: Pulled, now: float) -> list[Command]:
         assert self.step is Step.PULL
-        a = self._assignment
+        assert ev.error is not None or ev.progress >= self.unit_count
         self.region_progress = ev.progress
-        if ev.error is None:
-            assert ev.progress >= self.unit_count
-            # Every byte is in place: giving up on the server's answer now could leave it listing
-            # a holder this handle no longer advertises, so the completion is tried again, past
-            # ``reconnects_max``, for a whole request timeout of its own.
-            self._done_by = now + self.request_timeout_s
-            self._held_by = None
-            return self._send(m.ReplicateDone(self.client_id, a.version), False, now)
-        self._failovers += 1
-        self._last_error = ev.error
-        if ev.not_terminal:
-            # A late read may still land in the region: keep nothing, and do not tell the
-            # server the source failed (it would hand the source back to its writer).
+        then = self.read.pulled(ev, now)  # rule 4
+        if isinstance(then, Fail):  # its reads could not be stopped: keep nothing
             self.region_version, self.region_progress = -1, 0
-            return [SetRegion(-1, 0)] + self._fail(
-                "TransferError", f"{a.source_id}: reads could not be stopped: {ev.error}")
-        return self._send(m.SourceFailed(self.client_id, a.source_id, ev.progress, unreachable=ev.unreachable),
-                          True, now)
+            return [SetRegion(-1, 0)] + self._fail(then.code, then.message)
+        return self._send(then, _waits(then), now)
 
     def _reassigned(self, a: m.Assignment, now: float) -> list[Command]:
-        if a.version != self._assignment.version:
-            return self._fail("InvalidState",
-                              f"server reassigned version {a.version} during read of {self._assignment.version}")
-        if a.failed_source_gone:
-            return self._assign(a)
-        progress = self.region_progress
-        self._stuck = self._stuck + 1 if progress == self._last_progress else 1
-        self._last_progress = progress
-        if self._stuck > self.failovers_max:
-            return self._fail("TransferError",
-                              f"version {a.version}: {self._stuck} live sources failed without progress at unit "
-                              f"{progress}; last error: {self._last_error}")
-        self._assignment = a
-        self._sources.append(a.source_id)
+        then = self.read.reassigned(a, self.region_progress)  # rule 5
+        if then is None:
+            return self._pull()
+        if isinstance(then, Fail):
+            return self._fail(then.code, then.message)
         self.step = Step.BACKOFF
-        return [Sleep(min(0.05 * 2 ** (self._stuck - 1), 1.0))]
+        return [then]
 
     # ------------------------------------------------------------------ background, endings
 
     def _noted(self, ev: object) -> list[Command]:
         if isinstance(ev, m.Failed):
-            if isinstance(self.op, ReplicateOp) and self._assignment is not None:
-                self._lost_at_server = ev
+            self.read.noted_failed(ev, self.op)
             return []
         if isinstance(ev, m.Demoted):
             if self.published != ev.version:
@@ -704,10 +627,10 @@ class HandleMachine:
 
     def _fail(self, code: str, message: str) -> list[Command]:
         cmds: list[Command] = []
-        if self._read_open:
+        if self.read.open:
             # Rule 3: the server must not keep a phantom reader (it would attach it to a source
             # whose unpublish() then waits for a read that never finishes).
-            self._read_open = False
+            self.read.open = False
             cmds.append(Send(m.ReplicateAbort(self.client_id), fire=True))
         op = self.op
         if isinstance(op, ReplicateOp) and self.region_version >= 0 and self.region_version != self.published:
@@ -721,7 +644,7 @@ class HandleMachine:
             # the user may write the tensors next.
             cmds.append(SetRegion(-1, 0))
             self._region_reset()
-        if isinstance(op, ReplicateOp) and op.update and self.published is not None and self._drained_old:
+        if isinstance(op, ReplicateOp) and op.update and self.published is not None and self.read.drained_old:
             old = self.published
             if self.region_version == old and self.region_progress >= self.unit_count:
                 # update() is all or nothing: no byte of the new version was written, so the
@@ -738,7 +661,7 @@ class HandleMachine:
         self.op = None
         self.step = Step.NONE
         self._req = None
-        self._assignment = None
+        self.read.assignment = None
         return cmds
 
 

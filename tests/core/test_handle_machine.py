@@ -396,7 +396,7 @@ def test_graph_member_aborts_a_read_its_driver_never_finishes():
 
 def _plant_no_abort(monkeypatch):
     def _fail(self, code, message):
-        self._read_open = False
+        self.read.open = False
         return self._end([hm.Fail(code, message)])
     monkeypatch.setattr(hm.HandleMachine, "_fail", _fail)
 
@@ -406,7 +406,7 @@ def _plant_fresh_round(monkeypatch):
 
     def replicate_request(self):
         r = real(self)
-        return msgspec.structs.replace(r, seq=r.seq + 1000) if self._retried_lost else r
+        return msgspec.structs.replace(r, seq=r.seq + 1000) if self.read.retried_lost else r
     monkeypatch.setattr(hm.HandleMachine, "replicate_request", replicate_request)
 
 

@@ -168,7 +168,7 @@ def lost_completion_not_retried(mp):
 
     def bad(self, req, reply, now):
         if isinstance(req, m.ReplicateDone):
-            self._retried_lost = True  # as if the one retry were spent
+            self.read.retried_lost = True  # as if the one retry were spent
         return orig(self, req, reply, now)
     mp.setattr(hm.HandleMachine, "_replied_to", bad)
 
