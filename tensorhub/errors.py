@@ -18,7 +18,11 @@ class ConfigError(TensorHubError, ValueError):
 
 class LayoutMismatch(TensorHubError, ValueError):
     """The registered tensors differ from the layout of this model's shard (names, dtypes,
-    shapes), or a tensor cannot be registered (not contiguous, unsupported device)."""
+    shapes), or a tensor cannot be registered (not contiguous, unsupported device). Also a bad
+    placement (:mod:`tensorhub.placement`: a box outside its global tensor, pieces that do not
+    fill their local tensor, a partial overlap inside one handle, a dtype conversion asked of a
+    read, a replica leaving ranges uncovered) or two placements whose schemas disagree on a
+    global tensor's dtype or shape; the message names the tensor."""
 
 
 class NotRegistered(TensorHubError):
