@@ -335,3 +335,30 @@ JOINS = [
 def test_a_run_that_continues_the_one_before_merges_into_it(a, b, merged):
     assert R._join(a, b) == merged
     assert R._merged([a, b]) == ([merged] if merged else [a, b])
+
+
+def test_the_docs_example_fsdp_tp2_rows_to_vllm_tp2_fused():
+    """docs/placements.md at small sizes: trainer FSDP rows TP=2 -> vLLM TP=2 with fused
+    qkv_proj and gate_up_proj, row-parallel o_proj and down_proj, the norm cut by the trainer:
+    qkv 3 runs, o 2 strided, gate_up 2, down 2 strided, norm 2 = 11 runs; executed, right."""
+    h, kv, i = 8, 2, 12
+    schema = P.Schema.of([GlobalTensor(n, "bfloat16", s) for n, s in [
+        ("q", (h, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, h)),
+        ("gate", (i, h)), ("up", (i, h)), ("down", (h, i)), ("norm", (h,))]])
+    g = schema.by_name()
+    holders = [P.Placement.build([P.split(t, 0, r, 2) for t in schema.tensors], schema) for r in range(2)]
+    P.check_coverage(holders, schema)
+    for rank in range(2):
+        reader = P.Placement.build([
+            P.fused("qkv_proj", [(g["q"], 0, rank, 2), (g["k"], 0, rank, 2), (g["v"], 0, rank, 2)]),
+            P.split(g["o"], 1, rank, 2, name="o_proj"),
+            P.fused("gate_up_proj", [(g["gate"], 0, rank, 2), (g["up"], 0, rank, 2)]),
+            P.split(g["down"], 1, rank, 2, name="down_proj"),
+            P.whole(g["norm"]),
+        ], schema)
+        plan = R.plan_reshard(reader, holders, spread=rank)
+        assert [len(plan.runs_for(n)) for n in reader.names] == [3, 2, 2, 2, 2]
+        assert [r.count for r in plan.runs_for("o_proj")] == [h // 2, h // 2]
+        assert {r.holder_shard for r in plan.runs_for("qkv_proj")} == {rank}
+        gen = torch.Generator().manual_seed(rank)
+        execute(plan, reader, holders, {t.name: _random_tensor(t, gen) for t in schema.tensors})
