@@ -224,8 +224,9 @@ def test_helper_misuse_is_a_layout_mismatch(make, msg):
 def test_schemas_that_disagree_are_refused_naming_the_tensor():
     """trainer says q is bf16 [8, 4]; a reader says float32, another [16, 4]."""
     trainer = P.Placement.build([P.whole(Q)], SCHEMA)
-    fp32 = P.Placement.build([P.whole(GlobalTensor("q", "float32", (8, 4)))], [GlobalTensor("q", "float32", (8, 4))])
-    wide = P.Placement.build([P.whole(GlobalTensor("q", "bfloat16", (16, 4)))], [GlobalTensor("q", "bfloat16", (16, 4))])
+    q32, q16 = GlobalTensor("q", "float32", (8, 4)), GlobalTensor("q", "bfloat16", (16, 4))
+    fp32 = P.Placement.build([P.whole(q32)], [q32])
+    wide = P.Placement.build([P.whole(q16)], [q16])
     with pytest.raises(LayoutMismatch, match=r"'q': dtype float32 here, bfloat16 elsewhere.*not a reshard"):
         P.merge_schemas([trainer, fp32])
     with pytest.raises(LayoutMismatch, match=r"'q': shape \[16, 4\] here, \[8, 4\] elsewhere"):
