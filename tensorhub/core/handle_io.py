@@ -1,12 +1,13 @@
 """The vocabulary of a shard handle's machine (:class:`tensorhub.core.handle.HandleMachine`):
 its phases, the operations a driver starts, the events it feeds back and the commands it
-carries out.
+carries out; the start checks of rule 1 (:func:`refusal`).
 
 A driver (the Hub, the simulator's client) sends :class:`Start` with an operation
 (:data:`Op`), then answers each command (:data:`Command`) that waits (:data:`AWAITING`) with the
 event it names (:data:`Event`); an operation ends with :class:`Done` or :class:`Fail`. An
 operation is legal only in the phases of :data:`LEGAL`. All of these are frozen values, so a
-recorded run replays as it ran. ``tensorhub.core.handle`` re-exports every name.
+recorded run replays as it ran. ``tensorhub.core.handle`` re-exports every name but the three
+functions the machine's parts use: :func:`refusal`, :func:`waits` and :func:`is_error`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,34 @@ LEGAL: dict[type, tuple[Phase, ...]] = {
     CloseOp: (Phase.OPEN, Phase.IDLE, Phase.PUBLISHED),
 }
 """Which operation may start in which phase."""
+
+
+def refusal(op: Op, phase: Phase, published: Optional[int], busy: Optional[Op]) -> Optional[Union[Done, Fail]]:
+    """Rule 1 (:mod:`tensorhub.core.handle`): how ``Start(op)`` ends at once on a handle in
+    ``phase`` publishing ``published`` with ``busy`` in progress -- refused (:class:`Fail`), or
+    with nothing to do (:class:`Done`: the version is published already, nothing to unpublish);
+    None: the operation starts. One operation at a time, only in the phases of :data:`LEGAL`."""
+    if busy is not None:
+        return Fail("InvalidState", f"{type(busy).__name__} is in progress on this handle")
+    if phase is Phase.CLOSED:
+        return Fail("HandleClosed", "handle is closed")
+    if phase not in LEGAL[type(op)]:
+        if phase is Phase.OPEN:
+            return Fail("NotRegistered", "register() the tensors first")
+        return Fail("InvalidState", "register() was already called on this handle")
+    match op:
+        case PublishOp(version):
+            if published == version:
+                return Done(Outcome(version=version))
+            if published is not None:
+                return Fail("InvalidState", f"version {published} is published: unpublish() first")
+        case UnpublishOp():
+            if published is None:
+                return Done(Outcome())
+        case ReplicateOp(update=update):
+            if not update and published is not None:
+                return Fail("InvalidState", f"version {published} is published: unpublish() first, or update()")
+    return None
 
 # --------------------------------------------------------------------------- events
 
@@ -237,3 +266,13 @@ class Fail:
 Command = Union[Send, Reconnect, Sleep, SetRegion, Recheck, Pull, Offload, DropHost, Done, Fail]
 AWAITING = (Reconnect, Sleep, Recheck, Pull, Offload)
 """Commands whose answer the machine waits for (and :class:`Send` unless ``fire``)."""
+
+
+def waits(request: m.Request) -> bool:
+    """Whether a request's :class:`Send` waits for its outcome (``wait=True``)."""
+    return isinstance(request, (m.Unpublish, m.Replicate, m.SourceFailed, m.OffloadDone))
+
+
+def is_error(reply: object) -> bool:
+    """A reply that ends a request with a typed error."""
+    return isinstance(reply, (m.ErrorReply, m.Failed))

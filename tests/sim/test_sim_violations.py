@@ -261,6 +261,6 @@ def test_seed_1165_a_held_back_completion_whose_acceptance_is_lost_is_asked_for_
     """The fresh server held an unconfirmed completion back; requests and then the answer that
     accepted it were lost, past reconnects_max and the completion's own retry time: the handle
     failed ServerUnavailable while the server listed it published (split). The wait no longer
-    uses up those retries (``HandleMachine._announced``)."""
+    uses up those retries (``Link.announced``, :mod:`tensorhub.core.handle_link`)."""
     r = run_scenario(1165, "sharded")
     assert not r.violations, r.violations[:3]
