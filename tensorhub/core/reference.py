@@ -92,8 +92,9 @@ class ReferenceCore:
     Its state shared with its parts is :attr:`table` (:class:`~tensorhub.core.table.Table`);
     :attr:`nodes`, :attr:`models`, :attr:`groups` and :attr:`index` are the table's own
     (never rebound). Its parts (see the module docstring) are attributes, each built once here
-    with what it acts through; a request's handler is the part's ``on_<Request>`` where it has
-    one (:attr:`read_requests`), else the core's ``_on_<Request>``."""
+    with what it acts through; :meth:`handle` dispatches a request with a ``match`` on its type
+    to the part that applies it (:attr:`read_requests`' ``on_<Request>``, :attr:`retention`'s),
+    else to the core's own ``_on_<Request>``."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
         self.config = config or Config()
@@ -180,8 +181,7 @@ class ReferenceCore:
                     node.failure = None
                 if node.state not in LEGAL[name]:
                     raise InvalidState(f"{name} is not allowed while {self._describe(node)}")
-            handler = getattr(self.read_requests, f"on_{name}", None) or getattr(self, f"_on_{name}")
-            reply = handler(req, now)
+            reply = self._dispatch(req, now)
             if client_id is not None and client_id in self.retention.probing:
                 self.retention.proved(client_id)
         except TensorHubError as err:
@@ -199,6 +199,43 @@ class ReferenceCore:
                     del effects[i]
                     break
         return reply, effects
+
+    def _dispatch(self, req: m.Request, now: float) -> m.Reply:
+        """Apply ``req`` (its client checked by :meth:`handle`) by its type: the part that applies
+        it, or the core's own ``_on_<Request>``. A handler validates before it mutates."""
+        rr = self.read_requests
+        match req:
+            case m.Register():
+                return self._on_Register(req, now)
+            case m.Announce():
+                return self._on_Announce(req, now)
+            case m.Heartbeat():
+                return m.Ok()
+            case m.Query():
+                return self.status(req.model, layouts=req.layouts)
+            case m.Publish():
+                return self._on_Publish(req, now)
+            case m.Unpublish():
+                return self._on_Unpublish(req, now)
+            case m.Leave():
+                return self._on_Leave(req, now)
+            case m.Replicate():
+                return rr.on_Replicate(req, now)
+            case m.SourceFailed():
+                return rr.on_SourceFailed(req, now)
+            case m.Progress():
+                return rr.on_Progress(req, now)
+            case m.ReplicateDone():
+                return rr.on_ReplicateDone(req, now)
+            case m.ReplicateAbort():
+                return rr.on_ReplicateAbort(req, now)
+            case m.Swap():
+                return rr.on_Swap(req, now)
+            case m.OffloadDone():
+                return self.retention.on_offload_done(req)
+            case m.HostCopy():
+                return self.retention.on_host_copy(req)
+        raise TypeError(f"the reference core has no handler for {type(req).__name__}")
 
     def tick(self, now: float, grace_s: float = 0.0) -> list[m.Deliver]:
         """Expire clients whose lease ran out; returns the effects of their removal.
@@ -342,9 +379,6 @@ class ReferenceCore:
 
     # ------------------------------------------------------------------ requests
 
-    def _on_Query(self, req: m.Query, now: float) -> m.Reply:
-        return self.status(req.model, layouts=req.layouts)
-
     def _on_Register(self, req: m.Register, now: float) -> m.Reply:
         existing = self.nodes.get(req.client_id)
         if existing is not None:
@@ -433,9 +467,6 @@ class ReferenceCore:
         self.rounds.announced(node, hold)
         return m.Ok()
 
-    def _on_Heartbeat(self, req: m.Heartbeat, now: float) -> m.Reply:
-        return m.Ok()
-
     def _on_Publish(self, req: m.Publish, now: float) -> m.Reply:
         node = self.nodes[req.client_id]
         if req.version < 0:
@@ -478,12 +509,6 @@ class ReferenceCore:
         self._remove(req.client_id)
         self.members.forget_empty_models()
         return m.Ok()
-
-    def _on_OffloadDone(self, req: m.OffloadDone, now: float) -> m.Reply:
-        return self.retention.on_offload_done(req)
-
-    def _on_HostCopy(self, req: m.HostCopy, now: float) -> m.Reply:
-        return self.retention.on_host_copy(req)
 
     # ------------------------------------------------------------------ registration
 
