@@ -35,10 +35,11 @@ Rules kept here (docs/design.md, section 1):
   window a ``ReplicateDone`` or ``Replicate`` in it waits (``ServerRecovering``).
 
 The state the core shares with its parts is one :class:`~tensorhub.core.table.Table`. This
-module keeps the dispatch, the tick, the queries, registration and restarts (``Announce``),
-publish/unpublish and the drain; the other concerns are parts that get the table and what they
-act through passed in (docs/design.md, section 1): :attr:`~ReferenceCore.members`
-(:mod:`~tensorhub.core.members`), :attr:`~ReferenceCore.reading`
+module keeps the dispatch (a ``match`` on the request's type), the tick, the queries,
+registration and restarts (``Announce``); the other concerns are parts that get the table and
+what they act through passed in (docs/design.md, section 1): :attr:`~ReferenceCore.members`
+(:mod:`~tensorhub.core.members`), :attr:`~ReferenceCore.holders` (:mod:`~tensorhub.core.holders`:
+publish, unpublish and the drain, leave and removal), :attr:`~ReferenceCore.reading`
 (:mod:`~tensorhub.core.reading`), :attr:`~ReferenceCore.read_requests`
 (:mod:`~tensorhub.core.read_requests`), :attr:`~ReferenceCore.rounds`
 (:mod:`~tensorhub.core.rounds`), :attr:`~ReferenceCore.versions`
@@ -62,6 +63,7 @@ from typing import Mapping, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
+from tensorhub.core.holders import Holders
 from tensorhub.core.members import Members
 from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reading import Reading
@@ -72,11 +74,9 @@ from tensorhub.core.table import Key, Table
 from tensorhub.core.state import COMPLETE, LEGAL, Node, NodeState
 from tensorhub.errors import (
     InvalidState,
-    LastCopyHeld,
     ServerRecovering,
     TensorHubError,
     UnknownClient,
-    VersionExpired,
     code_of,
 )
 
@@ -93,8 +93,8 @@ class ReferenceCore:
     :attr:`nodes`, :attr:`models`, :attr:`groups` and :attr:`index` are the table's own
     (never rebound). Its parts (see the module docstring) are attributes, each built once here
     with what it acts through; :meth:`handle` dispatches a request with a ``match`` on its type
-    to the part that applies it (:attr:`read_requests`' ``on_<Request>``, :attr:`retention`'s),
-    else to the core's own ``_on_<Request>``."""
+    to the part that applies it (the ``on_<Request>`` of :attr:`holders` and
+    :attr:`read_requests`, :attr:`retention`'s), else to the core's own ``_on_<Request>``."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
         self.config = config or Config()
@@ -105,9 +105,12 @@ class ReferenceCore:
         self.index = self.table.index
         self.crossdc = CrossDatacenter(self.table)
         """Offload seeding and smart skipping (:mod:`tensorhub.core.crossdc`)."""
+        # What a part acts through of :attr:`holders` (and :attr:`members`, built later) is looked
+        # up when called: a core given another class of part (a planted bug) reaches every call.
         self.retention = Retention(
-            self.table, add_host_copy=self._add_host_copy, drain=self._drain, finish_drain=self._finish_drain,
-            complete_unpublish=self._complete_unpublish, describe=self._describe,
+            self.table, add_host_copy=lambda owner, v, endpoint: self.holders.add_host_copy(owner, v, endpoint),
+            drain=lambda n: self.holders.drain(n), finish_drain=lambda n: self.holders.finish_drain(n),
+            complete_unpublish=lambda n: self.holders.complete_unpublish(n), describe=self._describe,
             keeps_dc_copy=self.crossdc.keeps_dc_copy, recovering_until=lambda: self._recovering_until,
             clients_in=lambda model: self.members.clients_in(model))
         """Host copies and retention (:mod:`tensorhub.core.retention`)."""
@@ -116,7 +119,7 @@ class ReferenceCore:
             forget=self.retention.forget, forget_below=self.retention.forget_below,
             nodes_in=lambda model: self.members.nodes_in(model), recovering_until=lambda: self._recovering_until)
         """Commits, available versions and resolution (:mod:`tensorhub.core.versions`)."""
-        self.reading = Reading(self.table, finish_drain=self._finish_drain,
+        self.reading = Reading(self.table, finish_drain=lambda n: self.holders.finish_drain(n),
                                seed_pending=self.crossdc.seed_pending,
                                recovering=lambda: self.table.now < self._recovering_until)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
@@ -124,10 +127,6 @@ class ReferenceCore:
                              stop_reading=self.reading.stop, describe=self._describe,
                              recovering_until=lambda: self._recovering_until)
         """Replicate rounds of sharded replicas as transactions (:mod:`tensorhub.core.rounds`)."""
-        self.read_requests = ReadRequests(
-            self.table, reading=self.reading, rounds=self.rounds, versions=self.versions,
-            retention=self.retention, drain=self._begin_unpublish, describe=self._describe)
-        """The requests of a read (:mod:`tensorhub.core.read_requests`)."""
         self.txns = self.rounds.txns
         """The round table (:class:`~tensorhub.core.rounds.RoundTable`), owned by :attr:`rounds`."""
         self.members = Members(
@@ -135,10 +134,16 @@ class ReferenceCore:
             replica_changed=lambda model, rid, shards: self.crossdc.candidates.update(
                 model, rid, self.table.replica_nodes(model, rid), shards))
         """Registered clients and host copies, and the lease order (:mod:`tensorhub.core.members`)."""
-        self._removed: set[str] = set()
-        """Clients removed during this request: only their ``Evicted`` reaches them."""
-        self._reseed: set[tuple[str, str]] = set()
-        """(model, datacenter) whose offload seeding is re-checked when the request settles."""
+        self.holders = Holders(
+            self.table, reading=self.reading, retention=self.retention, add_host=self.members.add_host,
+            forget=self.members.forget, forget_empty_models=self.members.forget_empty_models,
+            maybe_commit=self.versions.maybe_commit, set_seed_asked=self.crossdc.set_seed_asked,
+            recovering_until=lambda: self._recovering_until, describe=self._describe)
+        """Publish, the drain and removal (:mod:`tensorhub.core.holders`)."""
+        self.read_requests = ReadRequests(
+            self.table, reading=self.reading, rounds=self.rounds, versions=self.versions,
+            retention=self.retention, drain=lambda n: self.holders.drain(n), describe=self._describe)
+        """The requests of a read (:mod:`tensorhub.core.read_requests`)."""
         self._born: Optional[float] = None
         self._recovering_until = float("-inf")
         self._window_closed = True
@@ -151,7 +156,6 @@ class ReferenceCore:
         """Apply one request at time ``now``. Errors come back as ``ErrorReply`` and change
         nothing (every handler validates before it mutates)."""
         self.table.begin(now)
-        self._removed = set()
         if self._born is None:
             self._born = now
         name = type(req).__name__
@@ -214,11 +218,11 @@ class ReferenceCore:
             case m.Query():
                 return self.status(req.model, layouts=req.layouts)
             case m.Publish():
-                return self._on_Publish(req, now)
+                return self.holders.on_Publish(req, now)
             case m.Unpublish():
-                return self._on_Unpublish(req, now)
+                return self.holders.on_Unpublish(req, now)
             case m.Leave():
-                return self._on_Leave(req, now)
+                return self.holders.on_Leave(req, now)
             case m.Replicate():
                 return rr.on_Replicate(req, now)
             case m.SourceFailed():
@@ -245,7 +249,6 @@ class ReferenceCore:
         not mistake its unread queue for dead clients."""
         assert grace_s >= 0, grace_s
         self.table.begin(now)
-        self._removed = set()
         if self._born is None:
             self._born = now
         lease = self.config.lease_timeout_s + grace_s
@@ -262,7 +265,7 @@ class ReferenceCore:
                 dead_replicas.add((n.model, n.replica_id))
         for model, replica in sorted(dead_replicas):
             log.info("model=%s replica=%s lease expired or reported dead: removing the replica", model, replica)
-            self._remove_replica(model, replica, reason="lease expired")
+            self.holders.remove_replica(model, replica, reason="lease expired")
         self.txns.prune(now)
         if now >= self._recovering_until:
             self.rounds.held_back.clear()  # accepted as they are from now on
@@ -278,7 +281,7 @@ class ReferenceCore:
                     self._pending_edges.clear()
                     self.table.touched.add(node.key)
                 if node.state is NodeState.DRAINING and not node.readers:
-                    self._finish_drain(node)
+                    self.holders.finish_drain(node)
         for mod in self.models.values():
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
                 if rid and now - t >= self.config.seed_wait_s and not self.crossdc.seeder_busy(mod.name, rid):
@@ -301,7 +304,6 @@ class ReferenceCore:
         one pass, with one settle of the groups it touched. Cost: the removals themselves, not
         the table (no removal scans it). Unknown ids are ignored. Returns effects."""
         self.table.begin(now)
-        self._removed = set()
         replicas: dict[tuple[str, str], str] = {}
         for cid in sorted(gone):
             n = self.nodes.get(cid)
@@ -309,7 +311,7 @@ class ReferenceCore:
                 replicas.setdefault((n.model, n.replica_id), gone[cid])
         for (model, replica), reason in sorted(replicas.items()):
             log.info("model=%s replica=%s: %s", model, replica, reason)
-            self._remove_replica(model, replica, reason=reason)
+            self.holders.remove_replica(model, replica, reason=reason)
         self._settle()
         return self.table.take_effects()
 
@@ -397,7 +399,7 @@ class ReferenceCore:
         if not req.stage_for and mod.committed:
             asked = mod.seed_asked.get(req.datacenter)
             if asked is None or asked[0] < mod.committed[-1]:
-                self._reseed.add((req.model, req.datacenter))  # perhaps a datacenter to seed
+                self.table.reseed.add((req.model, req.datacenter))  # perhaps a datacenter to seed
         return m.Registered(round_seq=self.rounds.rounds_done(req.model, req.replica_id, req.shard))
 
     def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
@@ -467,117 +469,18 @@ class ReferenceCore:
         self.rounds.announced(node, hold)
         return m.Ok()
 
-    def _on_Publish(self, req: m.Publish, now: float) -> m.Reply:
-        node = self.nodes[req.client_id]
-        if req.version < 0:
-            raise InvalidState(f"version {req.version} is negative")
-        if node.state is NodeState.PUBLISHED:
-            if node.version == req.version:
-                return m.Ok()
-            raise InvalidState(f"{self._describe(node)}: unpublish() before publishing version {req.version}")
-        mod = self.models[node.model]
-        if req.version < mod.forgotten_below:
-            raise VersionExpired(f"{node.model}: version {req.version} is older than the retained versions")
-        self.table.set_version(node, req.version, NodeState.PUBLISHED, node.units)
-        self.versions.maybe_commit(node)
-        return m.Ok()
-
-    def _on_Unpublish(self, req: m.Unpublish, now: float) -> m.Reply:
-        node = self.nodes[req.client_id]
-        if node.state is NodeState.IDLE:
-            return m.UnpublishDone(version=-1)
-        if node.state is NodeState.OFFLOADING:
-            return m.OffloadOrder(version=node.version)  # a retry: the order may have been lost
-        if node.state is NodeState.DRAINING:
-            return m.Waiting(version=node.version)
-        self._begin_unpublish(node)
-        return m.Waiting(version=node.version)
-
     def read_failed(self, client_id: str) -> bool:
         """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
         ReplicateDone of it is answered with that failure)."""
         return self.read_requests.read_failed(client_id)
 
-    def _on_Leave(self, req: m.Leave, now: float) -> m.Reply:
-        if not req.drop_last_copy:
-            held = self.retention.last_copies(self.nodes[req.client_id])
-            if held:
-                raise LastCopyHeld(
-                    f"{self._describe(self.nodes[req.client_id])} serves the last live non-spot copy of "
-                    f"retained version(s) {held} while other clients of the model remain: the handle stays open "
-                    f"(close(drop_last_copy=True) drops it)")
-        self._remove(req.client_id)
-        self.members.forget_empty_models()
-        return m.Ok()
-
-    # ------------------------------------------------------------------ registration
-
-    def _add_host_copy(self, owner: Node, version: int, endpoint: bytes) -> None:
-        """``owner``'s host copy of ``version`` becomes a node of its own (``<owner>#host<version>``),
-        published and served by ``owner``'s process (retention decides when)."""
-        if f"{owner.id}#host{version}" in self.nodes:
-            return
-        host = self.members.add_host(owner, version, endpoint)
-        self.table.set_version(host, version, NodeState.PUBLISHED, host.units)
-        self.versions.maybe_commit(host)
-        log.info("model=%s version=%d shard=%d host copy published by %s", host.model, version, host.shard, owner.id)
-
-    # ------------------------------------------------------------------ unpublish, drain, offload
-
-    def _begin_unpublish(self, node: Node) -> None:
-        self._drain(node)
-
-    def _drain(self, node: Node) -> None:
-        node.state = NodeState.DRAINING
-        self.index.mark(node)
-        self.table.touched.add(node.key)
-        if not node.readers:
-            self._finish_drain(node)
-
-    def _finish_drain(self, node: Node) -> None:
-        if self.table.now < self._recovering_until:
-            # Completed by tick() once the recovery window is over: a reader still copying from
-            # this holder (a host copy too) under the old server may not have announced yet.
-            return
-        self._finish_drain_now(node)
-
-    def _finish_drain_now(self, node: Node) -> None:
-        """No reader is left. Offload first when this is the last non-spot copy of a retained
-        version (checked now, not at unpublish time: the readers just drained are holders now)."""
-        if not node.host and self.retention.needs_offload(node):
-            if self.retention.awaits_proof(node):
-                return  # stays DRAINING until the proof or proof_until (tick)
-            node.state = NodeState.OFFLOADING
-            self.index.mark(node)
-            log.info("model=%s version=%d shard=%d %s holds %s: offload first", node.model, node.version,
-                     node.shard, node.id, f"the newest copy in {node.datacenter}" if node.stage_for
-                     else "the last non-spot copy")
-            self.table.deliver(node.id, m.OffloadOrder(version=node.version))
-            return
-        self.retention.end_proof_wait(node)
-        self._complete_unpublish(node)
-
-    def _complete_unpublish(self, node: Node) -> None:
-        version = node.version
-        self.table.set_version(node, -1, NodeState.IDLE, 0)
-        if node.host:
-            self.members.forget(node)
-            if node.owner in self.nodes:
-                self.table.deliver(node.owner, m.DropHostCopy(version=version))
-            return
-        if node.pending_read is not None:
-            target, resume = node.pending_read
-            node.pending_read = None
-            self.reading.enqueue(node, target, resume)
-        else:
-            self.table.deliver(node.id, m.UnpublishDone(version=version))
-
     # ------------------------------------------------------------------ reading
 
     def _settle(self) -> None:
         """Assign waiting readers of every touched group, FIFO; fail readers of lost versions."""
-        if self._reseed:  # first: a new seed entry may release readers waiting for an old one
-            todo, self._reseed = sorted(self._reseed), set()
+        table = self.table
+        if table.reseed:  # first: a new seed entry may release readers waiting for an old one
+            todo, table.reseed = sorted(table.reseed), set()
             for model in sorted({mo for mo, _ in todo}):
                 self.crossdc.seed_remote(model, {dc for mo, dc in todo if mo == model})
         seen: set[Key] = set()
@@ -588,50 +491,11 @@ class ReferenceCore:
             for key in keys:
                 self.reading.pump(key)
         self.versions.drop_lost(seen)
-        if self._removed:
+        if table.removed:
             # A removed client gets nothing from this request but its eviction (one pass
             # here, not one per removal: a death wave of k clients filters once, not k times).
-            self.table.effects = [e for e in self.table.effects
-                             if e.client_id not in self._removed or isinstance(e.event, m.Evicted)]
-            self._removed = set()
-
-    # ------------------------------------------------------------------ removal
-
-    def _remove_replica(self, model: str, replica_id: str, reason: str) -> None:
-        members = sorted(self.table.replicas.get((model, replica_id), ()))
-        for nid in members:
-            node = self.nodes.get(nid)
-            if node is None:
-                continue
-            self.table.deliver(nid, m.Evicted(reason=reason))
-            self._remove(nid)
-        # The replica's rounds stay (for a bounded time, tensorhub/core/rounds.py): its members
-        # re-announce (or restart) and go on counting from them; a round whose version is gone
-        # is re-resolved by the next shard that asks.
-        self.members.forget_empty_models()
-
-
-    def _remove(self, node_id: str) -> None:
-        node = self.nodes.get(node_id)
-        if node is None:
-            return
-        for hid in sorted(self.table.hosts_of.get(node_id, ()), key=lambda h: self.nodes[h].order):
-            self._remove(hid)
-        self.reading.detach(node)
-        for r in sorted(node.readers):
-            self.reading.orphan(r)
-        node.readers.clear()
-        self.table.set_version(node, -1, NodeState.IDLE, 0)
-        self.members.forget(node)
-        mod = self.models.get(node.model)
-        if mod is not None and not node.host:
-            asked = mod.seed_asked.get(node.datacenter)
-            if asked is not None and asked[1] in ("", node.replica_id, node.replica_id.removesuffix("~prefetch")):
-                # The seeder (or the reader that had the version there) is gone: another
-                # replica of that datacenter takes over the seed.
-                self.crossdc.set_seed_asked(mod, node.datacenter, None)
-                self._reseed.add((node.model, node.datacenter))
-        self._removed.add(node_id)
+            table.effects = [e for e in table.effects if e.client_id not in table.removed or isinstance(e.event, m.Evicted)]
+            table.removed = set()
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,10 +1,10 @@
 """The reference table: the state the reference core and its parts share.
 
 :class:`Table` holds the nodes, the models, the index and the registries every part of the core
-reads (:class:`tensorhub.core.reference.ReferenceCore`, which owns the table and every rule that
-changes a node's state; :class:`tensorhub.core.crossdc.CrossDatacenter`, which gets it passed
-in), plus what one request or tick collects while it runs: its clock, the groups it touched
-(pumped when it settles) and the events it delivers. Queries, and one transition: a node's
+reads (:class:`tensorhub.core.reference.ReferenceCore`, which owns the table, and its parts,
+which get it passed in), plus what one request or tick collects while it runs: its clock, the groups it touched
+(pumped when it settles), the events it delivers, the clients it removed and the datacenters
+whose offload seeding it re-checks when it settles. Queries, and one transition: a node's
 version and state change through :meth:`Table.set_version`, which keeps the groups, the index and
 the touched set; every other rule acts through a function of the core or of a part.
 """
@@ -45,11 +45,17 @@ class Table:
         """Groups whose queues are looked at again when the request settles."""
         self.effects: list[m.Deliver] = []
         """Events the request or tick delivers."""
+        self.removed: set[str] = set()
+        """Clients removed during the request or tick: only their ``Evicted`` reaches them."""
+        self.reseed: set[tuple[str, str]] = set()
+        """(model, datacenter) whose offload seeding is re-checked when the request settles."""
 
     def begin(self, now: float) -> None:
-        """A request or tick starts: its clock; nothing touched or delivered yet."""
+        """A request or tick starts: its clock; nothing touched, delivered or removed yet."""
         self.effects = []
         self.touched = set()
+        self.removed = set()
+        self.reseed = set()
         self.now = now
 
     def group(self, key: Key) -> Group:

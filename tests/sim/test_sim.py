@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tensorhub.core.holders import Holders
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import Rounds
@@ -85,12 +86,18 @@ def test_pipeline_delivers_to_n_readers_in_about_one_transfer():
     assert flat["seconds"] > 6 * one  # everyone queues on the trainer's NIC
 
 
-class _NoDrain(ReferenceCore):
+class _NoDrainHolders(Holders):
     """Planted bug: unpublish completes at once even while readers are reading."""
 
-    def _drain(self, node):
+    def drain(self, node):
         node.readers.clear()
-        super()._drain(node)
+        super().drain(node)
+
+
+def _NoDrain(*args, **kwargs) -> ReferenceCore:
+    core = ReferenceCore(*args, **kwargs)
+    core.holders.__class__ = _NoDrainHolders
+    return core
 
 
 class _NoTransactionRounds(Rounds):

@@ -1,7 +1,7 @@
 """Planted bugs: one per class that the simulator's checkers must catch.
 
-Each test monkeypatches the shipped code (``ReferenceCore`` or ``HandleMachine``: the simulator
-drives both) with one bug, runs a few seeds known to reach the path, and asserts the named
+Each test monkeypatches the shipped code (a part of ``ReferenceCore`` or ``HandleMachine``: the
+simulator drives both) with one bug, runs a few seeds known to reach the path, and asserts the named
 checker fires; the same seeds run clean of that kind on the shipped code. Seeds are pinned so
 the file stays fast; the sweep at the bottom (``TENSORHUB_SIM_SWEEP=1``) looks for each bug over
 up to 1,000 seeds.
@@ -19,8 +19,8 @@ import pytest
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
+from tensorhub.core.holders import Holders
 from tensorhub.core.read_requests import ReadRequests
-from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import Rounds
 from tensorhub.core.state import VISIBLE_SOURCE
@@ -59,7 +59,7 @@ def commit_before_every_shard(mp):
 
 def no_recovery_window(mp):
     """Drains complete during the recovery window after a restart."""
-    mp.setattr(ReferenceCore, "_finish_drain", lambda self, node: self._finish_drain_now(node))
+    mp.setattr(Holders, "finish_drain", lambda self, node: self.finish_drain_now(node))
 
 
 def retains_one_more(mp):
