@@ -35,11 +35,12 @@ Rules kept here (docs/design.md, section 1):
   window a ``ReplicateDone`` or ``Replicate`` in it waits (``ServerRecovering``).
 
 The state the core shares with its parts is one :class:`~tensorhub.core.table.Table`. This
-module keeps the dispatch (a ``match`` on the request's type), the tick, the queries,
-registration and restarts (``Announce``); the other concerns are parts that get the table and
-what they act through passed in (docs/design.md, section 1): :attr:`~ReferenceCore.members`
-(:mod:`~tensorhub.core.members`), :attr:`~ReferenceCore.holders` (:mod:`~tensorhub.core.holders`:
-publish, unpublish and the drain, leave and removal), :attr:`~ReferenceCore.reading`
+module keeps the dispatch (a ``match`` on the request's type), the tick, the queries and
+registration; the other concerns are parts that get the table and what they act through passed
+in (docs/design.md, section 1): :attr:`~ReferenceCore.members` (:mod:`~tensorhub.core.members`),
+:attr:`~ReferenceCore.holders` (:mod:`~tensorhub.core.holders`: publish, unpublish and the drain,
+leave and removal), :attr:`~ReferenceCore.recovery` (:mod:`~tensorhub.core.recovery`:
+``Announce`` after a restart, the recovery window), :attr:`~ReferenceCore.reading`
 (:mod:`~tensorhub.core.reading`), :attr:`~ReferenceCore.read_requests`
 (:mod:`~tensorhub.core.read_requests`), :attr:`~ReferenceCore.rounds`
 (:mod:`~tensorhub.core.rounds`), :attr:`~ReferenceCore.versions`
@@ -67,11 +68,12 @@ from tensorhub.core.holders import Holders
 from tensorhub.core.members import Members
 from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reading import Reading
+from tensorhub.core.recovery import Recovery
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import Rounds
 from tensorhub.core.versions import Versions
 from tensorhub.core.table import Key, Table
-from tensorhub.core.state import COMPLETE, LEGAL, Node, NodeState
+from tensorhub.core.state import LEGAL, Node, NodeState
 from tensorhub.errors import (
     InvalidState,
     ServerRecovering,
@@ -93,7 +95,7 @@ class ReferenceCore:
     :attr:`nodes`, :attr:`models`, :attr:`groups` and :attr:`index` are the table's own
     (never rebound). Its parts (see the module docstring) are attributes, each built once here
     with what it acts through; :meth:`handle` dispatches a request with a ``match`` on its type
-    to the part that applies it (the ``on_<Request>`` of :attr:`holders` and
+    to the part that applies it (the ``on_<Request>`` of :attr:`holders`, :attr:`recovery` and
     :attr:`read_requests`, :attr:`retention`'s), else to the core's own ``_on_<Request>``."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
@@ -105,27 +107,27 @@ class ReferenceCore:
         self.index = self.table.index
         self.crossdc = CrossDatacenter(self.table)
         """Offload seeding and smart skipping (:mod:`tensorhub.core.crossdc`)."""
-        # What a part acts through of :attr:`holders` (and :attr:`members`, built later) is looked
-        # up when called: a core given another class of part (a planted bug) reaches every call.
+        # members, holders and recovery are built below: what the parts above act through of them
+        # is looked up when called (so a core given another class of part reaches every call).
         self.retention = Retention(
             self.table, add_host_copy=lambda owner, v, endpoint: self.holders.add_host_copy(owner, v, endpoint),
             drain=lambda n: self.holders.drain(n), finish_drain=lambda n: self.holders.finish_drain(n),
             complete_unpublish=lambda n: self.holders.complete_unpublish(n), describe=self._describe,
-            keeps_dc_copy=self.crossdc.keeps_dc_copy, recovering_until=lambda: self._recovering_until,
+            keeps_dc_copy=self.crossdc.keeps_dc_copy, recovering_until=lambda: self.recovery.until,
             clients_in=lambda model: self.members.clients_in(model))
         """Host copies and retention (:mod:`tensorhub.core.retention`)."""
         self.versions = Versions(
             self.table, seed_remote=self.crossdc.seed_remote, smart_skip=self.crossdc.smart_skip,
             forget=self.retention.forget, forget_below=self.retention.forget_below,
-            nodes_in=lambda model: self.members.nodes_in(model), recovering_until=lambda: self._recovering_until)
+            nodes_in=lambda model: self.members.nodes_in(model), recovering_until=lambda: self.recovery.until)
         """Commits, available versions and resolution (:mod:`tensorhub.core.versions`)."""
         self.reading = Reading(self.table, finish_drain=lambda n: self.holders.finish_drain(n),
                                seed_pending=self.crossdc.seed_pending,
-                               recovering=lambda: self.table.now < self._recovering_until)
+                               recovering=lambda: self.table.now < self.recovery.until)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
         self.rounds = Rounds(self.table, resolve=self.versions.resolve, available=self.versions.available,
                              stop_reading=self.reading.stop, describe=self._describe,
-                             recovering_until=lambda: self._recovering_until)
+                             recovering_until=lambda: self.recovery.until)
         """Replicate rounds of sharded replicas as transactions (:mod:`tensorhub.core.rounds`)."""
         self.txns = self.rounds.txns
         """The round table (:class:`~tensorhub.core.rounds.RoundTable`), owned by :attr:`rounds`."""
@@ -138,17 +140,18 @@ class ReferenceCore:
             self.table, reading=self.reading, retention=self.retention, add_host=self.members.add_host,
             forget=self.members.forget, forget_empty_models=self.members.forget_empty_models,
             maybe_commit=self.versions.maybe_commit, set_seed_asked=self.crossdc.set_seed_asked,
-            recovering_until=lambda: self._recovering_until, describe=self._describe)
+            recovering_until=lambda: self.recovery.until, describe=self._describe)
         """Publish, the drain and removal (:mod:`tensorhub.core.holders`)."""
         self.read_requests = ReadRequests(
             self.table, reading=self.reading, rounds=self.rounds, versions=self.versions,
             retention=self.retention, drain=lambda n: self.holders.drain(n), describe=self._describe)
         """The requests of a read (:mod:`tensorhub.core.read_requests`)."""
-        self._born: Optional[float] = None
-        self._recovering_until = float("-inf")
-        self._window_closed = True
-        self._pending_edges: dict[str, set[str]] = {}
-        """After a restart: announced readers whose source has not announced itself yet."""
+        self.recovery = Recovery(
+            self.table, rounds=self.rounds, reading=self.reading, check=self.members.check, add=self.members.add,
+            seen=self.members.seen, maybe_commit=self.versions.maybe_commit, complete=self.read_requests.complete,
+            announced_host_copy=self.retention.announced_host_copy,
+            finish_drain=lambda n: self.holders.finish_drain(n))
+        """Re-announcements after a restart and the recovery window (:mod:`tensorhub.core.recovery`)."""
 
     # ------------------------------------------------------------------ driver interface
 
@@ -156,8 +159,7 @@ class ReferenceCore:
         """Apply one request at time ``now``. Errors come back as ``ErrorReply`` and change
         nothing (every handler validates before it mutates)."""
         self.table.begin(now)
-        if self._born is None:
-            self._born = now
+        self.recovery.started(now)
         name = type(req).__name__
         if name == "Replicate" and self.read_requests.superseded(req):
             # The handle gave that read up (its ReplicateAbort, sent without waiting, was lost):
@@ -212,7 +214,7 @@ class ReferenceCore:
             case m.Register():
                 return self._on_Register(req, now)
             case m.Announce():
-                return self._on_Announce(req, now)
+                return self.recovery.on_Announce(req, now)
             case m.Heartbeat():
                 return m.Ok()
             case m.Query():
@@ -249,8 +251,7 @@ class ReferenceCore:
         not mistake its unread queue for dead clients."""
         assert grace_s >= 0, grace_s
         self.table.begin(now)
-        if self._born is None:
-            self._born = now
+        self.recovery.started(now)
         lease = self.config.lease_timeout_s + grace_s
         probe = 2.5 * self.config.heartbeat_interval_s + grace_s
         dead_replicas = set()
@@ -267,21 +268,7 @@ class ReferenceCore:
             log.info("model=%s replica=%s lease expired or reported dead: removing the replica", model, replica)
             self.holders.remove_replica(model, replica, reason="lease expired")
         self.txns.prune(now)
-        if now >= self._recovering_until:
-            self.rounds.held_back.clear()  # accepted as they are from now on
-            if not self._window_closed:
-                # VersionLost was held back during the window: re-check every read group once.
-                self._window_closed = True
-                self.table.touched.update(n.key for n in self.nodes.values() if n.state in (NodeState.WAITING, NodeState.READING))
-            pending = self.index.awaiting() | self.index.draining()
-            for node in sorted((self.nodes[i] for i in pending), key=lambda n: n.order):
-                if node.awaiting_source is not None:
-                    node.awaiting_source = None  # its source never came back: schedule it anew
-                    self.index.mark(node)
-                    self._pending_edges.clear()
-                    self.table.touched.add(node.key)
-                if node.state is NodeState.DRAINING and not node.readers:
-                    self.holders.finish_drain(node)
+        self.recovery.tick(now)  # the window's end; drains that wait complete
         for mod in self.models.values():
             for dc, (v, rid, t) in list(mod.seed_asked.items()):
                 if rid and now - t >= self.config.seed_wait_s and not self.crossdc.seeder_busy(mod.name, rid):
@@ -354,6 +341,11 @@ class ReferenceCore:
         """Committed versions of ``model`` not yet forgotten (retention), oldest first."""
         return self.table.retained(model)
 
+    def read_failed(self, client_id: str) -> bool:
+        """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
+        ReplicateDone of it is answered with that failure)."""
+        return self.read_requests.read_failed(client_id)
+
     def status(self, model: str = "", layouts: bool = False) -> m.Status:
         """The table as :class:`~tensorhub.core.messages.Status`: every model, or ``model`` only;
         ``layouts``: with each model's known shard layouts."""
@@ -388,7 +380,7 @@ class ReferenceCore:
                 return m.Registered(round_seq=self.rounds.rounds_done(req.model, req.replica_id, req.shard))
             raise InvalidState(f"client {req.client_id} is already registered with other parameters")
         self.members.check(req)
-        if req.num_shards > 1 and now < self._recovering_until:
+        if req.num_shards > 1 and now < self.recovery.until:
             if self.rounds.unheard_shards(req.model, req.replica_id, req.num_shards) - {req.shard}:
                 # After a restart the replica's rounds are known only from its shards'
                 # announcements: a fresh process waits for them to count on with its siblings.
@@ -402,79 +394,7 @@ class ReferenceCore:
                 self.table.reseed.add((req.model, req.datacenter))  # perhaps a datacenter to seed
         return m.Registered(round_seq=self.rounds.rounds_done(req.model, req.replica_id, req.shard))
 
-    def _on_Announce(self, req: m.Announce, now: float) -> m.Reply:
-        """A client re-registers after a server restart (or an eviction) with what it holds.
-        The first announcement opens a recovery window of one lease: drains do not complete
-        before it ends, so a reader that is still copying from a holder under the old server
-        has time to announce that edge before the holder may write its tensors."""
-        reg, hold = req.register, req.holding
-        fresh = reg.client_id not in self.nodes
-        if fresh:
-            self.members.check(reg)
-            self._recovering_until = max(self._recovering_until, self._born + self.config.lease_timeout_s)
-            self._window_closed = False
-        if self.rounds.holds_back(reg, hold, now):
-            if fresh:
-                self.rounds.held_back[reg.client_id] = (reg.model, reg.replica_id, reg.shard)
-            else:
-                self.members.seen(self.nodes[reg.client_id], now)
-            raise ServerRecovering(
-                f"{reg.model} replica {reg.replica_id}: shard {reg.shard}'s unconfirmed completion of version "
-                f"{hold.published} waits for its siblings to re-announce; retry")
-        self.rounds.held_back.pop(reg.client_id, None)
-        if fresh:
-            self.members.add(reg, now)
-        node = self.nodes[reg.client_id]
-        self.members.seen(node, now)
-        node.heard_at = now
-        refused = self.rounds.conflicting_completion(node, hold)
-        completes = refused is None and hold.published is not None
-        if completes and node.state is NodeState.IDLE:
-            self.table.set_version(node, hold.published, NodeState.PUBLISHED, node.units)
-            self.versions.maybe_commit(node)
-        elif completes and node.state in (NodeState.WAITING, NodeState.READING) and node.version == hold.published:
-            self.read_requests.complete(node)  # an earlier announcement saw the read still in progress
-        elif refused is not None:
-            # Kept registered, holding nothing of this round (an earlier announcement's read of
-            # that version ends here too).
-            if node.state in (NodeState.WAITING, NodeState.READING) and node.version == hold.published:
-                self.reading.stop(node)
-                node.failure = m.Failed(code=code_of(refused), message=str(refused))
-        elif hold.reading_version >= 0 and node.state is NodeState.IDLE:
-            node.round_seq = hold.txn_seq
-            self.table.set_version(node, hold.reading_version, NodeState.WAITING, max(0, min(hold.reading_units, node.units)))
-            self.reading.stamp(node)
-            src = self.nodes.get(hold.reading_source)
-            if src is not None and src.version == hold.reading_version and src.state is not NodeState.IDLE:
-                self.reading.attach(node, src)
-            elif hold.reading_source and hold.reading_source not in self.nodes:
-                # Its source has not announced yet: wait for it (it may bring the edge back). One
-                # that announced already without this version is no source: queue normally.
-                node.awaiting_source = hold.reading_source
-                self.index.mark(node)
-                self._pending_edges.setdefault(hold.reading_source, set()).add(node.id)
-        for rid in sorted(self._pending_edges.pop(node.id, ())):
-            reader = self.nodes.get(rid)
-            if reader is not None and reader.state is NodeState.WAITING and reader.awaiting_source == node.id:
-                reader.awaiting_source = None
-                self.index.mark(reader)
-                if reader.version == node.version:
-                    self.reading.attach(reader, node)
-        for version, endpoint in hold.host_copies:
-            self.retention.announced_host_copy(node, version, endpoint)
-        if completes and node.version == hold.published and node.state in COMPLETE:
-            node.unconfirmed = None if hold.confirmed or hold.txn_seq < 0 else (hold.txn_seq, hold.published)
-        if refused is not None:
-            return m.ErrorReply(code=code_of(refused), message=str(refused))
-        self.rounds.announced(node, hold)
-        return m.Ok()
-
-    def read_failed(self, client_id: str) -> bool:
-        """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
-        ReplicateDone of it is answered with that failure)."""
-        return self.read_requests.read_failed(client_id)
-
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ the end of a request or tick
 
     def _settle(self) -> None:
         """Assign waiting readers of every touched group, FIFO; fail readers of lost versions."""
@@ -484,17 +404,18 @@ class ReferenceCore:
             for model in sorted({mo for mo, _ in todo}):
                 self.crossdc.seed_remote(model, {dc for mo, dc in todo if mo == model})
         seen: set[Key] = set()
-        while self.table.touched:
-            keys = sorted(self.table.touched)
+        while table.touched:
+            keys = sorted(table.touched)
             seen.update(keys)
-            self.table.touched = set()
+            table.touched = set()
             for key in keys:
                 self.reading.pump(key)
         self.versions.drop_lost(seen)
         if table.removed:
             # A removed client gets nothing from this request but its eviction (one pass
             # here, not one per removal: a death wave of k clients filters once, not k times).
-            table.effects = [e for e in table.effects if e.client_id not in table.removed or isinstance(e.event, m.Evicted)]
+            table.effects = [e for e in table.effects
+                             if e.client_id not in table.removed or isinstance(e.event, m.Evicted)]
             table.removed = set()
 
     # ------------------------------------------------------------------ helpers

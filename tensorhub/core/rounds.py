@@ -249,6 +249,18 @@ class Rounds:
             return False
         return bool(self.unheard_shards(reg.model, reg.replica_id, reg.num_shards) - {reg.shard})
 
+    def hold_back(self, reg) -> None:
+        """``reg``'s completion waits (:meth:`holds_back` said so); meanwhile its shard counts as
+        heard from for its siblings."""
+        self.held_back[reg.client_id] = (reg.model, reg.replica_id, reg.shard)
+
+    def release(self, client_id: Optional[str] = None) -> None:
+        """``client_id``'s completion is held back no more (None: none is, the window is over)."""
+        if client_id is None:
+            self.held_back.clear()
+        else:
+            self.held_back.pop(client_id, None)
+
     def unsettled(self, node, spec: object) -> bool:
         """Inside the recovery window, ``node``'s round is known only from announcements
         (``spec == "announced"``) and a sibling has not re-announced yet: it may bring the old

@@ -2,11 +2,12 @@
 
 :class:`Table` holds the nodes, the models, the index and the registries every part of the core
 reads (:class:`tensorhub.core.reference.ReferenceCore`, which owns the table, and its parts,
-which get it passed in), plus what one request or tick collects while it runs: its clock, the groups it touched
-(pumped when it settles), the events it delivers, the clients it removed and the datacenters
-whose offload seeding it re-checks when it settles. Queries, and one transition: a node's
-version and state change through :meth:`Table.set_version`, which keeps the groups, the index and
-the touched set; every other rule acts through a function of the core or of a part.
+which get it passed in), plus what one request or tick collects while it runs: its clock, the
+groups it touched (pumped when it settles), the events it delivers, the clients it removed and
+the datacenters whose offload seeding it re-checks when it settles. Queries, and one
+transition: a node's version and state change through :meth:`Table.set_version`, which keeps the
+groups, the index and the touched set; every other rule acts through a function of the core or
+of a part.
 """
 
 from __future__ import annotations

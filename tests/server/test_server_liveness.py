@@ -110,13 +110,13 @@ def test_a_process_ray_reported_gone_does_not_come_back_with_a_late_announce(slo
     assert isinstance(s.call(_reg("corpse", "c", process=dead), keys), m.Registered)
     s.srv._on_deaths({"w1"}, set())
     assert "corpse" not in s.core.nodes
-    before = (sorted(s.core.nodes), s.core._recovering_until)
+    before = (sorted(s.core.nodes), s.core.recovery.until)
     again = m.Announce(register=_reg("corpse", "c", process=dead), holding=m.Holding(published=1))
     reply = s.call(again, auth.Keyring())
     assert isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient", reply
     assert "reported gone" in reply.message
     reply = s.call(_reg("corpse-2", "c", process=dead), auth.Keyring())
     assert isinstance(reply, m.ErrorReply) and reply.code == "UnknownClient", reply
-    assert (sorted(s.core.nodes), s.core._recovering_until) == before, "nothing changed, no window opened"
+    assert (sorted(s.core.nodes), s.core.recovery.until) == before, "nothing changed, no window opened"
     alive = m.ProcessId(job_id="01000000", actor_id="a2", worker_id="w2", node_id="n1", pid=12)
     assert isinstance(s.call(_reg("fresh", "c", process=alive), auth.Keyring()), m.Registered)
