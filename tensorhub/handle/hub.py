@@ -69,18 +69,7 @@ class Hub:
                  replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
                  config: Optional[Config] = None) -> None:
         configure_from_env()
-        if not isinstance(model, str) or not model:
-            raise errors.ConfigError("model must be a non-empty string")
-        if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
-            raise errors.ConfigError(f"shard {shard!r} of {num_shards!r} is out of range")
-        if num_shards > 1 and not replica:
-            raise errors.ConfigError("a sharded replica needs replica=<name shared by its shards>")
-        bounds.check_name("model", model)  # OutOfBounds (tensorhub.core.bounds), as the server would
-        bounds.check_int("num_shards", num_shards, 1, bounds.SHARDS_MAX)
-        if replica:
-            bounds.check_name("replica", replica, max_chars=bounds.NAME_CHARS_MAX - bounds.REPLICA_SUFFIX_CHARS)
-        if datacenter:
-            bounds.check_name("datacenter", datacenter)
+        registration.check_identity(model, shard, num_shards, replica, datacenter)
         self.model = model
         self.shard = shard
         self.num_shards = num_shards

@@ -7,6 +7,8 @@ Pure helpers of :class:`~tensorhub.handle.hub.Hub` (``register``, ``prefetch(buf
 - :func:`like`: a second set of tensors (a double buffer, a prefetch buffer) must have the
   registered layout, and :func:`share_memory` must not find it inside the registered tensors
   (a prefetch would write the published tensors while readers fetch them);
+- :func:`check_identity`: a handle's model, shard and replica names, checked when it is made
+  (``ConfigError``; ``OutOfBounds`` as the server would raise it);
 - :func:`explain_mismatch`: a layout the server refused that differs from the model's only in
   the ``checksums`` setting is a :class:`~tensorhub.errors.ConfigError` saying so (the server
   can only name a fingerprint).
@@ -16,12 +18,13 @@ Every refusal raises before anything is registered or changed.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
 from tensorhub import errors
 from tensorhub.config import Config
+from tensorhub.core import bounds
 from tensorhub.core import messages as m
 from tensorhub.layout import Layout
 from tensorhub.ports import ServerPort
@@ -32,6 +35,25 @@ NamedTensors = Union[Mapping[str, torch.Tensor], Sequence[tuple[str, torch.Tenso
 SUMS_TAG = {True: ":sums", False: ":nosums"}
 """The end of a registered layout's fingerprint: the handle's ``checksums`` setting, which every
 client of a model must share (the server refuses a registration whose fingerprint differs)."""
+
+
+def check_identity(model: str, shard: int, num_shards: int, replica: Optional[str],
+                   datacenter: Optional[str]) -> None:
+    """A handle's identity as ``tensorhub.open`` takes it: ``ConfigError`` for a missing model
+    name, a shard out of range or a sharded replica without a name; ``OutOfBounds``
+    (:mod:`tensorhub.core.bounds`) for a name or count the server would refuse."""
+    if not isinstance(model, str) or not model:
+        raise errors.ConfigError("model must be a non-empty string")
+    if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
+        raise errors.ConfigError(f"shard {shard!r} of {num_shards!r} is out of range")
+    if num_shards > 1 and not replica:
+        raise errors.ConfigError("a sharded replica needs replica=<name shared by its shards>")
+    bounds.check_name("model", model)
+    bounds.check_int("num_shards", num_shards, 1, bounds.SHARDS_MAX)
+    if replica:
+        bounds.check_name("replica", replica, max_chars=bounds.NAME_CHARS_MAX - bounds.REPLICA_SUFFIX_CHARS)
+    if datacenter:
+        bounds.check_name("datacenter", datacenter)
 
 
 def named_list(named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
