@@ -154,6 +154,8 @@ class Region:
         """Where same-host readers map this region (None: NIXL only)."""
         self._unsettled: dict[int, Any] = {}
         """Reads into this region that a pull left in flight (unit -> handle): see :meth:`settle`."""
+        self._unsettled_ranges: dict[int, Any] = {}
+        """Range reads (:mod:`tensorhub.transport.ranges`) left in flight: id(handle) -> handle."""
 
     @classmethod
     def register(cls, tensors: Sequence[torch.Tensor], layout: Layout, config: Config,
@@ -246,6 +248,11 @@ class Region:
         self.set_version(version)
         self.set_progress(self.layout.unit_count)
 
+    @property
+    def mems(self) -> tuple[MemRegion, ...]:
+        """The registered memory of each tensor, layout order (what :meth:`endpoint` publishes)."""
+        return self._mems
+
     def endpoint(self) -> Endpoint:
         """The :class:`Endpoint` readers need; cheap, may be called repeatedly."""
         self._check_open()
@@ -284,15 +291,35 @@ class Region:
         assert not self._unsettled.keys() & reads.keys(), "a unit read twice at once"
         self._unsettled.update(reads)
 
+    @property
+    def unsettled_ranges(self) -> int:
+        """Range reads (:func:`tensorhub.transport.ranges.read_runs`) still in flight into this
+        region after the call that posted them raised :class:`~tensorhub.errors.ReadsNotTerminal`;
+        0 normally. :meth:`settle` waits for them too."""
+        with self.agent.xfer_lock:
+            return len(self._unsettled_ranges)
+
+    def keep_range_reads(self, reads: Sequence[Any]) -> None:
+        """Take over range reads into this region that are not terminal: they are released only
+        once NIXL reports them terminal (:meth:`settle`); until then the region is not closed
+        and no pull starts."""
+        with self.agent.xfer_lock:
+            for h in reads:
+                self._unsettled_ranges[id(h)] = h  # the dict keeps h alive: its id stays unique
+
     def settle(self, timeout_s: float = 0.0) -> bool:
         """Wait up to ``timeout_s`` (0: look once) for the reads an earlier pull left in flight
         (:class:`~tensorhub.errors.ReadsNotTerminal`) to become terminal, releasing each as it
         does. True when none is left: only then may another pull (or anyone) write the region's
         units past its progress, and the failed source be reported. Idempotent; thread-safe
         (takes the agent's ``xfer_lock`` for each look only); cheap when nothing is left."""
+        deadline = time.monotonic() + timeout_s
         if self._unsettled:
             await_terminal(self.agent.nixl, self._unsettled, timeout_s, self.agent.xfer_lock)
-        return not self._unsettled
+        if self._unsettled_ranges:
+            left = max(0.0, deadline - time.monotonic())
+            await_terminal(self.agent.nixl, self._unsettled_ranges, left, self.agent.xfer_lock)
+        return not self._unsettled and not self._unsettled_ranges
 
     def close(self) -> None:
         """Deregister everything. Idempotent. Readers of this region fail afterwards (their
@@ -302,8 +329,8 @@ class Region:
         if self._closed:
             return
         if not self.settle(0.0):
-            logger.error("region on %s closed with reads into units %s still in flight: kept registered",
-                         self.agent.name, self.unsettled_units)
+            logger.error("region on %s closed with reads into units %s (and %d range reads) still in flight: "
+                         "kept registered", self.agent.name, self.unsettled_units, self.unsettled_ranges)
             self._closed = True
             _kept_alive.append(self)
             return
