@@ -30,7 +30,7 @@ Over cross-memory attach a strided read pays per row (about 2-4 us more a descri
 look inside UCX, which gets each descriptor separately), so it runs at 0.16-0.73 of a contiguous read
 of the same bytes whichever way it is posted; posting cost is not it (preparing 8192 descriptors:
 about 1 ms of a 60 ms read). ``"rows"`` and ``"multi"`` are equal within this machine's noise
-(rows ahead in 6 of 8, one tie); smaller requests (1 MiB) are slower. The default is ``"rows"`` with
+(rows ahead in 6 of 8, one tie); 1 MiB requests were slower in 6 of 8. The default is ``"rows"`` with
 ``unit_bytes`` requests (:data:`STRIDED_DEFAULT`): as fast, and it keeps every request bounded,
 so the window, the stall timeout and the drain work per 16 MiB, not per whole column slice. Two
 requests in flight gained 14-20% over one in a side measurement (the read loop's window allows
