@@ -453,3 +453,77 @@ def test_holder_tensors_must_match_the_endpoint(agents):
             read_runs(reader.region, src, runs_of(plan, 0), wrong, expect_version=3, config=CFG)
     finally:
         _close(holders, reader, [src])
+
+
+_CHILD_HOLDER = (
+    "import sys, torch\n"
+    "from tensorhub.config import Config\n"
+    "from tensorhub.layout import Layout\n"
+    "from tensorhub.transport import Region, encode_endpoint\n"
+    "t = torch.arange(1024 * 1024, dtype=torch.float32).view(1024, 1024)\n"
+    "lay = Layout.build([('w', t)], 64 << 10, 16 << 10)\n"
+    "r = Region.register([t], lay, Config(unit_bytes=64 << 10, pack_below_bytes=16 << 10, same_host=False))\n"
+    "r.publish_complete(3)\n"
+    "sys.stdout.buffer.write(b'EP:' + encode_endpoint(r.endpoint()).hex().encode() + b'\\n'); sys.stdout.flush()\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def test_a_holder_process_killed_mid_way_is_a_transfer_error_with_nothing_left_in_flight(agents, monkeypatch):
+    """The real case: the holder is another process, killed (SIGKILL) once the first request
+    has landed. The read ends with a TransferError within the stall timeout; every request it
+    posted is terminal and released."""
+    import subprocess
+    import sys
+
+    from tensorhub.transport import decode_endpoint
+
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    reader = None
+    src = None
+    try:
+        line = b""
+        while not line.startswith(b"EP:"):
+            line = child.stdout.readline()
+            assert line, "the child exited"
+        ep = decode_endpoint(bytes.fromhex(line[3:].decode().strip()))
+        g = P.GlobalTensor("w", "float32", (1024, 1024))
+        schema = P.Schema.of([g])
+        rp = P.Placement.build([P.split(g, 1, 1, 2)], schema)
+        plan = plan_reshard(rp, [P.whole_placement(schema)])
+        dst = torch.zeros(1024, 512)
+        reader = Region.register([dst], _layout(rp, [dst]), CFG.replace(same_host=False), agent=agents[1])
+        src = open_source(ep, agent=agents[1])
+        real = agents[1].nixl
+        done = []
+
+        class KillAfterFirst(_Scripted):
+            def check_xfer_state(self, h):
+                state = self._real.check_xfer_state(h)
+                if state == "DONE" and not done and h is not src._ctl_handle:  # a range request
+                    done.append(h)
+                    child.kill()
+                    child.wait(10)
+                return state
+
+        monkeypatch.setattr(agents[1], "nixl", KillAfterFirst(real, 0))
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            read_runs(reader, src, plan.runs, HolderTensors(("w",), (ep.tensors[0].nbytes,)), expect_version=3,
+                      config=CFG.replace(source_stall_timeout_s=3.0), request_bytes=16 << 10)
+        assert time.monotonic() - t0 < 10 and done
+        monkeypatch.undo()
+        assert reader.settle(0.0) and reader.unsettled_ranges == 0
+        truth = torch.arange(1024 * 1024, dtype=torch.float32).view(1024, 1024)[:, 512:]
+        landed = (dst == truth).all(dim=1)
+        assert landed.sum() >= 8, "the first request's rows landed"
+        assert ((dst == truth) | (dst == 0)).all(), "no foreign bytes"
+    finally:
+        monkeypatch.undo()
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
+        if src is not None:
+            src.close()
+        if reader is not None:
+            reader.close()
