@@ -21,6 +21,13 @@ The bounds (all inclusive):
   <= UNITS_MAX``, ``0 <= total_bytes <= BYTES_MAX``, at most ``TENSORS_MAX`` tensors, each named
   in at most ``TENSOR_NAME_CHARS_MAX`` characters, dtype at most ``NAME_CHARS_MAX``, at most
   ``DIMS_MAX`` dimensions of at most ``BYTES_MAX`` each, ``0 <= nbytes <= BYTES_MAX``;
+- a placement (``Register.placement``): at most ``TENSORS_MAX`` global and local tensors, names
+  and dtypes and shapes bounded as a layout's, at most ``PIECES_MAX`` pieces per local tensor and
+  ``PLACEMENT_PIECES_MAX`` in all, at most ``PIECES_PER_GLOBAL_MAX`` naming one global tensor
+  (its overlap check compares them pairwise), boxes of at most ``DIMS_MAX`` dims in
+  ``[0, BYTES_MAX]``, at most ``PLACEMENT_BYTES_MAX`` bytes encoded. Its rules (a box inside its
+  tensor, pieces tiling the local tensor...) are the core's (:mod:`tensorhub.core.placements`:
+  ``LayoutMismatch``);
 - an endpoint (one's own or a host copy's): at most ``ENDPOINT_BYTES_MAX`` bytes; a holding
   at most ``HOST_COPIES_MAX`` host copies;
 - a pulse: at most ``BEATS_MAX`` beats; unit counts in ``0..UNITS_MAX`` (-1 where "none");
@@ -32,8 +39,11 @@ from __future__ import annotations
 
 from typing import Collection, Optional
 
+import msgspec
+
 from tensorhub.core import messages as m
 from tensorhub.errors import OutOfBounds, WrongModel
+from tensorhub.placement import Placement
 
 NAME_CHARS_MAX = 256
 CLIENT_ID_CHARS_MAX = 1024
@@ -53,6 +63,10 @@ BEATS_MAX = 1 << 16
 REQUEST_BYTES_MAX = 64 << 20
 MODELS_MAX = 1024
 PROCESS_FIELD_CHARS_MAX = 256
+PIECES_MAX = 1 << 12
+PLACEMENT_PIECES_MAX = 1 << 18
+PIECES_PER_GLOBAL_MAX = 64
+PLACEMENT_BYTES_MAX = 16 << 20
 
 
 def check_name(what: str, value: object, *, max_chars: int = NAME_CHARS_MAX, empty_ok: bool = False) -> None:
@@ -111,6 +125,46 @@ def check_layout(layout: m.LayoutInfo) -> None:
         check_int(f"nbytes of tensor {t.name[:40]!r}", t.nbytes, 0, BYTES_MAX)
 
 
+def _check_shape(what: str, shape: tuple) -> None:
+    if len(shape) > DIMS_MAX or any(not 0 <= d <= BYTES_MAX for d in shape):
+        raise OutOfBounds(f"{what}: at most {DIMS_MAX} dims in [0, {BYTES_MAX}]")
+
+
+def check_placement(p: Placement) -> None:
+    """The bounds of a placement (see the module docstring): counts first, then its encoded
+    size. Its rules are the core's (:meth:`Placement.check`, LayoutMismatch)."""
+    for what, items in (("global", p.globals), ("local", p.tensors)):
+        if len(items) > TENSORS_MAX:
+            raise OutOfBounds(f"a placement of {len(items)} {what} tensors has more than {TENSORS_MAX}")
+    for g in p.globals:
+        check_name("global tensor name", g.name, max_chars=TENSOR_NAME_CHARS_MAX)
+        check_name(f"dtype of global tensor {g.name[:40]!r}", g.dtype)
+        _check_shape(f"global tensor {g.name[:40]!r}'s shape", g.shape)
+    per_global: dict[str, int] = {}
+    total = 0
+    for t in p.tensors:
+        where = f"local tensor {t.name[:40]!r}"
+        check_name("local tensor name", t.name, max_chars=TENSOR_NAME_CHARS_MAX, empty_ok=True)
+        check_name(f"dtype of {where}", t.dtype)
+        _check_shape(f"{where}'s shape", t.shape)
+        if len(t.pieces) > PIECES_MAX:
+            raise OutOfBounds(f"{where} has {len(t.pieces)} pieces, more than {PIECES_MAX}")
+        total += len(t.pieces)
+        if total > PLACEMENT_PIECES_MAX:
+            raise OutOfBounds(f"a placement has more than {PLACEMENT_PIECES_MAX} pieces")
+        for piece in t.pieces:
+            check_name(f"a piece's tensor in {where}", piece.tensor, max_chars=TENSOR_NAME_CHARS_MAX)
+            n = per_global[piece.tensor] = per_global.get(piece.tensor, 0) + 1
+            if n > PIECES_PER_GLOBAL_MAX:
+                raise OutOfBounds(f"more than {PIECES_PER_GLOBAL_MAX} pieces of global tensor {piece.tensor[:40]!r}")
+            _check_shape(f"a box start in {where}", piece.box.start)
+            _check_shape(f"a box stop in {where}", piece.box.stop)
+            check_int(f"a piece's row0 in {where}", piece.row0, 0, BYTES_MAX)
+    size = len(msgspec.msgpack.encode(p))
+    if size > PLACEMENT_BYTES_MAX:
+        raise OutOfBounds(f"a placement of {size} bytes encoded is more than {PLACEMENT_BYTES_MAX}")
+
+
 def _client_id(what: str, value: object, empty_ok: bool = False) -> None:
     check_name(what, value, max_chars=CLIENT_ID_CHARS_MAX, empty_ok=empty_ok)
 
@@ -130,6 +184,8 @@ def _register(reg: m.Register, served: str, models: Collection[str], known_layou
     check_shards(reg.shard, reg.num_shards)
     if reg.layout != known_layout:  # the shard's layout, checked when it was first registered
         check_layout(reg.layout)
+    if reg.placement is not None:
+        check_placement(reg.placement)
     check_endpoint("endpoint", reg.endpoint)
     check_name("datacenter", reg.datacenter, empty_ok=True)
     check_name("machine", reg.machine, empty_ok=True)

@@ -63,8 +63,12 @@ class Holders:
                  add_host: Callable[[Node, int, bytes], Node], forget: Callable[[Node], None],
                  forget_empty_models: Callable[[], None], maybe_commit: Callable[[Node], None],
                  set_seed_asked: Callable[[ModelRecord, str, Optional[tuple[int, str, float]]], None],
-                 recovering_until: Callable[[], float], describe: Callable[[Node], str]) -> None:
+                 recovering_until: Callable[[], float], describe: Callable[[Node], str],
+                 check_covered: Callable[[Node], None]) -> None:
         self.table = table
+        self._check_covered = check_covered
+        """Raises if a publish of an uncommitted version by the node would leave its replica's
+        placements short of the model's schema (:meth:`tensorhub.core.placements.Placements.check_covered`)."""
         self._reading = reading
         self._retention = retention
         self._add_host, self._forget, self._forget_empty_models = add_host, forget, forget_empty_models
@@ -84,6 +88,8 @@ class Holders:
         mod = self.table.models[node.model]
         if req.version < mod.forgotten_below:
             raise VersionExpired(f"{node.model}: version {req.version} is older than the retained versions")
+        if req.version not in mod.committed:
+            self._check_covered(node)
         self.table.set_version(node, req.version, NodeState.PUBLISHED, node.units)
         self._maybe_commit(node)
         return m.Ok()

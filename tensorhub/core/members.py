@@ -15,7 +15,8 @@ owns the registries that spare every request a scan of it:
   for caches of the clients' processes).
 
 Registration is validated before anything changes (:meth:`Members.check`): shard in range, a
-layout with units, the model's shard count and each shard's layout fingerprint.
+layout with units, the model's shard count and each shard's layout fingerprint, and a placement's
+rules (:mod:`tensorhub.core.placements`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import collections
 from typing import Callable
 
 from tensorhub.core import messages as m
+from tensorhub.core.placements import Placements
 from tensorhub.core.state import ModelRecord, Node
 from tensorhub.core.table import Table
 from tensorhub.errors import LayoutMismatch, ShardTaken
@@ -38,8 +40,12 @@ class Members:
     left: the round table keeps a departed replica's rounds for a bounded time)."""
 
     def __init__(self, table: Table, *, replica_changed: Callable[[str, str, int], None],
-                 replica_back: Callable[[str, str], None], replica_gone: Callable[[str, str, float], None]) -> None:
+                 replica_back: Callable[[str, str], None], replica_gone: Callable[[str, str, float], None],
+                 placements: Placements) -> None:
         self.table = table
+        self._placements = placements
+        """Registered placements (:mod:`tensorhub.core.placements`): checked with a registration,
+        kept while their clients stay."""
         self._replica_changed = replica_changed
         self._replica_back = replica_back
         self._replica_gone = replica_gone
@@ -82,6 +88,7 @@ class Members:
         holder = self._shards.get((req.model, req.replica_id, req.shard))
         if holder is not None:
             raise ShardTaken(f"{req.model} replica {req.replica_id} shard {req.shard} is held by client {holder}")
+        self._placements.check(req)
 
     def add(self, req: m.Register, now: float) -> Node:
         """A client registers (checked by :meth:`check` first): an IDLE node."""
@@ -97,6 +104,7 @@ class Members:
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now, heard_at=now,
             process=req.process, machine=req.machine, stage_for=req.stage_for,
         )
+        self._placements.add(node, req.placement)
         table.nodes[node.id] = node
         self._shards[(node.model, node.replica_id, node.shard)] = node.id
         table.replicas.setdefault((node.model, node.replica_id), set()).add(node.id)
@@ -129,7 +137,7 @@ class Members:
             client_id=n.id, model=n.model, replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
             datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
-            stage_for=n.stage_for,
+            stage_for=n.stage_for, placement=self._placements.get(n.placement),
         )
 
     def forget(self, node: Node) -> None:
@@ -147,6 +155,7 @@ class Members:
                     del table.hosts_of[node.owner]
             return
         del self._shards[(node.model, node.replica_id, node.shard)]
+        self._placements.drop(node)
         replica = table.replicas[(node.model, node.replica_id)]
         replica.discard(node.id)
         if not replica:

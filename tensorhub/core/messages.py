@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import msgspec
 
+from tensorhub.placement import Placement
+
 VersionSpec = Union[int, str]
 """An int >= 0, ``"latest"`` or ``"latest-k"``."""
 
@@ -93,6 +95,19 @@ class Register(_Msg, frozen=True):
     stage_for: str = ""
     """A prefetch staging copy: the client id of the handle it stages versions for (that handle
     reads from it first, whatever its load: a copy inside one process)."""
+    placement: Optional[Placement] = None
+    """Which part of which global tensor each of ``layout.tensors`` holds (docs/placements.md);
+    None (the default, not encoded): today's identical per-shard layout. Its local tensors are
+    ``layout.tensors`` (names, dtypes, shapes, order). The server checks it and keeps one copy
+    per distinct :meth:`~tensorhub.placement.Placement.digest` (:mod:`tensorhub.core.placements`)."""
+
+    def __repr__(self) -> str:
+        # A placement may hold thousands of pieces: its digest stands for it; none, nothing shown
+        # (a registration without one reads as it did before placements existed).
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "placement")
+        if self.placement is not None:
+            shown += f", placement=<{self.placement.digest()[:16]}>"
+        return f"Register({shown})"
 
 
 class Announce(_Msg, frozen=True):
@@ -413,6 +428,13 @@ class ShardLayout(msgspec.Struct, frozen=True):
     layout: LayoutInfo
 
 
+class PlacementUse(msgspec.Struct, frozen=True, array_like=True):
+    """One distinct placement a model's clients registered: its digest and how many of them use it."""
+
+    digest: str
+    nodes: int
+
+
 class ModelView(_Msg, frozen=True):
     model: str
     num_shards: int
@@ -421,6 +443,14 @@ class ModelView(_Msg, frozen=True):
     holders: tuple[HolderView, ...]
     layouts: tuple[ShardLayout, ...] = ()
     """Known shard layouts in shard order; only when the :class:`Query` asked for them."""
+    placements: tuple[PlacementUse, ...] = ()
+    """The model's distinct placements by digest (empty, not encoded, when none registered one)."""
+
+    def __repr__(self) -> str:
+        # Without placements, as it read before they existed.
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
+                          if f != "placements" or self.placements)
+        return f"ModelView({shown})"
 
 
 class Status(_Msg, frozen=True):

@@ -46,7 +46,8 @@ leave and removal), :attr:`~ReferenceCore.recovery` (:mod:`~tensorhub.core.recov
 (:mod:`~tensorhub.core.rounds`), :attr:`~ReferenceCore.versions`
 (:mod:`~tensorhub.core.versions`), :attr:`~ReferenceCore.crossdc`
 (:mod:`~tensorhub.core.crossdc`), :attr:`~ReferenceCore.retention`
-(:mod:`~tensorhub.core.retention`).
+(:mod:`~tensorhub.core.retention`), :attr:`~ReferenceCore.placements`
+(:mod:`~tensorhub.core.placements`: registered placements, interned by digest).
 
 No request scans the table: ``tensorhub.core.index`` keeps the waiting queues, free sources and
 counts per (model, version, shard), and the parts keep registries by replica, shard, host-copy
@@ -66,6 +67,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.holders import Holders
 from tensorhub.core.members import Members
+from tensorhub.core.placements import Placements
 from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reading import Reading
 from tensorhub.core.recovery import Recovery
@@ -131,8 +133,10 @@ class ReferenceCore:
         """Replicate rounds of sharded replicas as transactions (:mod:`tensorhub.core.rounds`)."""
         self.txns = self.rounds.txns
         """The round table (:class:`~tensorhub.core.rounds.RoundTable`), owned by :attr:`rounds`."""
+        self.placements = Placements(self.table)
+        """Registered placements, interned by digest, and each model's schema (:mod:`tensorhub.core.placements`)."""
         self.members = Members(
-            self.table, replica_back=self.txns.returned, replica_gone=self.txns.departed,
+            self.table, placements=self.placements, replica_back=self.txns.returned, replica_gone=self.txns.departed,
             replica_changed=lambda model, rid, shards: self.crossdc.candidates.update(
                 model, rid, self.table.replica_nodes(model, rid), shards))
         """Registered clients and host copies, and the lease order (:mod:`tensorhub.core.members`)."""
@@ -140,7 +144,8 @@ class ReferenceCore:
             self.table, reading=self.reading, retention=self.retention, add_host=self.members.add_host,
             forget=self.members.forget, forget_empty_models=self.members.forget_empty_models,
             maybe_commit=self.versions.maybe_commit, set_seed_asked=self.crossdc.set_seed_asked,
-            recovering_until=lambda: self.recovery.until, describe=self._describe)
+            recovering_until=lambda: self.recovery.until, describe=self._describe,
+            check_covered=self.placements.check_covered)
         """Publish, the drain and removal (:mod:`tensorhub.core.holders`)."""
         self.read_requests = ReadRequests(
             self.table, reading=self.reading, rounds=self.rounds, versions=self.versions,
@@ -368,6 +373,7 @@ class ReferenceCore:
                 model=name, num_shards=mod.num_shards, available=tuple(self.available(name)),
                 committed=tuple(self.retained(name)), holders=holders,
                 layouts=tuple(m.ShardLayout(i, mod.layouts[i]) for i in sorted(mod.layouts)) if layouts else (),
+                placements=self.placements.view(name),
             ))
         return m.Status(models=tuple(views))
 

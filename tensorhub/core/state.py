@@ -84,6 +84,9 @@ class Node:
     """The host it runs on (a host copy: its owner's)."""
     stage_for: str = ""
     """A prefetch staging copy: the handle it stages for (``Register.stage_for``)."""
+    placement: str = ""
+    """The digest of its interned placement ("": none, today's identical layout; a host copy:
+    none): :mod:`tensorhub.core.placements`."""
     in_flight: int = -1
     """Smart skipping chose this node's current read/version: this newer one was seeding."""
     round_seq: int = -1
