@@ -55,7 +55,7 @@ def _proof(model_secret: str, model: str) -> bytes:
 
 def snapshot(server, model: str = "", model_secret: str = "") -> dict[str, Any]:
     """One sample of one server as plain data: ``{"time", "models": [{model, num_shards,
-    available, retained, host_copies, holders, transfers, waiting}]}``. Blocks on one actor call
+    available, retained, host_copies, holders, transfers, waiting, placements}]}``. Blocks on one actor call
     (30 s at most). A server created with a model secret answers only with ``model_secret``
     (its proof goes, not the secret); else raises Unauthorized."""
     import ray
@@ -146,6 +146,7 @@ def _model_rows(status) -> list[dict[str, Any]]:
             "model": mv.model, "num_shards": mv.num_shards, "available": list(mv.available),
             "retained": list(mv.committed), "host_copies": host_copies, "holders": holders,
             "transfers": transfers, "waiting": waiting,
+            "placements": [{"digest": u.digest, "nodes": u.nodes} for u in mv.placements],
         })
     return models
 
@@ -193,6 +194,9 @@ def render(snap: dict):
             ("   host copies ", "bold"), ", ".join(f"v{h['version']} by {h['replica']}/{h['shard']}"
                                                   for h in mv["host_copies"]) or "-",
         )
+        if mv.get("placements"):  # distinct placements (docs/placements.md): digest and the clients using it
+            head.append_text(Text.assemble(("   placements ", "bold"), ", ".join(
+                f"{p['digest'][:12]} x{p['nodes']}" for p in mv["placements"])))
         hold = Table(title="holders", title_justify="left", expand=False)
         for col in ("replica", "shard", "state", "dc", "spot", "version", "units", "readers"):
             hold.add_column(col, justify="right" if col in ("shard", "version", "readers", "units") else "left")

@@ -307,3 +307,24 @@ def test_a_too_big_placement_is_refused_by_bounds_before_the_core_sees_it(monkey
                       m.Registered)
     assert seen == ["ok"] and port.core.nodes["ok"].placement == one.digest()
 
+
+def test_tensorhub_status_shows_each_models_distinct_placements():
+    """``tensorhub status`` (its rows and its panel): each distinct placement's digest and the
+    clients using it; nothing for a model without placements."""
+    from rich.console import Console
+
+    from tensorhub import status
+
+    w = World()
+    w.trainer("t")
+    w.trainer("u")
+    w.reg("x", "x", 0, None, num_shards=1, layout=layout_of(rows(0, 1)), model="plain")
+    rows_ = {mv["model"]: mv for mv in status._model_rows(w.core.status())}
+    assert rows_["plain"]["placements"] == []
+    assert rows_["pol"]["placements"] == sorted(
+        ({"digest": rows(s).digest(), "nodes": 2} for s in (0, 1)), key=lambda p: p["digest"])
+    console = Console(width=200, record=True)
+    console.print(status.render({"models": list(rows_.values())}))
+    text = console.export_text()
+    assert f"placements {rows_['pol']['placements'][0]['digest'][:12]} x2" in text
+    assert text.count("placements") == 1
