@@ -102,7 +102,7 @@ class Placements:
                 p.check()
             elif known.placement != p:
                 raise LayoutMismatch(f"placement digest {digest} names another placement")
-            _check_locals(req.layout, p)
+            check_locals(req.layout, p)
             mp = self.models.get(req.model)
             if mp is not None:
                 merge_schemas([[mp.schema[g.name] for g in p.globals if g.name in mp.schema], p.globals])
@@ -191,8 +191,9 @@ class Placements:
         return bool(self.table.nodes[next(iter(ids))].placement)
 
 
-def _check_locals(layout: m.LayoutInfo, p: Placement) -> None:
-    """Rule 2: the placement's local tensors are the layout's, in order."""
+def check_locals(layout: m.LayoutInfo, p: Placement) -> None:
+    """Rule 2: the placement's local tensors are the layout's, in order (``LayoutMismatch``
+    naming the first that differs). The handle checks it too, before it registers anything."""
     for i, (t, lp) in enumerate(zip(layout.tensors, p.tensors)):
         if (t.name, t.dtype, tuple(t.shape)) != (lp.name, lp.dtype, lp.shape):
             raise LayoutMismatch(f"tensor #{i} is {t.name} {t.dtype}{list(t.shape)} in the layout, "

@@ -46,6 +46,7 @@ from tensorhub.handle.staging import Staging, Standing
 from tensorhub.handle.sources import Sources
 from tensorhub.layout import Layout, checksum_all
 from tensorhub.logs import configure_from_env
+from tensorhub.placement import Placement
 from tensorhub.ports import ServerPort
 from tensorhub import transport as tx
 from tensorhub.transport import shm
@@ -149,7 +150,8 @@ class Hub:
         update (``ReadStats.swapped``): hand these to the engine after such an update."""
         return self._memory.named()
 
-    def register(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
+    def register(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None,
+                 placement: Optional[Placement] = None) -> None:
         """Declare the tensors this shard holds, in order (a state dict works). Registers their
         memory with the transport once. The layout must match the model's layout for this shard
         index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle.
@@ -167,6 +169,14 @@ class Hub:
         of a model must run with the same ``checksums`` setting (a holder without them publishes
         none for its readers to verify): ``ConfigError`` otherwise, nothing registered.
 
+        ``placement``: which part of which global tensor each of ``tensors`` holds
+        (:mod:`tensorhub.placement`, docs/placements.md), e.g. a vLLM rank's fused ``qkv_proj``.
+        The server checks it (well formed, the tensors' names, dtypes and shapes, one schema per
+        model; ``LayoutMismatch`` naming the tensor, nothing registered) and refuses a publish
+        whose replica's shards leave part of a global tensor uncovered. Reads do not use it yet:
+        they still copy whole shards between equal layouts (stage 2b of issue 24), so every replica
+        that gives one gives the same placement for a shard. Default: none, as before.
+
         A server too far behind sheds new clients (``Config.register_shed_s``): ``register``
         then pauses as the server asks and tries again, until ``request_timeout_s``
         (``ServerBusy`` then, nothing registered)."""
@@ -177,6 +187,8 @@ class Hub:
             layout = Layout.for_config(items, self.config)
             info = registration.layout_info(layout, self.config.checksums)
             bounds.check_layout(info)
+            if placement is not None:
+                placement = registration.check_placement(placement, info)
             spare = None
             if double_buffer is not None:
                 spare = registration.apart(double_buffer, layout, self.config, [t for _, t in items], "double_buffer")
@@ -188,6 +200,7 @@ class Hub:
                     num_shards=self.num_shards, layout=info,
                     endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
                     process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
+                    placement=placement,
                 )
             except BaseException:
                 region.close()  # nothing registered: the transport registration goes too
@@ -399,8 +412,9 @@ class Hub:
                         self.model, self.replica, self.shard, version, e)
 
     # asyncio twins
-    async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None) -> None:
-        await asyncio.to_thread(lambda: self.register(tensors, double_buffer=double_buffer))
+    async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None,
+                        placement: Optional[Placement] = None) -> None:
+        await asyncio.to_thread(lambda: self.register(tensors, double_buffer=double_buffer, placement=placement))
 
     async def apublish(self, version: int) -> None:
         await asyncio.to_thread(self.publish, version)

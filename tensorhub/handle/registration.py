@@ -9,6 +9,8 @@ Pure helpers of :class:`~tensorhub.handle.hub.Hub` (``register``, ``prefetch(buf
   (a prefetch would write the published tensors while readers fetch them);
 - :func:`check_identity`: a handle's model, shard and replica names, checked when it is made
   (``ConfigError``; ``OutOfBounds`` as the server would raise it);
+- :func:`check_placement`: a placement given to ``register`` is well formed, within the
+  server's bounds and names the registered tensors (the server checks it again);
 - :func:`explain_mismatch`: a layout the server refused that differs from the model's only in
   the ``checksums`` setting is a :class:`~tensorhub.errors.ConfigError` saying so (the server
   can only name a fingerprint).
@@ -26,7 +28,9 @@ from tensorhub import errors
 from tensorhub.config import Config
 from tensorhub.core import bounds
 from tensorhub.core import messages as m
+from tensorhub.core.placements import check_locals
 from tensorhub.layout import Layout
+from tensorhub.placement import Placement
 from tensorhub.ports import ServerPort
 from tensorhub.transport.storages import distinct_storages
 
@@ -54,6 +58,19 @@ def check_identity(model: str, shard: int, num_shards: int, replica: Optional[st
         bounds.check_name("replica", replica, max_chars=bounds.NAME_CHARS_MAX - bounds.REPLICA_SUFFIX_CHARS)
     if datacenter:
         bounds.check_name("datacenter", datacenter)
+
+
+def check_placement(placement: object, info: m.LayoutInfo) -> Placement:
+    """``placement`` as ``register(placement=)`` takes it: a :class:`~tensorhub.placement.Placement`
+    (``ConfigError`` otherwise), within the bounds the server applies (``OutOfBounds``), well
+    formed and naming exactly the layout's tensors, in order (``LayoutMismatch`` naming the
+    tensor). Raises before anything is registered; the server checks all of it again."""
+    if not isinstance(placement, Placement):
+        raise errors.ConfigError(f"placement must be a tensorhub.placement.Placement, got {type(placement).__name__}")
+    bounds.check_placement(placement)
+    placement.check()
+    check_locals(info, placement)
+    return placement
 
 
 def named_list(named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
