@@ -30,7 +30,7 @@ copy of the base and is checked bit-exact against the new version):
   xor_lzma         the same, stdlib lzma preset 0
   planes_*         the XOR split into its high bytes (sign, exponent) and low bytes (exponent's
                    last bit, mantissa), each compressed alone
-  *_zstd1, *_lz4   only where ``zstandard`` / ``lz4`` are importable (they are not dependencies)
+  *_zstd1, *_lz4   (sparse_diff, xor, planes) only where ``zstandard`` / ``lz4`` are importable (they are not dependencies)
 
 Baseline from the same run: ``random_fill``, two fresh ``randn`` fills of the same size (what
 ``benchmarks/crossdc.py`` publishes as versions today), through every codec.
@@ -292,6 +292,9 @@ def codecs() -> dict:
         comps["lz4"] = (lz4frame.compress, lz4frame.decompress)
     out = {"sparse_i32": Sparse(varint=False), "sparse_varint": Sparse(varint=True),
            "sparse_diff_zlib1": SparseDiff(*comps["zlib1"])}
+    for name in ("zstd1", "lz4"):
+        if name in comps:
+            out[f"sparse_diff_{name}"] = SparseDiff(*comps[name])
     for planes in (False, True):
         for name, (c, d) in comps.items():
             out[f"{'planes' if planes else 'xor'}_{name}"] = Xor(c, d, planes)
