@@ -9,11 +9,13 @@ that every box of every registered placement is whole cells. Here the bytes are 
    cell: the bytes of ``global[cell].contiguous()``. So a holder and a reader of different
    placements get the same checksum for the same cell, and a reader can check every byte it
    received against checksums its holder computed, whatever the two layouts.
-2. The bytes are read in place from the local tensor (CPU: zero copy). A cell inside a piece is
-   a block of the piece's C-contiguous block (:mod:`tensorhub.placement` rule 2): the innermost
-   dims the cell spans whole join one contiguous run, so a cell of whole rows (a row split) is
-   one hash call, and a column cell is hashed run by run with a streaming xxh3 (one update per
-   row of the cell), never copied. Non-CPU tensors are copied to the host one cell at a time
+2. The bytes are read in place from the local tensor (CPU: zero copy). A piece is one
+   C-contiguous block (:mod:`tensorhub.placement` rule 2) and its cells a sub-grid of it: the
+   trailing dims the grid does not cut join every cell's contiguous run, so cells cut along dim
+   0 only (a row split) are one hash call each. Cells cut along a later dim (a column split)
+   are strided blocks: the piece is walked in memory order and each row's segment goes to its
+   cell's streaming xxh3, never copied, reads kept sequential (measured in
+   ``benchmarks/gridsums.py``). Non-CPU tensors are copied to the host one cell at a time
    (untested here: no GPU on the development machines).
 3. Local tensors are given by name (the placement's local tensor names); each must be
    contiguous, of the placement's dtype and shape, else LayoutMismatch naming it (names the
@@ -29,7 +31,6 @@ to call from any thread while nothing writes the tensors.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple, Optional
 
@@ -66,9 +67,11 @@ def cell_checksums(local_tensors: Mapping[str, torch.Tensor], placement: Placeme
     a tensor that does not match its local placement or a box off the grid."""
     out: dict[CellKey, int] = {}
     for local, piece, gt, mv in _pieces(local_tensors, placement, grid):
-        for index, cell in cells_of(piece.box, gt):
-            if (gt.name, index) not in out:
-                out[(gt.name, index)] = _hash_cell(mv, local, piece, cell)
+        cells = cells_of(piece.box, gt)
+        if all((gt.name, index) in out for index, _ in cells):
+            continue  # a tied copy: pieces of one handle are disjoint or identical
+        for (index, _), digest in zip(cells, _piece_sums(mv, local, piece, cells)):
+            out.setdefault((gt.name, index), digest)
     return out
 
 
@@ -78,8 +81,8 @@ def verify_cells(local_tensors: Mapping[str, torch.Tensor], placement: Placement
     placement order; empty when all agree. Raises as :func:`cell_checksums`."""
     bad = []
     for local, piece, gt, mv in _pieces(local_tensors, placement, grid):
-        for index, cell in cells_of(piece.box, gt):
-            got = _hash_cell(mv, local, piece, cell)
+        cells = cells_of(piece.box, gt)
+        for (index, cell), got in zip(cells, _piece_sums(mv, local, piece, cells)):
             want = expected.get((gt.name, index))
             if got != want:
                 bad.append(CellMismatch(local.name, gt.name, index, cell, got, want))
@@ -125,29 +128,46 @@ def _strides(shape: Sequence[int], e: int) -> list[int]:
     return out[::-1]
 
 
-def _hash_cell(mv, local: LocalPlacement, piece: Piece, cell: Box) -> int:
-    """xxh3-64 of ``cell``'s bytes in row-major order, read from the piece's block (rule 2)."""
+def _piece_sums(mv, local: LocalPlacement, piece: Piece, cells: Sequence[tuple[int, Box]]) -> list[int]:
+    """xxh3-64 of each of ``cells`` (those of ``piece``, row-major, :func:`cells_of`), each over
+    its bytes in row-major order, read from the piece's block (rule 2). The cells of a piece
+    form a sub-grid; the trailing dims it does not cut join every cell's contiguous run. When
+    only dim 0 is cut, each cell is one contiguous call; otherwise the block is walked in memory
+    order, band by band, feeding each row's segment to its cell's streaming hash, so the reads
+    stay sequential (a cell alone, row by row at a large stride, hashes at a third of the rate)."""
+    if not isinstance(mv, memoryview):  # not in host memory: copy each cell over, then one call
+        return [xxhash.xxh3_64_intdigest(_device_cell(mv, local, piece, cell).cpu().numpy()) for _, cell in cells]
     e = itemsize(local.dtype)
-    block, cs = piece.box.shape, cell.shape
-    strides = _strides(block, e)
-    base = local.offset_of(piece) + sum((c - b) * st for c, b, st in zip(cell.start, piece.box.start, strides))
-    n = len(cs)
-    c = n - 1
-    while c > 0 and cs[c] == block[c]:  # trailing dims spanned whole join the contiguous run
+    box, base = piece.box, local.offset_of(piece)
+    shape = box.shape
+    segs = [sorted({(cell.start[d] - box.start[d], cell.stop[d] - box.start[d]) for _, cell in cells})
+            for d in range(box.ndim)]
+    c = box.ndim - 1
+    while c > 0 and len(segs[c]) == 1:
         c -= 1
-    run = math.prod(cs[max(c, 0):]) * e
-    if not isinstance(mv, memoryview):  # not in host memory: copy this cell over, then one call
-        return xxhash.xxh3_64_intdigest(_device_cell(mv, local, piece, cell).cpu().numpy())
-    if c <= 0:
-        return xxhash.xxh3_64_intdigest(mv[base:base + run])
-    h = xxhash.xxh3_64()
-    step, count = strides[c - 1], cs[c - 1]
-    for outer in itertools.product(*(range(k) for k in cs[:c - 1])):
-        off = base + sum(i * st for i, st in zip(outer, strides))
-        for _ in range(count):
-            h.update(mv[off:off + run])
-            off += step
-    return h.intdigest()
+    strides = _strides(shape, e)
+    if c <= 0:  # cut along dim 0 at most: each cell is contiguous
+        run = strides[0] if shape else e
+        return [xxhash.xxh3_64_intdigest(mv[base + a * run:base + b * run]) for a, b in (segs[0] if shape else [(0, 1)])]
+    hashers = [xxhash.xxh3_64() for _ in cells]
+    trail = strides[c]
+    row_segs = [slice(a * trail, b * trail) for a, b in segs[c]]
+    m = len(row_segs)
+    for band in itertools.product(*(range(len(segs[d])) for d in range(c))):
+        first = 0
+        for d, i in enumerate(band):
+            first = first * len(segs[d]) + i
+        updates = [h.update for h in hashers[first * m:first * m + m]]
+        span = strides[c - 1]
+        lo, hi = segs[c - 1][band[c - 1]]
+        for outer in itertools.product(*(range(*segs[d][band[d]]) for d in range(c - 1))):
+            off = base + sum(i * st for i, st in zip(outer, strides)) + lo * span
+            for _ in range(hi - lo):  # one row of the band: each cell's segment, in memory order
+                row = mv[off:off + span]
+                for update, cut in zip(updates, row_segs):
+                    update(row[cut])
+                off += span
+    return [h.intdigest() for h in hashers]
 
 
 def _device_cell(flat: torch.Tensor, local: LocalPlacement, piece: Piece, cell: Box) -> torch.Tensor:
