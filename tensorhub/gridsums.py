@@ -134,7 +134,8 @@ def _piece_sums(mv, local: LocalPlacement, piece: Piece, cells: Sequence[tuple[i
     form a sub-grid; the trailing dims it does not cut join every cell's contiguous run. When
     only dim 0 is cut, each cell is one contiguous call; otherwise the block is walked in memory
     order, band by band, feeding each row's segment to its cell's streaming hash, so the reads
-    stay sequential (a cell alone, row by row at a large stride, hashes at a third of the rate)."""
+    stay sequential (a cell hashed alone, row by row at the tensor's stride, ran 0.6x as fast:
+    benchmarks/RESULTS.md)."""
     if not isinstance(mv, memoryview):  # not in host memory: copy each cell over, then one call
         return [xxhash.xxh3_64_intdigest(_device_cell(mv, local, piece, cell).cpu().numpy()) for _, cell in cells]
     e = itemsize(local.dtype)
