@@ -176,3 +176,44 @@ def test_random_placement_pairs_agree_on_every_cell_and_a_flip_fails_exactly_its
             _run_seed(seed)
         except AssertionError as e:
             raise AssertionError(f"seed {seed}: {e}") from e
+
+
+def _device_case():
+    """holder w rows TP=2, readers columns TP=4 and a stacked 3-D piece: strided and contiguous cells."""
+    gen = torch.Generator().manual_seed(3)
+    globals_ = {g.name: _random_tensor(g, gen) for g in SCHEMA.tensors}
+    pls = [P.Placement.build([P.split(W, 0, r, 2), P.fused("qk", [(Q, 0, r, 2), (K, 0, r, 2)])], SCHEMA)
+           for r in range(2)]
+    pls += [P.Placement.build([P.split(W, 1, r, 4)], SCHEMA) for r in range(4)]
+    pls.append(P.Placement.build([P.stacked("experts", [(Q, Box((4, 2), (8, 4))), (K, Box((0, 2), (4, 4)))])],
+                                 SCHEMA))
+    return globals_, pls, G.grid_of(pls)
+
+
+def test_the_copy_per_cell_path_for_device_memory_gives_the_in_place_checksums():
+    """The branch for tensors not in host memory (each cell copied over), driven on CPU with a
+    flat uint8 tensor in place of the host memoryview: the same checksums as in place."""
+    from tensorhub import gridsums
+    from tensorhub.core.grid import cells_of
+
+    globals_, pls, grid = _device_case()
+    for pl in pls:
+        for local in pl.tensors:
+            t = materialize(local, globals_)
+            flat = t.reshape(-1).view(torch.uint8)
+            for piece in local.pieces:
+                cells = cells_of(piece.box, grid[piece.tensor])
+                assert gridsums._piece_sums(flat, local, piece, cells) == \
+                    gridsums._piece_sums(memoryview(flat.numpy()), local, piece, cells), (local.name, piece.tensor)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_give_the_same_checksums_as_host_ones():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    globals_, pls, grid = _device_case()
+    for pl in pls:
+        host = held(pl, globals_)
+        device = {n: t.cuda() for n, t in host.items()}
+        assert cell_checksums(device, pl, grid) == cell_checksums(host, pl, grid)
+        assert verify_cells(device, pl, grid, cell_checksums(host, pl, grid)) == []
