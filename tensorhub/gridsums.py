@@ -148,8 +148,8 @@ def _piece_sums(mv, local: LocalPlacement, piece: Piece, cells: Sequence[tuple[i
         c -= 1
     strides = _strides(shape, e)
     if c <= 0:  # cut along dim 0 at most: each cell is contiguous
-        run = strides[0] if shape else e
-        return [xxhash.xxh3_64_intdigest(mv[base + a * run:base + b * run]) for a, b in (segs[0] if shape else [(0, 1)])]
+        run, spans = (strides[0], segs[0]) if shape else (e, [(0, 1)])
+        return [xxhash.xxh3_64_intdigest(mv[base + a * run:base + b * run]) for a, b in spans]
     hashers = [xxhash.xxh3_64() for _ in cells]
     trail = strides[c]
     row_segs = [slice(a * trail, b * trail) for a, b in segs[c]]
