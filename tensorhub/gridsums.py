@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from tensorhub.core.grid import Grid, GridTensor, cells_of
+from tensorhub.core.reshard import c_strides
 from tensorhub.errors import LayoutMismatch
 from tensorhub.layout import dtype_name
 from tensorhub.placement import Box, LocalPlacement, Piece, Placement, itemsize
@@ -119,15 +120,6 @@ def _check_tensor(local: LocalPlacement, t: Optional[torch.Tensor]) -> None:
         raise LayoutMismatch(f"{where}: not contiguous")
 
 
-def _strides(shape: Sequence[int], e: int) -> list[int]:
-    """C-order byte strides of a block of ``shape``."""
-    out, acc = [], e
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
-
-
 def _piece_sums(mv, local: LocalPlacement, piece: Piece, cells: Sequence[tuple[int, Box]]) -> list[int]:
     """xxh3-64 of each of ``cells`` (those of ``piece``, row-major, :func:`cells_of`), each over
     its bytes in row-major order, read from the piece's block (rule 2). The cells of a piece
@@ -146,7 +138,7 @@ def _piece_sums(mv, local: LocalPlacement, piece: Piece, cells: Sequence[tuple[i
     c = box.ndim - 1
     while c > 0 and len(segs[c]) == 1:
         c -= 1
-    strides = _strides(shape, e)
+    strides = c_strides(shape, e)
     if c <= 0:  # cut along dim 0 at most: each cell is contiguous
         run, spans = (strides[0], segs[0]) if shape else (e, [(0, 1)])
         return [xxhash.xxh3_64_intdigest(mv[base + a * run:base + b * run]) for a, b in spans]

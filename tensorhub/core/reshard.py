@@ -216,7 +216,7 @@ def _fill(local: LocalPlacement, piece: Piece, slots: Sequence[_Slot], spread: i
     return left
 
 
-def _strides(shape: Sequence[int], e: int) -> list[int]:
+def c_strides(shape: Sequence[int], e: int) -> list[int]:
     """C-order byte strides of a block of ``shape``."""
     out, acc = [], e
     for s in reversed(shape):
@@ -242,7 +242,7 @@ def _runs(cut: Box, rbox: Box, rbase: int, hbox: Box, hbase: int, e: int):
     while c > 0 and whole(c):
         c -= 1
     run_bytes = math.prod(cs[c:]) * e
-    rst, hst = _strides(rs, e), _strides(hs, e)
+    rst, hst = c_strides(rs, e), c_strides(hs, e)
     k, count = c, 1
     if c > 0:
         k = c - 1
