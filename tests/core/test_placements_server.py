@@ -20,9 +20,9 @@ from tensorhub import placement as P
 from tensorhub.config import Config
 from tensorhub.core import bounds
 from tensorhub.core import messages as m
-from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.state import NodeState
 from tensorhub.ports import LocalPort
+from tests.core.test_core import World as CoreWorld
 
 Q = P.GlobalTensor("q", "float32", (8, 4))
 K = P.GlobalTensor("k", "float32", (4, 4))
@@ -55,19 +55,8 @@ def box(*dims) -> P.Box:
     return P.Box(tuple(a for a, _ in dims), tuple(b for _, b in dims))
 
 
-class World:
-    """A core, its clock and the events it delivered."""
-
-    def __init__(self) -> None:
-        self.core = ReferenceCore(Config())
-        self.now = 0.0
-        self.events: dict[str, list] = {}
-
-    def send(self, req):
-        reply, effects = self.core.handle(req, self.now)
-        for eff in effects:
-            self.events.setdefault(eff.client_id, []).append(eff.event)
-        return reply
+class World(CoreWorld):
+    """test_core's world (a core, its clock, the events it delivered) with a placed Register."""
 
     def register(self, cid, replica, shard, placement, num_shards=2, layout=None, model="pol"):
         lay = layout if layout is not None else layout_of(placement) if placement is not None else None

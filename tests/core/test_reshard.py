@@ -278,13 +278,20 @@ def random_replica(rng: random.Random, fam: dict, n: int) -> list[P.Placement]:
     return out
 
 
-def _run_seed(seed: int) -> int:
+def seeded_pair(seed: int):
+    """Seed ``seed``'s random global tensors and a holder and a reader replica (1-4 shards each)
+    over them: ``(globals_, holders, readers)``. test_gridsums.py draws the same pairs."""
     rng = random.Random(seed)
     fam = random_schema(rng)
     gen = torch.Generator().manual_seed(seed)
     globals_ = {g.name: _random_tensor(g, gen) for gs in fam.values() for g in gs}
     holders = random_replica(rng, fam, rng.randint(1, 4))
     readers = random_replica(rng, fam, rng.randint(1, 4))
+    return globals_, holders, readers
+
+
+def _run_seed(seed: int) -> int:
+    globals_, holders, readers = seeded_pair(seed)
     for r, reader in enumerate(readers):
         plan = R.plan_reshard(reader, holders, spread=r)
         assert plan.complete and R.plan_bytes(plan) == reader.nbytes
