@@ -1,0 +1,201 @@
+"""A resharded read: one reader shard's own tensors filled from a holder replica of another
+placement, shard by shard, checked cell by cell, then served as a holder of its own placement.
+
+Stage 3a of issue 24 (docs/placements.md): the reader's side of a resharded read, with the
+transports that ship (:mod:`tensorhub.transport.ranges`) and the checksums that survive
+resharding (:mod:`tensorhub.gridsums`). The reference server does not hand out reshard
+assignments yet; the caller names the holder shards (tests and ``benchmarks/reshard.py`` do).
+
+    holder replica (placement H[0..n))          reader shard (placement R, its own tensors)
+      shard 0 ---- runs of shard 0 ----\\
+      shard 1 ---- runs of shard 1 -----+---->  read straight into place, no staging copy
+      ...                               /       cells checked against the holders' checksums
+      shard n-1 -- runs of shard n-1 --/        unit checksums published: R readers pipeline
+
+:class:`ReshardRead` owns one read's state. Rules:
+
+1. The plan is made once (:func:`~tensorhub.core.reshard.plan_reshard`, ``spread`` = the
+   reader's shard so readers of replicated tensors spread out) and must be complete: a holder
+   replica that lacks some of the reader's boxes, a schema that disagrees (a dtype conversion is
+   not a reshard) or a reader placement that is not the region's layout is ``LayoutMismatch``
+   before anything moves.
+2. :meth:`ReshardRead.read` carries out one holder shard's runs from a source: a NIXL
+   :class:`~tensorhub.transport.nixl.Source` (:func:`~tensorhub.transport.ranges.read_runs`, one-
+   sided reads into the region's registered tensors) or a same-host source
+   (:func:`~tensorhub.transport.ranges.copy_runs`). Its errors are the transport's, raised as
+   they are; the shard stays not done and may be read again from another source of the same
+   placement (a failover of that shard alone). Reading a shard twice rewrites the same bytes.
+3. A unit of the reader's own layout is done once every holder shard writing into it is done
+   (:meth:`units_done`: the prefix a same-placement reader could pipeline from).
+4. :meth:`verify` hashes every cell the reader holds (in place, no copy) against the holders'
+   cell checksums (computed by each holder at publish: :func:`~tensorhub.gridsums.cell_checksums`
+   over a grid refined with the reader's and the holders' placements) and names, per holder
+   shard, the cells that differ: :meth:`check` raises ``ChecksumMismatch`` naming the first
+   shard's, and that shard is not done any more (read it again, from elsewhere).
+5. :meth:`publish` makes the reader a holder of its own placement: its unit checksums (today's
+   whole-unit scheme, so same-placement readers verify as before) and the version, complete.
+   Only after every shard is done and verified.
+
+Memory: nothing beyond the plan (a few runs per local tensor) and the cell map; the bytes move
+straight into the reader's registered tensors and are hashed where they land.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Optional
+
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core.grid import Grid
+from tensorhub.core.placements import check_locals
+from tensorhub.core.reshard import ReshardPlan, Run, c_strides, plan_reshard
+from tensorhub.errors import ChecksumMismatch, InvalidState
+from tensorhub.gridsums import CellKey, CellMismatch, verify_cells
+from tensorhub.layout import checksum_all
+from tensorhub.placement import Placement, itemsize
+from tensorhub.transport.nixl import Region, Source
+from tensorhub.transport.ranges import HolderTensors, copy_runs, read_runs, runs_of
+
+__all__ = ["ReshardRead", "ShardMismatch"]
+
+
+class ShardMismatch(NamedTuple):
+    """Cells written from holder shard ``shard`` whose bytes differ from its checksums."""
+
+    shard: int
+    cells: tuple[CellMismatch, ...]
+
+
+class ReshardRead:
+    """One reader shard's resharded read of ``version`` from one holder replica (the module
+    docstring's rules). ``region``: the reader's registered tensors (layout order = the reader
+    placement's local tensors); ``holders[i]``: holder shard ``i``'s placement. Not
+    thread-safe: one caller drives it."""
+
+    def __init__(self, region: Region, reader: Placement, holders: Sequence[Placement], *, version: int,
+                 config: Config, spread: int = 0) -> None:
+        check_locals(_layout_info(region), reader)
+        self.region = region
+        self.reader = reader
+        self.holders = tuple(holders)
+        self.version = int(version)
+        self.config = config
+        self.plan: ReshardPlan = plan_reshard(reader, self.holders, spread=spread).require_complete()
+        self.done: set[int] = set()
+        self.bytes_read = 0
+        self._unit_shards = _unit_writers(region, self.plan)
+
+    @property
+    def shards(self) -> tuple[int, ...]:
+        """The holder shards this read needs (ascending)."""
+        return self.plan.shards
+
+    def holder_tensors(self, shard: int) -> HolderTensors:
+        """Holder shard ``shard``'s local tensors as its endpoint lists them (its placement's order)."""
+        p = self.holders[shard]
+        return HolderTensors(p.names, tuple(t.nbytes for t in p.tensors))
+
+    def read(self, shard: int, source: Any, *, strided: Optional[str] = None) -> int:
+        """Carry out holder shard ``shard``'s runs from ``source`` (rule 2); returns the bytes
+        moved. The shard is done when this returns."""
+        if shard not in self.shards:
+            raise InvalidState(f"holder shard {shard} has nothing this reader needs (it reads {list(self.shards)})")
+        runs = runs_of(self.plan, shard)
+        holder = self.holder_tensors(shard)
+        if isinstance(source, Source):
+            n = read_runs(self.region, source, runs, holder, expect_version=self.version, config=self.config,
+                          strided=strided)
+        else:
+            n = copy_runs(self.region, source, runs, holder, expect_version=self.version)
+        self.done.add(shard)
+        self.bytes_read += n
+        return n
+
+    def units_done(self) -> int:
+        """The reader's leading units every writer of which is done (rule 3)."""
+        k = 0
+        for writers in self._unit_shards:
+            if not writers <= self.done:
+                break
+            k += 1
+        return k
+
+    def verify(self, grid: Grid, expected: Mapping[CellKey, int]) -> list[ShardMismatch]:
+        """Every differing cell, grouped by the holder shard that wrote it (rule 4); empty when
+        all agree. ``expected``: the holder shards' cell checksums, merged."""
+        tensors = dict(zip(self.region.layout.names, self.region.tensors))
+        bad = verify_cells(tensors, self.reader, grid, expected)
+        by_shard: dict[int, list[CellMismatch]] = {}
+        for c in bad:
+            by_shard.setdefault(self._writer_of(c), []).append(c)
+        return [ShardMismatch(s, tuple(cs)) for s, cs in sorted(by_shard.items())]
+
+    def check(self, grid: Grid, expected: Mapping[CellKey, int]) -> None:
+        """:meth:`verify`, raising ``ChecksumMismatch`` naming the first bad shard and its first
+        cell; every bad shard is no longer done."""
+        bad = self.verify(grid, expected)
+        if not bad:
+            return
+        for b in bad:
+            self.done.discard(b.shard)
+        first = bad[0].cells[0]
+        raise ChecksumMismatch(
+            f"version {self.version}: {sum(len(b.cells) for b in bad)} cells differ from their holders' checksums, "
+            f"from holder shards {[b.shard for b in bad]}; first: {first.local} <- {first.tensor} {first.box}")
+
+    def publish(self) -> None:
+        """Rule 5: the reader holds ``version`` complete, with its own unit checksums."""
+        missing = [s for s in self.shards if s not in self.done]
+        if missing:
+            raise InvalidState(f"holder shards {missing} are not read (and verified) yet")
+        sums = checksum_all(self.region.tensors, self.region.layout) if self.config.checksums else None
+        self.region.publish_complete(self.version, sums)
+
+    def _writer_of(self, c: CellMismatch) -> int:
+        """The holder shard whose run wrote the first byte of cell ``c`` (a cell lies inside one
+        holder piece: the grid is refined with the holders' placements)."""
+        local = self.reader.local(c.local)
+        e = itemsize(local.dtype)
+        piece = next(p for p in local.pieces if p.tensor == c.tensor and p.box.contains(c.box))
+        strides = c_strides(piece.box.shape, e)
+        off = local.offset_of(piece) + sum((a - b) * s for a, b, s in zip(c.box.start, piece.box.start, strides))
+        return _run_at(self.plan.runs_for(c.local), off).holder_shard
+
+
+def _layout_info(region: Region) -> m.LayoutInfo:
+    """The region's layout as the core compares it with a placement (names, dtypes, shapes)."""
+    lay = region.layout
+    return m.LayoutInfo(lay.fingerprint, lay.unit_count, lay.total_bytes,
+                        tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in lay.metas))
+
+
+def _run_at(runs: Sequence[Run], off: int) -> Run:
+    """The run (sorted by reader offset) that writes reader byte ``off``."""
+    i = bisect.bisect_right([r.reader_offset for r in runs], off) - 1
+    while i >= 0:
+        r = runs[i]
+        d = off - r.reader_offset
+        if r.count == 1 and d < r.run_bytes or r.count > 1 and d // r.reader_stride < r.count and d % r.reader_stride < r.run_bytes:
+            return r
+        i -= 1
+    raise LookupError(f"no run writes reader byte {off}")  # a planner bug: every byte has one run
+
+
+def _unit_writers(region: Region, plan: ReshardPlan) -> list[frozenset[int]]:
+    """Per reader unit, the holder shards whose runs may write into it (a strided run counts
+    for every unit its span from first to last byte touches: at most a few too many)."""
+    lay = region.layout
+    spans: dict[int, list[tuple[int, int, int]]] = {}  # reader tensor index -> (start, end, shard)
+    for r in plan.runs:
+        end = r.reader_offset + (r.count - 1) * r.reader_stride + r.run_bytes
+        spans.setdefault(lay.index_of(r.reader_tensor), []).append((r.reader_offset, end, r.holder_shard))
+    out = []
+    for unit in lay.units:
+        writers = set()
+        for piece in unit:
+            lo, hi = piece.offset, piece.offset + piece.nbytes
+            writers.update(s for a, b, s in spans.get(piece.tensor_index, ()) if a < hi and lo < b)
+        out.append(frozenset(writers))
+    return out

@@ -1,0 +1,218 @@
+"""A resharded read (tensorhub.transport.reshard_read): a reader shard's own tensors filled from
+every holder shard of a replica of another placement, checked cell by cell against checksums the
+holders computed, then published as a holder of the reader's placement.
+
+The placements are test_ranges' (FSDP-like rows, column splits, uneven splits, vLLM-style fused
+qkv/gate_up with row- and column-parallel layers). Every test compares bytes with the truth cut
+out of the global tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorhub.core.grid import grid_of
+from tensorhub.errors import ChecksumMismatch, InvalidState, LayoutMismatch
+from tensorhub.gridsums import cell_checksums
+from tensorhub.layout import checksum_all
+from tensorhub.transport import Agent, Region, open_source, shm
+from tensorhub.transport.reshard_read import ReshardRead
+
+from tests.transport.test_ranges import CASES, CFG, SENTINEL, _bytes, _globals, _layout, _local, _schema
+
+VERSION = 3
+
+
+@pytest.fixture(scope="module")
+def agents():
+    """Holders on agent 0, readers on agent 1, and the holders made so far (registered once per
+    case and copy, closed here: see test_ranges' module doc on re-registering)."""
+    cache: dict[tuple, list] = {}
+    yield [Agent(CFG, name=f"test-reshard-read-{i}") for i in range(2)], cache
+    for hs in cache.values():
+        for h in hs:
+            h.region.close()
+
+
+class Holder:
+    """One holder shard: its placement, its tensors registered and published complete, and the
+    checksums of the grid cells it holds."""
+
+    def __init__(self, agent, pl, tensors):
+        self.placement, self.tensors = pl, tensors
+        self.layout = _layout(pl, tensors)
+        self.region = Region.register(tensors, self.layout, CFG, agent=agent)
+        self.region.publish_complete(VERSION, checksum_all(tensors, self.layout))
+
+
+def _world(agents, case, dtype="float32", copy=0):
+    """(holders, reader placement, reader region, truth, grid, holders' cell checksums)."""
+    (made, cache) = agents
+    schema = _schema(dtype)
+    holders_of, reader_of = CASES[case]
+    hp, rp = holders_of(schema), reader_of(schema)
+    gl = _globals(schema)
+    key = (case, dtype, copy)
+    if key not in cache:
+        cache[key] = [Holder(made[0], h, [_local(t, gl) for t in h.tensors]) for h in hp]
+    holders = cache[key]
+    for h in holders:
+        h.region.publish_complete(VERSION)
+    tensors = [torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in rp.tensors]
+    for t in tensors:
+        _bytes(t)[:] = SENTINEL
+    region = Region.register(tensors, _layout(rp, tensors), CFG.replace(same_host=False), agent=made[1])
+    grid = grid_of([rp, *hp])
+    sums = {}
+    for h in holders:
+        sums.update(cell_checksums(dict(zip(h.placement.names, h.tensors)), h.placement, grid))
+    truth = [_local(t, gl) for t in rp.tensors]
+    return holders, rp, region, truth, grid, sums
+
+
+def _unit_bytes_equal(region, truth, unit) -> bool:
+    for piece in unit:
+        got = _bytes(region.tensors[piece.tensor_index])[piece.offset:piece.offset + piece.nbytes]
+        want = _bytes(truth[piece.tensor_index])[piece.offset:piece.offset + piece.nbytes]
+        if not np.array_equal(got, want):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("tier", ["nixl", "same_host"])
+@pytest.mark.parametrize("case", ["rows -> fused qkv TP=2", "whole -> fused qkv TP=4", "columns -> quarters",
+                                  "uneven -> columns", "rows -> rows (2 -> 3)", "rows -> rows (same)"])
+def test_a_reader_reshards_from_every_holder_shard_checks_its_cells_and_holds_its_own_placement(agents, case, tier):
+    holders, rp, region, truth, grid, sums = _world(agents, case)
+    made = agents[0]
+    if tier == "nixl":
+        sources = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(holders)}
+    else:
+        sources = {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        assert rd.units_done() == 0
+        seen = 0
+        for shard in rd.shards:
+            rd.read(shard, sources[shard])
+            done = rd.units_done()
+            assert done >= seen, "units done only grow"
+            seen = done
+            for unit in region.layout.units[:done]:
+                assert _unit_bytes_equal(region, truth, unit), "a unit counted done holds its final bytes"
+        assert seen == region.layout.unit_count
+        assert rd.bytes_read == region.layout.total_bytes, "every byte of the reader's slice once, nothing more"
+        assert rd.verify(grid, sums) == []
+        rd.check(grid, sums)
+        assert region.version == -1, "published only by publish()"
+        rd.publish()
+        assert (region.version, region.progress) == (VERSION, region.layout.unit_count)
+        assert region.checksums() == checksum_all(truth, region.layout), "same-placement readers verify as today"
+        for t, want in zip(region.tensors, truth):
+            assert np.array_equal(_bytes(t), _bytes(want))
+    finally:
+        for s in sources.values():
+            s.close()
+        region.close()
+
+
+def test_a_corrupt_holder_shard_is_named_and_read_again_from_another_copy(agents):
+    """Holder shard 1's bytes change after it computed its cell checksums: the check names shard
+    1 (only), and reading shard 1 again from another replica's shard 1 repairs the read."""
+    case = "rows -> fused qkv TP=2"
+    holders, rp, region, truth, grid, sums = _world(agents, case)
+    good, _, region2, _, _, _ = _world(agents, case, copy=1)
+    region2.close()
+    made = agents[0]
+    flat = _bytes(holders[1].tensors[0])
+    old = flat[5].copy()
+    flat[5] ^= 0xFF
+    sources = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(holders)}
+    spare = open_source(good[1].region.endpoint(), agent=made[1])
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        for shard in rd.shards:
+            rd.read(shard, sources[shard])
+        bad = rd.verify(grid, sums)
+        assert [b.shard for b in bad] == [1] and len(bad[0].cells) == 1
+        with pytest.raises(ChecksumMismatch, match=r"holder shards \[1\]"):
+            rd.check(grid, sums)
+        assert 1 not in rd.done and rd.units_done() < region.layout.unit_count
+        with pytest.raises(InvalidState, match=r"\[1\] are not read"):
+            rd.publish()
+        rd.read(1, spare)  # the failover of that shard alone
+        rd.check(grid, sums)
+        rd.publish()
+        for t, want in zip(region.tensors, truth):
+            assert np.array_equal(_bytes(t), _bytes(want))
+    finally:
+        flat[5] = old
+        for s in [*sources.values(), spare]:
+            s.close()
+        region.close()
+
+
+def test_a_holder_replica_that_does_not_cover_the_reader_is_refused_before_anything_moves(agents):
+    holders, rp, region, _, _, _ = _world(agents, "rows -> columns")
+    try:
+        with pytest.raises(LayoutMismatch, match="does not hold what the reader needs"):
+            ReshardRead(region, rp, [holders[0].placement], version=VERSION, config=CFG)
+        assert all((_bytes(t) == SENTINEL).all() for t in region.tensors)
+    finally:
+        region.close()
+
+
+def test_a_dtype_conversion_is_not_a_reshard(agents):
+    holders, _, region, _, _, _ = _world(agents, "rows -> columns")
+    region.close()
+    rp16 = CASES["rows -> columns"][1](_schema("bfloat16"))
+    tensors = [torch.zeros(t.shape, dtype=torch.bfloat16) for t in rp16.tensors]
+    r16 = Region.register(tensors, _layout(rp16, tensors), CFG.replace(same_host=False), agent=agents[0][1])
+    try:
+        with pytest.raises(LayoutMismatch, match="bfloat16|float32"):
+            ReshardRead(r16, rp16, [h.placement for h in holders], version=VERSION, config=CFG)
+    finally:
+        r16.close()
+
+
+def test_the_reader_placement_must_be_its_regions_layout_and_a_shard_must_be_needed(agents):
+    holders, rp, region, _, _, _ = _world(agents, "whole -> fused qkv TP=4")
+    try:
+        other = CASES["rows -> columns"][1](_schema())
+        with pytest.raises(LayoutMismatch):
+            ReshardRead(region, other, [h.placement for h in holders], version=VERSION, config=CFG)
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG)
+        assert rd.shards == (0,)
+        with pytest.raises(InvalidState, match="nothing this reader needs"):
+            rd.read(1, None)
+    finally:
+        region.close()
+
+
+def test_a_holder_of_another_version_leaves_the_shard_not_done(agents):
+    from tensorhub.errors import TransferError
+    holders, rp, region, _, _, _ = _world(agents, "rows -> columns")
+    src = shm.ShmSource(holders[0].region.endpoint().shm)
+    try:
+        holders[0].region.publish_complete(VERSION + 1)
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG)
+        with pytest.raises(TransferError):
+            rd.read(0, src)
+        assert rd.done == set() and rd.units_done() == 0
+    finally:
+        holders[0].region.publish_complete(VERSION)
+        src.close()
+        region.close()
+
+
+def test_a_placement_whose_tensor_is_whole_reads_it_as_one_run(agents):
+    """The same-placement case is today's copy: one run per local tensor, no strided reads."""
+    holders, rp, region, _, _, _ = _world(agents, "rows -> rows (same)")
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        assert rd.shards == (1,) and all(r.count == 1 for r in rd.plan.runs)
+        assert len(rd.plan.runs) == len(rp.tensors)
+    finally:
+        region.close()
