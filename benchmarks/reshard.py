@@ -11,7 +11,9 @@ for each reader shard of each TP degree, with :class:`~tensorhub.transport.resha
 (plan, range reads from each trainer shard straight into the reader's tensors, cells verified,
 unit checksums published), over NIXL and over the same-host tier:
 
-  resharded      ReshardRead: reads, cell check, unit checksums, publish (all of a reader's work)
+  resharded      ReshardRead.run (reads by batches of reader tensors, each batch's cell check and
+                 unit checksums on a second thread while the next is read) and publish: all of a
+                 reader's work (``--serial``: read shard by shard, then check, then hash units)
   same_layout    what replicate() moves today between equal layouts: the unit reader's ``pull``
                  of trainer shard 0 into a region of the trainer's layout, checksums verified
                  (NIXL: transport.reader.pull; same host: shm.pull)
@@ -218,6 +220,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=9)
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--serial", action="store_true",
+                    help="read shard by shard, then check, then hash units (ReshardRead.read/check) instead of run()")
     ap.add_argument("--emulated", action="store_true", help="(not available yet: see the module doc)")
     ap.add_argument("--holder", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -281,10 +285,14 @@ def main() -> None:
                             rd = ReshardRead(readers[tp], vllm(s, rank, tp), hp, version=VERSION, config=CFG,
                                              spread=rank)
                             t1 = time.perf_counter()
-                            for shard in rd.shards:
-                                rd.read(shard, srcs[shard])
-                            t2 = time.perf_counter()
-                            rd.check(grid, holder.sums)
+                            if args.serial:
+                                for shard in rd.shards:
+                                    rd.read(shard, srcs[shard])
+                                t2 = time.perf_counter()
+                                rd.check(grid, holder.sums)
+                            else:
+                                rd.run(srcs, grid, holder.sums)
+                                t2 = time.perf_counter()
                             t3 = time.perf_counter()
                             rd.publish()
                             t4 = time.perf_counter()
@@ -321,7 +329,7 @@ def main() -> None:
             reg.close()
         holder.close()
 
-    out = {"bench": "reshard", "reps": args.reps, "model_bytes": model_bytes, "trainer_shards": TRAINER_SHARDS,
+    out = {"bench": "reshard", "reps": args.reps, "mode": "serial" if args.serial else "run", "model_bytes": model_bytes, "trainer_shards": TRAINER_SHARDS,
            "cells": holder.cells, "unit_bytes": CFG.unit_bytes, "checksums": CFG.checksums,
            "holder_publish_s": holder.publish_s, "load_avg": os.getloadavg()[0]}
     same_rate = {tier: best[f"same_layout/{tier}"] / same_bytes for tier in tiers}
@@ -337,7 +345,8 @@ def main() -> None:
             row[tier] = {"seconds_per_rank": [round(x, 4) for x in secs], "GBps": round(slice_bytes / max(secs) / 1e9, 3),
                          "time_ratio": round(ratio, 3),
                          "split_s": {k: round(max(p[i] for p in split), 4)
-                                     for i, k in enumerate(("plan", "reads", "cell_check", "unit_checksums"))}}
+                                     for i, k in enumerate(("plan", "reads" if args.serial else "run", "cell_check",
+                                                            "unit_checksums_and_publish"))}}
             if tier == "nixl":
                 worst_time = max(worst_time, ratio)
         received = [got[f"resharded/nixl/tp{tp}/r{r}"] for r in range(tp)]

@@ -31,7 +31,7 @@ to call from any thread while nothing writes the tensors.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import NamedTuple, Optional
 
 import torch
@@ -77,11 +77,12 @@ def cell_checksums(local_tensors: Mapping[str, torch.Tensor], placement: Placeme
 
 
 def verify_cells(local_tensors: Mapping[str, torch.Tensor], placement: Placement, grid: Grid,
-                 expected: Mapping[CellKey, int]) -> list[CellMismatch]:
+                 expected: Mapping[CellKey, int], names: Optional[Container[str]] = None) -> list[CellMismatch]:
     """Every held cell copy whose checksum differs from ``expected`` (or has none there), in
-    placement order; empty when all agree. Raises as :func:`cell_checksums`."""
+    placement order; empty when all agree. ``names``: only these local tensors (None: all).
+    Raises as :func:`cell_checksums`."""
     bad = []
-    for local, piece, gt, mv in _pieces(local_tensors, placement, grid):
+    for local, piece, gt, mv in _pieces(local_tensors, placement, grid, names):
         cells = cells_of(piece.box, gt)
         for (index, cell), got in zip(cells, _piece_sums(mv, local, piece, cells)):
             want = expected.get((gt.name, index))
@@ -90,12 +91,15 @@ def verify_cells(local_tensors: Mapping[str, torch.Tensor], placement: Placement
     return bad
 
 
-def _pieces(local_tensors: Mapping[str, torch.Tensor], placement: Placement,
-            grid: Grid) -> Iterator[tuple[LocalPlacement, Piece, GridTensor, object]]:
+def _pieces(local_tensors: Mapping[str, torch.Tensor], placement: Placement, grid: Grid,
+            names: Optional[Container[str]] = None) -> Iterator[tuple[LocalPlacement, Piece, GridTensor, object]]:
     """(local placement, piece, its grid tensor, the local tensor's bytes) for every non-empty
-    piece; the bytes are a flat memoryview (CPU) or a flat uint8 tensor (elsewhere)."""
+    piece (of the local tensors in ``names``, None: all); the bytes are a flat memoryview (CPU)
+    or a flat uint8 tensor (elsewhere)."""
     grids = grid.by_name()
     for local in placement.tensors:
+        if names is not None and local.name not in names:
+            continue
         t = local_tensors.get(local.name)
         _check_tensor(local, t)
         flat = t.reshape(-1).view(torch.uint8)

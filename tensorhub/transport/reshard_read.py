@@ -35,6 +35,11 @@ assignments yet; the caller names the holder shards (tests and ``benchmarks/resh
 5. :meth:`publish` makes the reader a holder of its own placement: its unit checksums (today's
    whole-unit scheme, so same-placement readers verify as before) and the version, complete.
    Only after every shard is done and verified.
+6. :meth:`run` does 2 to 4 in one call with the hashing off the read path: the reader's
+   tensors in layout order, in batches; a batch's runs from every holder shard writing it, then
+   its cells checked and its units' checksums computed on a second thread while the next batch
+   is read (the hashes let go of the GIL). :meth:`read` and :meth:`check` stay for a failover:
+   read one shard again, check everything again.
 
 Memory: nothing beyond the plan (a few runs per local tensor) and the cell map; the bytes move
 straight into the reader's registered tensors and are hashed where they land.
@@ -43,6 +48,7 @@ straight into the reader's registered tensors and are hashed where they land.
 from __future__ import annotations
 
 import bisect
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -53,7 +59,7 @@ from tensorhub.core.placements import check_locals
 from tensorhub.core.reshard import ReshardPlan, Run, c_strides, plan_reshard
 from tensorhub.errors import ChecksumMismatch, InvalidState
 from tensorhub.gridsums import CellKey, CellMismatch, verify_cells
-from tensorhub.layout import checksum_all
+from tensorhub.layout import checksum_all, checksum_unit
 from tensorhub.placement import Placement, itemsize
 from tensorhub.transport.nixl import Region, Source
 from tensorhub.transport.ranges import HolderTensors, copy_runs, read_runs, runs_of
@@ -86,6 +92,8 @@ class ReshardRead:
         self.done: set[int] = set()
         self.bytes_read = 0
         self._unit_shards = _unit_writers(region, self.plan)
+        self._unit_sums: Optional[list[int]] = None
+        """The unit checksums :meth:`run` computed (None: compute them at :meth:`publish`)."""
 
     @property
     def shards(self) -> tuple[int, ...]:
@@ -102,16 +110,58 @@ class ReshardRead:
         moved. The shard is done when this returns."""
         if shard not in self.shards:
             raise InvalidState(f"holder shard {shard} has nothing this reader needs (it reads {list(self.shards)})")
-        runs = runs_of(self.plan, shard)
-        holder = self.holder_tensors(shard)
-        if isinstance(source, Source):
-            n = read_runs(self.region, source, runs, holder, expect_version=self.version, config=self.config,
-                          strided=strided)
-        else:
-            n = copy_runs(self.region, source, runs, holder, expect_version=self.version)
+        self._unit_sums = None  # bytes changed since run() hashed them
+        n = self._move(shard, source, runs_of(self.plan, shard), strided)
         self.done.add(shard)
-        self.bytes_read += n
         return n
+
+    def run(self, sources: Mapping[int, Any], grid: Grid, expected: Mapping[CellKey, int], *,
+            batch_bytes: int = 64 << 20, strided: Optional[str] = None) -> int:
+        """Rules 2 to 4 in one call, the hashing overlapped with the reads (rule 6): the
+        reader's tensors in layout order, in batches of about ``batch_bytes``; each batch's runs
+        read from every holder shard writing into it (``sources[shard]``), then its cells
+        checked and the checksums of the units it completes computed on a second thread while
+        the next batch is read. Returns the bytes moved. Raises as :meth:`read` (the shards
+        whose runs all landed are done; read the others with :meth:`read`) or, once every read
+        ended, ``ChecksumMismatch`` as :meth:`check`. :meth:`publish` then uses the unit
+        checksums computed here."""
+        lacking = [s for s in self.shards if s not in sources]
+        if lacking:
+            raise InvalidState(f"no source for holder shards {lacking}")
+        lay = self.region.layout
+        batches = _batches(lay.metas, batch_bytes)
+        last_batch = {i: b for b, names in enumerate(batches) for i in (lay.index_of(n) for n in names)}
+        unit_batch = [last_batch[max(p.tensor_index for p in u)] for u in lay.units]
+        left = {s: len(runs_of(self.plan, s)) for s in self.shards}
+        tensors = dict(zip(lay.names, self.region.tensors))
+        sums = [0] * lay.unit_count
+        checksums = self.config.checksums
+
+        def hash_batch(b: int, names: frozenset[str]) -> list[CellMismatch]:
+            bad = verify_cells(tensors, self.reader, grid, expected, names)
+            if checksums:
+                for u, ub in enumerate(unit_batch):
+                    if ub == b:
+                        sums[u] = checksum_unit(self.region.tensors, lay.units[u])
+            return bad
+
+        self._unit_sums = None
+        moved = 0
+        futures = []
+        with ThreadPoolExecutor(1, thread_name_prefix="tensorhub-reshard-hash") as pool:
+            for b, names in enumerate(batches):
+                runs = [r for n in lay.names if n in names for r in self.plan.runs_for(n)]
+                for shard in sorted({r.holder_shard for r in runs}):
+                    mine = [r for r in runs if r.holder_shard == shard]
+                    moved += self._move(shard, sources[shard], mine, strided)
+                    left[shard] -= len(mine)
+                    if not left[shard]:
+                        self.done.add(shard)
+                futures.append(pool.submit(hash_batch, b, names))
+            bad = [c for f in futures for c in f.result()]
+        self._raise_bad(self._by_shard(bad))
+        self._unit_sums = sums if checksums else None
+        return moved
 
     def units_done(self) -> int:
         """The reader's leading units every writer of which is done (rule 3)."""
@@ -126,16 +176,20 @@ class ReshardRead:
         """Every differing cell, grouped by the holder shard that wrote it (rule 4); empty when
         all agree. ``expected``: the holder shards' cell checksums, merged."""
         tensors = dict(zip(self.region.layout.names, self.region.tensors))
-        bad = verify_cells(tensors, self.reader, grid, expected)
+        return self._by_shard(verify_cells(tensors, self.reader, grid, expected))
+
+    def check(self, grid: Grid, expected: Mapping[CellKey, int]) -> None:
+        """:meth:`verify`, raising ``ChecksumMismatch`` naming the first bad shard and its first
+        cell; every bad shard is no longer done."""
+        self._raise_bad(self.verify(grid, expected))
+
+    def _by_shard(self, bad: Sequence[CellMismatch]) -> list[ShardMismatch]:
         by_shard: dict[int, list[CellMismatch]] = {}
         for c in bad:
             by_shard.setdefault(self._writer_of(c), []).append(c)
         return [ShardMismatch(s, tuple(cs)) for s, cs in sorted(by_shard.items())]
 
-    def check(self, grid: Grid, expected: Mapping[CellKey, int]) -> None:
-        """:meth:`verify`, raising ``ChecksumMismatch`` naming the first bad shard and its first
-        cell; every bad shard is no longer done."""
-        bad = self.verify(grid, expected)
+    def _raise_bad(self, bad: Sequence[ShardMismatch]) -> None:
         if not bad:
             return
         for b in bad:
@@ -150,8 +204,21 @@ class ReshardRead:
         missing = [s for s in self.shards if s not in self.done]
         if missing:
             raise InvalidState(f"holder shards {missing} are not read (and verified) yet")
-        sums = checksum_all(self.region.tensors, self.region.layout) if self.config.checksums else None
+        sums = self._unit_sums
+        if sums is None and self.config.checksums:
+            sums = checksum_all(self.region.tensors, self.region.layout)
         self.region.publish_complete(self.version, sums)
+
+    def _move(self, shard: int, source: Any, runs: Sequence[Run], strided: Optional[str]) -> int:
+        """``runs`` (all of holder shard ``shard``) from ``source``: NIXL or same-host."""
+        holder = self.holder_tensors(shard)
+        if isinstance(source, Source):
+            n = read_runs(self.region, source, runs, holder, expect_version=self.version, config=self.config,
+                          strided=strided)
+        else:
+            n = copy_runs(self.region, source, runs, holder, expect_version=self.version)
+        self.bytes_read += n
+        return n
 
     def _writer_of(self, c: CellMismatch) -> int:
         """The holder shard whose run wrote the first byte of cell ``c`` (a cell lies inside one
@@ -169,6 +236,20 @@ def _layout_info(region: Region) -> m.LayoutInfo:
     lay = region.layout
     return m.LayoutInfo(lay.fingerprint, lay.unit_count, lay.total_bytes,
                         tuple(m.TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in lay.metas))
+
+
+def _batches(metas, batch_bytes: int) -> list[frozenset[str]]:
+    """Consecutive tensors (layout order) in groups of at least ``batch_bytes`` (the last less)."""
+    out, cur, size = [], [], 0
+    for t in metas:
+        cur.append(t.name)
+        size += t.nbytes
+        if size >= batch_bytes:
+            out.append(frozenset(cur))
+            cur, size = [], 0
+    if cur:
+        out.append(frozenset(cur))
+    return out
 
 
 def _run_at(runs: Sequence[Run], off: int) -> Run:

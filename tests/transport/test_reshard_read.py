@@ -216,3 +216,73 @@ def test_a_placement_whose_tensor_is_whole_reads_it_as_one_run(agents):
         assert len(rd.plan.runs) == len(rp.tensors)
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("tier", ["nixl", "same_host"])
+@pytest.mark.parametrize("case", ["rows -> fused qkv TP=2", "columns -> quarters", "uneven -> columns"])
+def test_run_overlaps_the_hashing_with_the_reads_and_publishes_the_same_checksums(agents, case, tier):
+    holders, rp, region, truth, grid, sums = _world(agents, case)
+    made = agents[0]
+    if tier == "nixl":
+        sources = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(holders)}
+    else:
+        sources = {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        # batches smaller than most tensors: one per tensor or so, hashed while the next is read
+        assert rd.run(sources, grid, sums, batch_bytes=16 << 10) == region.layout.total_bytes
+        assert rd.done == set(rd.shards) and rd.units_done() == region.layout.unit_count
+        rd.publish()
+        assert region.checksums() == checksum_all(truth, region.layout)
+        for t, want in zip(region.tensors, truth):
+            assert np.array_equal(_bytes(t), _bytes(want))
+    finally:
+        for s in sources.values():
+            s.close()
+        region.close()
+
+
+def test_run_names_a_corrupt_shard_after_every_read_ended_and_a_failover_recomputes_the_sums(agents):
+    case = "rows -> fused qkv TP=2"
+    holders, rp, region, truth, grid, sums = _world(agents, case)
+    good, _, region2, _, _, _ = _world(agents, case, copy=1)
+    region2.close()
+    made = agents[0]
+    flat = _bytes(holders[1].tensors[-1])
+    old = flat[-1].copy()
+    flat[-1] ^= 0x01
+    sources = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(holders)}
+    spare = open_source(good[1].region.endpoint(), agent=made[1])
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        with pytest.raises(ChecksumMismatch, match=r"holder shards \[1\]"):
+            rd.run(sources, grid, sums, batch_bytes=16 << 10)
+        assert rd.done == {0} and region.settle(0.0)
+        rd.read(1, spare)
+        rd.check(grid, sums)
+        rd.publish()
+        assert region.checksums() == checksum_all(truth, region.layout), "not the sums of the corrupt bytes"
+    finally:
+        flat[-1] = old
+        for s in [*sources.values(), spare]:
+            s.close()
+        region.close()
+
+
+def test_run_with_a_source_missing_or_moved_on_leaves_that_shard_not_done(agents):
+    from tensorhub.errors import TransferError
+    holders, rp, region, _, grid, sums = _world(agents, "rows -> columns")
+    sources = {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG)
+        with pytest.raises(InvalidState, match=r"no source for holder shards \[1\]"):
+            rd.run({0: sources[0]}, grid, sums)
+        holders[1].region.publish_complete(VERSION + 1)
+        with pytest.raises(TransferError):
+            rd.run(sources, grid, sums)
+        assert 1 not in rd.done
+    finally:
+        holders[1].region.publish_complete(VERSION)
+        for s in sources.values():
+            s.close()
+        region.close()
