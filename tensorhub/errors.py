@@ -118,6 +118,18 @@ class SourceUnreachable(TransferError):
     refused, the first control read fails): most likely its process is gone."""
 
 
+class DeltaRejected(TransferError):
+    """A version's delta (:mod:`tensorhub.transport.delta`) was not applied: its bytes are
+    malformed or damaged in transit (lengths, indices or its payload checksum do not hold), or
+    the result does not match the new version's digest. The target was left untouched or must be
+    treated as garbage (the message says which); the seeder takes the full seed instead."""
+
+
+class DeltaWrongBase(DeltaRejected):
+    """The delta was computed against another base than the bytes it was to be applied to (the
+    base's digest differs): nothing was written; take the full version instead."""
+
+
 class ReadsNotTerminal(TensorHubError):
     """A pull failed or was stopped while reads it had posted were still in flight, and NIXL did
     not report them done or failed within ``source_stall_timeout_s``: a late READ may still write
