@@ -73,13 +73,22 @@ class DcReplica(Replica):
                        | {"t": time.time()})
         return out
 
-    def publish_loop(self, first: int, count: int, step_s: float) -> list[tuple[int, float]]:
-        """The trainer: publish ``count`` versions from ``first``, one per ``step_s``."""
+    def publish_loop(self, first: int, count: int, step_s: float,
+                     density: Optional[float] = None) -> list[tuple[int, float, int]]:
+        """The trainer: publish ``count`` versions from ``first``, one per ``step_s``; each a
+        fresh fill, or with ``density`` the previous one changed as an RL step does. Per version:
+        (version, when published, bytes of its delta against the previous version as
+        :mod:`tensorhub.transport.delta` encodes it; 0 without ``density``)."""
+        from tensorhub.transport import delta
+
         out = []
         for v in range(first, first + count):
             t0 = time.time()
-            self.publish(v)
-            out.append((v, time.time()))
+            prev = [t.clone() for t in self.tensors] if density is not None else None
+            self.publish(v, density=density)
+            published = time.time()
+            nbytes = 0 if prev is None else len(delta.encode(delta.segments(prev), delta.segments(self.tensors)))
+            out.append((v, published, nbytes))
             time.sleep(max(0.0, step_s - (time.time() - t0)))
         return out
 
@@ -116,7 +125,7 @@ class Setup:
         from tensorhub.emucluster import EmulatedCluster
 
         self.cluster = EmulatedCluster.attach(args.cluster)
-        self.spec = workload.small_spec(args.mib << 20, big=4, tiny=8)
+        self.spec = workload.small_spec(args.mib << 20, big=4, tiny=8, dtype=getattr(args, "dtype", "float32"))
         self.nbytes = workload.spec_bytes(self.spec)
         dcs = self.cluster.spec.dc_sizes
         self.config = dict(CONFIG, namespace=f"th-crossdc-{args.scenario}-{int(time.time() * 1000) % 10**8}",

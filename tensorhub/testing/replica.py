@@ -44,11 +44,15 @@ class Replica(GraphMember):
     def ping(self) -> str:
         return self.hub.client_id
 
-    def publish(self, version: int, fill: bool = True) -> str:
+    def publish(self, version: int, fill: bool = True, density: Optional[float] = None) -> str:
         """Trainer step: unpublish (drain), write version ``version``'s bytes, publish.
+        ``density``: change the previous version as an RL step does
+        (:func:`~tensorhub.testing.workload.evolve_version`) instead of a fresh fill.
         Returns the digest of what is now published."""
         self.hub.unpublish()
-        if fill:
+        if fill and density is not None:
+            workload.evolve_version(self.tensors, version, density)
+        elif fill:
             workload.fill_version(self.tensors, version)
         self.hub.publish(version)
         return workload.digest(self.tensors)

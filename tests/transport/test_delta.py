@@ -145,3 +145,24 @@ def test_versions_of_another_layout_get_no_delta():
     with pytest.raises(errors.DeltaRejected):
         delta.peek(b"THD1")
     assert struct.calcsize("<4sBBHQQQQQ16s16sQ") == delta.HEADER.size
+
+
+@pytest.mark.parametrize("density", [0.017, 0.043, 0.11])
+def test_benchmark_versions_evolve_at_the_measured_density_and_their_deltas_are_small(density):
+    """``workload.evolve_version`` (what benchmarks/crossdc.py publishes): about ``density`` of
+    the words change, the same in every process, and the delta stays far under 0.15 of a shard."""
+    from tensorhub.testing import workload
+
+    spec = workload.small_spec(2 << 20, big=4, tiny=8, dtype="bfloat16")
+    a = [t for _, t in workload.allocate(spec)]
+    workload.fill_version(a, 0)
+    b = [t.clone() for t in a]
+    changed = workload.evolve_version(b, 1, density)
+    again = [t.clone() for t in a]
+    workload.evolve_version(again, 1, density)
+    assert workload.digest(again) == workload.digest(b)
+    words = sum(t.numel() for t in a)
+    assert abs(changed / words - density) < 0.15 * density
+    buf, target, _ = _roundtrip(a, b)
+    assert workload.digest(target) == workload.digest(b)
+    assert len(buf) / (2 * words) < min(0.15, 1.5 * density)
