@@ -44,13 +44,14 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
 from tensorhub import errors
+from tensorhub.layout import Layout, checksum_all
 
 try:
     import zstandard
@@ -198,6 +199,33 @@ def apply(buf, target: Sequence[np.ndarray], *, base_digest: bytes = b"") -> Inf
     if digest(target) != info.new_digest:
         raise errors.DeltaRejected("the delta's result does not match the new version's digest; the target holds garbage")
     return info
+
+
+def rebuild(buf, base: Sequence[torch.Tensor], layout: Layout, expected_sums: Sequence[int],
+            scratch: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+    """The new version rebuilt from a published ``base`` (host tensors in ``layout`` order,
+    read only: a base may be serving readers) and the delta ``buf``, checked unit by unit
+    against the new version's checksums as its holder published them (``expected_sums``, e.g.
+    one control read of that holder across the link): what a seeder's staging copy takes in
+    place of the full seed. ``scratch``: tensors of the same shapes to write into (default: new
+    ones); they hold garbage after a failure. Raises ``DeltaWrongBase`` (``base`` is not the
+    delta's base) or ``DeltaRejected`` (damaged, malformed, or the result is not that version):
+    the caller takes the full version."""
+    if len(expected_sums) != layout.unit_count:
+        raise errors.DeltaRejected(f"{len(expected_sums)} checksums for a layout of {layout.unit_count} units")
+    base_segs = segments(base)
+    info = peek(buf)
+    if digest(base_segs) != info.base_digest:  # before the copy: a wrong base costs one read of it
+        raise errors.DeltaWrongBase("the delta was made against another base version; nothing was written")
+    out = [torch.empty_like(t) for t in base] if scratch is None else list(scratch)
+    for o, b in zip(out, base):
+        o.copy_(b)
+    apply(buf, segments(out), base_digest=info.base_digest)
+    bad = [u for u, (got, want) in enumerate(zip(checksum_all(out, layout), expected_sums)) if got != want]
+    if bad:
+        raise errors.DeltaRejected(f"{len(bad)} units of the rebuilt version (first {bad[0]}) do not match the "
+                                   "checksums its holder published")
+    return out
 
 
 def _write(target: Sequence[np.ndarray], idx: np.ndarray, diffs: np.ndarray, tails: bytes) -> None:

@@ -166,3 +166,22 @@ def test_benchmark_versions_evolve_at_the_measured_density_and_their_deltas_are_
     buf, target, _ = _roundtrip(a, b)
     assert workload.digest(target) == workload.digest(b)
     assert len(buf) / (2 * words) < min(0.15, 1.5 * density)
+
+
+def test_a_seeder_rebuilds_the_new_version_from_its_published_base_checked_against_its_checksums():
+    """trainer (v-1, v) -> delta -> seeder's staging copy (v-1, published, not written) -> v
+    in a scratch copy, every unit checked against v's checksums as the trainer published them."""
+    from tensorhub.layout import Layout, checksum_all
+
+    base, new = _pair(torch.bfloat16, shapes=((257, 64), (3,), (1000,)))
+    layout = Layout.build([(f"t{i}", t) for i, t in enumerate(new)], unit_bytes=4096, pack_below_bytes=1024)
+    sums = checksum_all(new, layout)
+    buf = delta.encode(delta.segments(base), delta.segments(new))
+    kept = [t.clone() for t in base]
+    out = delta.rebuild(buf, base, layout, sums)
+    assert all(torch.equal(a, b) for a, b in zip(out, new))
+    assert all(torch.equal(a, b) for a, b in zip(base, kept))  # the published base is untouched
+    with pytest.raises(errors.DeltaWrongBase):
+        delta.rebuild(buf, new, layout, sums)  # the seeder holds another version than the base
+    with pytest.raises(errors.DeltaRejected):
+        delta.rebuild(buf, base, layout, [s ^ 1 for s in sums])  # checksums of another version
