@@ -99,6 +99,16 @@ class Config:
     seed_wait_s: float = 5.0
     """How long a datacenter's readers wait for the asked seeder to start its copy (they then
     read it there) before the first of them crosses itself."""
+    seed_deltas: bool = False
+    """Seeds cross as deltas (:mod:`tensorhub.transport.delta`): a handle that publishes keeps
+    a host copy of its previous version and, after each ``publish``, encodes the new one against
+    it into a registered buffer it offers to the server; a seeder whose staging copy holds that
+    base reads the delta instead of the version, rebuilds the version and checks it (any failure:
+    the full seed). Off by default: it costs the publisher two host copies of its shard and an
+    encode per step (about 1 GB/s on one core), worth it where a slow link carries the seeds."""
+    seed_delta_ratio_max: float = 0.25
+    """A delta larger than this fraction of its shard is not offered (the full seed crosses);
+    also the size of the registered buffer that holds it, on the publisher and the seeder."""
 
     # --- data path ----------------------------------------------------------------------
     reads_in_flight: int = 8
@@ -202,6 +212,7 @@ class Config:
         need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
         need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
         need(self.register_shed_s >= 0, "register_shed_s must be >= 0")
+        need(0 < self.seed_delta_ratio_max <= 1, "seed_delta_ratio_max must be within (0, 1]")
         need(isinstance(self.model_secret, str) and len(self.model_secret) <= 4096,
              "model_secret must be a str of at most 4096 characters")
 

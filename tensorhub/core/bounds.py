@@ -277,3 +277,12 @@ def _fields(req: m.Request) -> None:
         case m.OffloadDone() | m.HostCopy():
             check_version("version", req.version)
             check_endpoint("endpoint", req.endpoint)
+        case m.OfferDelta():
+            check_version("version", req.version)
+            check_version("base", req.base)
+            check_endpoint("endpoint", req.endpoint)
+            check_int("capacity", req.capacity, 1, 1 << 62)
+            check_int("nbytes", req.nbytes, 1, req.capacity)
+        case m.FindDelta():
+            check_version("version", req.version)
+            check_version("base", req.base)

@@ -232,6 +232,30 @@ class HostCopy(_Msg, frozen=True):
     endpoint: bytes
 
 
+class OfferDelta(_Msg, frozen=True):
+    """A publisher of ``version`` holds its delta against ``base`` (:mod:`tensorhub.transport.
+    delta`) in a registered buffer at ``endpoint`` (``capacity`` bytes, the delta the first
+    ``nbytes``; its control block says ``version`` while it is valid), for a seeder whose staging
+    copy holds ``base`` (``Config.seed_deltas``). Answered ``Ok``; the server keeps the newest
+    offer per (model, shard), forgets it when the offering client leaves."""
+
+    client_id: str
+    version: int
+    base: int
+    endpoint: bytes
+    nbytes: int
+    capacity: int
+
+
+class FindDelta(_Msg, frozen=True):
+    """Where a delta of ``version`` against ``base`` is offered for this client's shard
+    (:class:`DeltaAt`); ``VersionNotFound`` if none is."""
+
+    client_id: str
+    version: int
+    base: int
+
+
 class Leave(_Msg, frozen=True):
     """Leave the server. Refused with ``LastCopyHeld`` when this client serves the last live
     non-spot copy of a retained version and other clients of the model remain, unless
@@ -254,7 +278,7 @@ class Query(_Msg, frozen=True):
 
 Request = Union[
     Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
-    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap, Pulse,
+    ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap, Pulse, OfferDelta, FindDelta,
 ]
 
 
@@ -282,6 +306,15 @@ class Signed(_Msg, frozen=True):
 
 class Ok(_Msg, frozen=True):
     pass
+
+
+class DeltaAt(_Msg, frozen=True):
+    """The answer to :class:`FindDelta`: the offer (:class:`OfferDelta`) of ``source_id``."""
+
+    source_id: str
+    endpoint: bytes
+    nbytes: int
+    capacity: int
 
 
 class Registered(_Msg, frozen=True):
@@ -471,7 +504,7 @@ class PulseReply(_Msg, frozen=True):
     """Per handle in ``notes``: the number of its newest event there (the next beat's ``acked``)."""
 
 
-Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply]
+Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply, DeltaAt]
 
 
 class Deliver(msgspec.Struct, frozen=True):
@@ -484,7 +517,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Union[Request, Signed])
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, PulseReply,
+    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, PulseReply, DeltaAt,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

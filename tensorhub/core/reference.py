@@ -65,6 +65,7 @@ from typing import Mapping, Optional
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
+from tensorhub.core.deltas import Deltas
 from tensorhub.core.holders import Holders
 from tensorhub.core.members import Members
 from tensorhub.core.placements import Placements
@@ -109,6 +110,8 @@ class ReferenceCore:
         self.index = self.table.index
         self.crossdc = CrossDatacenter(self.table)
         """Offload seeding and smart skipping (:mod:`tensorhub.core.crossdc`)."""
+        self.deltas = Deltas(self.table)
+        """Offers of seeds as deltas (:mod:`tensorhub.core.deltas`)."""
         # members, holders and recovery are built below: what the parts above act through of them
         # is looked up when called (so a core given another class of part reaches every call).
         self.retention = Retention(
@@ -246,6 +249,10 @@ class ReferenceCore:
                 return self.retention.on_offload_done(req)
             case m.HostCopy():
                 return self.retention.on_host_copy(req)
+            case m.OfferDelta():
+                return self.deltas.on_offer(self.nodes[req.client_id], req)
+            case m.FindDelta():
+                return self.deltas.on_find(self.nodes[req.client_id], req)
         raise TypeError(f"the reference core has no handler for {type(req).__name__}")
 
     def tick(self, now: float, grace_s: float = 0.0) -> list[m.Deliver]:

@@ -55,6 +55,8 @@ LEGAL: dict[str, frozenset[NodeState]] = {
     "Heartbeat": frozenset(NodeState),
     "Leave": frozenset(NodeState),
     "Swap": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),  # published: only the same swap again (ReadRequests.on_Swap)
+    "OfferDelta": frozenset({NodeState.PUBLISHED}),  # of the version it publishes (Deltas.on_offer)
+    "FindDelta": frozenset(NodeState),
 }
 
 
