@@ -106,6 +106,9 @@ class Config:
     base reads the delta instead of the version, rebuilds the version and checks it (any failure:
     the full seed). Off by default: it costs the publisher two host copies of its shard and an
     encode per step (about 1 GB/s on one core), worth it where a slow link carries the seeds."""
+    seed_delta_wait_s: float = 2.0
+    """How long a seeder waits for a delta its publisher is still encoding (the server says one
+    is coming: ``DeltaPending``) before its seed crosses in full."""
     seed_delta_ratio_max: float = 0.25
     """A delta larger than this fraction of its shard is not offered (the full seed crosses);
     also the size of the registered buffer that holds it, on the publisher and the seeder."""
@@ -213,6 +216,7 @@ class Config:
         need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
         need(self.register_shed_s >= 0, "register_shed_s must be >= 0")
         need(0 < self.seed_delta_ratio_max <= 1, "seed_delta_ratio_max must be within (0, 1]")
+        need(self.seed_delta_wait_s >= 0, "seed_delta_wait_s must be >= 0")
         need(isinstance(self.model_secret, str) and len(self.model_secret) <= 4096,
              "model_secret must be a str of at most 4096 characters")
 

@@ -60,6 +60,12 @@ class VersionNotFound(TensorHubError, LookupError):
     """The version spec names no available version (never published, or not yet complete)."""
 
 
+class DeltaPending(VersionNotFound):
+    """No delta of that version is offered yet, but its publisher offered one of the version
+    before and publishes this one: it is being encoded. Ask again shortly
+    (``Config.seed_delta_wait_s``)."""
+
+
 class UnknownModel(VersionNotFound):
     """No replica of this model is registered with the server, so no version of it can be found
     (a :class:`VersionNotFound`: to a reader, an unknown model has no versions)."""

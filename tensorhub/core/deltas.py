@@ -16,6 +16,8 @@ Rules:
 - An offer is accepted only from a client that publishes ``version`` now (``LEGAL``: published;
   here: that version) and for a delta no larger than its shard.
 - An offer whose client is gone is not answered, and dropped when asked for.
+- Asked for a version its publisher publishes but has not offered yet (an offer of an older
+  version stands): ``DeltaPending`` -- it is being encoded, ask again -- not ``VersionNotFound``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import dataclasses
 from tensorhub.core import messages as m
 from tensorhub.core.state import Node
 from tensorhub.core.table import Table
-from tensorhub.errors import InvalidState, OutOfBounds, VersionNotFound
+from tensorhub.errors import DeltaPending, InvalidState, OutOfBounds, VersionNotFound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,9 @@ class Deltas:
         if offer is not None and offer.client_id not in self.table.nodes:
             del self.offers[key]  # its publisher left: its buffer went with it
             offer = None
+        if offer is not None and offer.version < req.version and self.table.nodes[offer.client_id].version == req.version:
+            raise DeltaPending(f"the delta of version {req.version} is not offered yet (its publisher offered "
+                               f"{offer.version}'s)")
         if offer is None or (offer.version, offer.base) != (req.version, req.base):
             raise VersionNotFound(f"no delta of version {req.version} against {req.base} offered for shard {node.shard}")
         return m.DeltaAt(source_id=offer.client_id, endpoint=offer.endpoint, nbytes=offer.nbytes,

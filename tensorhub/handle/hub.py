@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tensorhub import errors, metrics
-from tensorhub.handle import pulse
+from tensorhub.handle import deltas, pulse
 from tensorhub.handle.background import Background
 from tensorhub.handle.driver import Driver
 from tensorhub.config import Config
@@ -108,6 +108,14 @@ class Hub:
             host_copies=self.host_copies, seed_asked=self._staging.seed_asked)
         """The server's notes, the beat and re-announcing (a part with its own lock,
         :mod:`tensorhub.handle.background`)."""
+        self._offers = (deltas.Offers(client_id=self.client_id, model=model, shard=shard, config=self.config,
+                                      port=port, held=lambda: (self._memory.tensors, self._memory.layout))
+                        if self.config.seed_deltas else None)
+        """Deltas of the versions this handle publishes, offered for seeds (``Config.seed_deltas``;
+        a part with its own lock and thread, :mod:`tensorhub.handle.deltas`)."""
+        self._delta_ready: Optional[deltas.Prepared] = None
+        """On a staging copy: the version its next read takes from a delta (set by its owner's
+        staging part around that read, :meth:`Staging._prefetch_now`)."""
         self.reads = ReadSession(self)
         """The read path as a named API (:mod:`tensorhub.handle.reads`), for code that moves a
         read's bytes itself (a compiled graph's member) and for tools."""
@@ -240,9 +248,12 @@ class Hub:
                 sums = checksum_all(self._memory.tensors, self._memory.layout) if need_sums else []
             else:
                 sums = []
+            was = self._machine.published
             self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
             if self._machine.published == version and sums:
                 self._memory.checksums = sums
+            if self._offers is not None and was != version and self._machine.published == version:
+                self._offers.published(version)
             metrics.record_publish(self.model)
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 
@@ -254,6 +265,8 @@ class Hub:
             self._unpublish_locked()
 
     def _unpublish_locked(self) -> None:
+        if self._offers is not None:
+            self._offers.unpublishing()
         self.host_copies.stop_copy()
         out = self._run(hm.UnpublishOp())
         if out.was_published is not None and self.config.verify_mutability:
@@ -485,6 +498,8 @@ class Hub:
         self._background.after_beat(known, notes, acked, may_announce)
 
     def _release(self) -> None:
+        if self._offers is not None:
+            self._offers.close()
         entries = self.host_copies.release()
         self._sources.close()
         for region, _ in entries:

@@ -215,6 +215,18 @@ class ReadSession:
         hub = self._hub
         region, layout, config = hub._memory.region, hub._memory.layout, hub.config
         start = self.resume_point(a.version)
+        ready = hub._delta_ready
+        if ready is not None and ready.version == a.version and start == 0 and source is None and source_sums is None:
+            # A seed rebuilt from a delta (tensorhub.handle.deltas): copied here, whatever the
+            # source assigned; it failing (it should not: memory in this process) reads as usual.
+            try:
+                return shm.pull(region, ready.source, layout, expect_version=a.version, config=config,
+                                start_unit=0, end_unit=end_unit, should_stop=should_stop, on_unit=on_unit)
+            except (errors.TransferError, errors.ChecksumMismatch) as e:
+                log.info("model=%s shard=%d: the version rebuilt from a delta did not copy (%s): reading it",
+                         hub.model, hub.shard, e)
+                hub._delta_ready = None
+                start = self.resume_point(a.version)
         if source is None and source_sums is None:
             # The tier: this handle's own staging copy, else the holder's memory mapped here (same
             # host), else NIXL.

@@ -41,6 +41,7 @@ from tensorhub.config import Config
 from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.handle import deltas
 from tensorhub.handle.host_copies import HostCopies
 from tensorhub.handle.reads import ReadSession, ReadStats
 from tensorhub.ports import ServerPort
@@ -140,6 +141,8 @@ class Staging:
         """close() has begun (under ``_lock``): no prefetch or staging copy starts any more."""
         self._unsettled: Optional[m.Swap] = None
         """A swap the server did not answer: it may have made it. Settled before the next call."""
+        self.seeds = deltas.Seeds(config=config, port=port) if config.seed_deltas else None
+        """Seeds rebuilt from deltas (``Config.seed_deltas``), used by the prefetch thread only."""
         self.double: Optional[Named] = None
         """The second set of tensors registered as a double buffer (set by ``register``):
         prefetches land there and an update swaps the two sets instead of copying."""
@@ -238,7 +241,14 @@ class Staging:
         stage = self._copy
         if stage is None:
             stage = self._open_copy(buffer if buffer is not None else self.double)
-        st = stage.update(spec, round=round_no)
+        if seed is not None and self.seeds is not None:
+            # A delta against the version the staging copy holds, rebuilt before the read that
+            # takes it (None: the read crosses in full, as without deltas).
+            stage._delta_ready = self.seeds.prepare(stage, seed)
+        try:
+            st = stage.update(spec, round=round_no)
+        finally:
+            stage._delta_ready = None
         with stage._lock:
             # A retention copy the server asked of the staging copy (MakeHostCopy) is part of
             # the prefetch: the update that follows then copies in a quiet process.
@@ -400,6 +410,8 @@ class Staging:
             executor.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             stage = self._copy
+        if self.seeds is not None:
+            self.seeds.close()
         try:
             if stage is not None and stage.state is not hm.Phase.CLOSED:
                 stage.close(drop_last_copy=drop_last_copy)

@@ -201,17 +201,18 @@ def apply(buf, target: Sequence[np.ndarray], *, base_digest: bytes = b"") -> Inf
     return info
 
 
-def rebuild(buf, base: Sequence[torch.Tensor], layout: Layout, expected_sums: Sequence[int],
-            scratch: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+def rebuild(buf, base: Sequence[torch.Tensor], layout: Layout, expected_sums: Optional[Sequence[int]] = None,
+            scratch: Optional[Sequence[torch.Tensor]] = None) -> tuple[list[torch.Tensor], list[int]]:
     """The new version rebuilt from a published ``base`` (host tensors in ``layout`` order,
-    read only: a base may be serving readers) and the delta ``buf``, checked unit by unit
-    against the new version's checksums as its holder published them (``expected_sums``, e.g.
-    one control read of that holder across the link): what a seeder's staging copy takes in
-    place of the full seed. ``scratch``: tensors of the same shapes to write into (default: new
-    ones); they hold garbage after a failure. Raises ``DeltaWrongBase`` (``base`` is not the
-    delta's base) or ``DeltaRejected`` (damaged, malformed, or the result is not that version):
-    the caller takes the full version."""
-    if len(expected_sums) != layout.unit_count:
+    read only: a base may be serving readers) and the delta ``buf``: what a seeder's staging
+    copy takes in place of the full seed. Checked against the new version's digest the delta
+    carries (its holder computed it from the version's bytes) and, where given, unit by unit
+    against ``expected_sums`` (the checksums its holder published). ``scratch``: tensors of the
+    same shapes to write into (default: new ones); they hold garbage after a failure. Returns
+    the tensors and their unit checksums. Raises ``DeltaWrongBase`` (``base`` is not the
+    delta's base; nothing written) or ``DeltaRejected`` (damaged, malformed, or the result is
+    not that version): the caller takes the full version."""
+    if expected_sums is not None and len(expected_sums) != layout.unit_count:
         raise errors.DeltaRejected(f"{len(expected_sums)} checksums for a layout of {layout.unit_count} units")
     base_segs = segments(base)
     info = peek(buf)
@@ -221,11 +222,13 @@ def rebuild(buf, base: Sequence[torch.Tensor], layout: Layout, expected_sums: Se
     for o, b in zip(out, base):
         o.copy_(b)
     apply(buf, segments(out), base_digest=info.base_digest)
-    bad = [u for u, (got, want) in enumerate(zip(checksum_all(out, layout), expected_sums)) if got != want]
-    if bad:
-        raise errors.DeltaRejected(f"{len(bad)} units of the rebuilt version (first {bad[0]}) do not match the "
-                                   "checksums its holder published")
-    return out
+    sums = checksum_all(out, layout)
+    if expected_sums is not None:
+        bad = [u for u, (got, want) in enumerate(zip(sums, expected_sums)) if got != want]
+        if bad:
+            raise errors.DeltaRejected(f"{len(bad)} units of the rebuilt version (first {bad[0]}) do not match "
+                                       "the checksums its holder published")
+    return out, sums
 
 
 def _write(target: Sequence[np.ndarray], idx: np.ndarray, diffs: np.ndarray, tails: bytes) -> None:

@@ -477,6 +477,19 @@ class Source:
             logger.debug("deregister scratch failed", exc_info=True)
 
 
+def complete_control(layout: Layout, version: int, checksums: Sequence[int]) -> torch.Tensor:
+    """A control block (the layout :class:`Region` keeps) of a complete ``version`` with
+    ``checksums``: for tensors of this process read as a source without a region of their own
+    (a version rebuilt from a delta, :mod:`tensorhub.handle.deltas`)."""
+    if len(checksums) != layout.unit_count:
+        raise ValueError(f"{len(checksums)} checksums for {layout.unit_count} units")
+    control = torch.zeros(_HEADER + layout.unit_count, dtype=torch.int64)
+    control[_HEADER:] = torch.tensor([_to_i64(int(c)) for c in checksums], dtype=torch.int64)
+    control[0] = int(version)
+    control[1] = layout.unit_count
+    return control
+
+
 def open_source(endpoint: Endpoint | bytes, *, config: Optional[Config] = None,
                 agent: Optional[Agent] = None) -> Source:
     """A :class:`Source` for a remote region. ``endpoint`` may be encoded bytes. Adds the peer

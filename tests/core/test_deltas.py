@@ -20,7 +20,7 @@ def _offer(cid="t", version=2, base=1, nbytes=40, capacity=100, endpoint=b"t-del
 
 
 def _world():
-    w = World()
+    w = World(versions_retained=1)  # no retention copies: the offers are the point here
     w.reg("t", dc="a")
     w.reg("s", dc="b")
     w.send(m.Publish("t", 1))
@@ -81,3 +81,16 @@ def test_an_offer_of_a_client_that_left_is_not_answered():
 def test_offers_and_finds_out_of_bounds_are_refused_at_the_gate(req):
     with pytest.raises(OutOfBounds):
         bounds.check_request(req, models=("pol",))
+
+
+def test_a_delta_still_being_encoded_is_pending_not_missing():
+    """t offered 2's delta and now publishes 3: a seeder asking for 3 is told to ask again."""
+    w = _world()
+    w.send(_offer())
+    w.send(m.Replicate("s", 2, update=True)); w.send(m.ReplicateDone("s", 2))
+    w.send(m.Unpublish("t"))
+    assert w.send(m.Publish("t", 3)) == m.Ok()
+    assert err(w.send(m.FindDelta("s", 3, 2))) == "DeltaPending"
+    assert err(w.send(m.FindDelta("s", 4, 3))) == "VersionNotFound"
+    assert w.send(_offer(version=3, base=2)) == m.Ok()
+    assert w.send(m.FindDelta("s", 3, 2)).nbytes == 40

@@ -178,7 +178,8 @@ def test_a_seeder_rebuilds_the_new_version_from_its_published_base_checked_again
     sums = checksum_all(new, layout)
     buf = delta.encode(delta.segments(base), delta.segments(new))
     kept = [t.clone() for t in base]
-    out = delta.rebuild(buf, base, layout, sums)
+    out, got = delta.rebuild(buf, base, layout, sums)
+    assert got == sums and delta.rebuild(buf, base, layout)[1] == sums
     assert all(torch.equal(a, b) for a, b in zip(out, new))
     assert all(torch.equal(a, b) for a, b in zip(base, kept))  # the published base is untouched
     with pytest.raises(errors.DeltaWrongBase):
