@@ -17,12 +17,11 @@ lr 3e-6, ``benchmarks/RESULTS.md`` "Delta density"). ``--density -1``: a fresh f
 
 Paths (same code, same bytes, different rules):
 
-  tensorhub_full  the defaults: one seed per datacenter, started at commit into a staging copy
-                (offload seeding), smart skipping while it crosses, local reads after; the seed
-                crosses as the full version.
-  tensorhub     the same with the seed crossing as a delta against the seeder's previous
-                version (issue 26 item 3): not wired into seeding yet, so refused here; the
-                trainer's ``encoded_delta_ratio`` (below) is what it would send.
+  tensorhub     one seed per datacenter, started at commit into a staging copy (offload
+                seeding), smart skipping while it crosses, local reads after; the seed crosses
+                as a delta against the seeder's previous version where it holds it
+                (``seed_deltas=True``: :mod:`tensorhub.handle.deltas`).
+  tensorhub_full  the defaults: the same, the seed crossing as the full version.
   no_skipping   the same with ``smart_skipping=False``: an update waits for the seed in flight.
   per_replica   every rollout reads across from the trainer (each is given a datacenter of its
                 own, no seeding, no skipping): what per-replica transfers do.
@@ -55,9 +54,7 @@ _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, _REPO)
 
-PATHS = ("tensorhub_full", "no_skipping", "per_replica")
-NOT_WIRED = {"tensorhub": "deltas are not wired into offload seeding yet (issue 26 item 3; "
-                          "tensorhub.transport.delta is the codec): run tensorhub_full"}
+PATHS = ("tensorhub", "tensorhub_full", "no_skipping", "per_replica")
 
 
 def say(msg: str) -> None:
@@ -65,6 +62,8 @@ def say(msg: str) -> None:
 
 
 def _path_config(path: str) -> tuple[dict, bool]:
+    if path == "tensorhub":
+        return {"seed_deltas": True}, False
     if path == "tensorhub_full":
         return {}, False
     if path == "no_skipping":
@@ -167,9 +166,12 @@ def drive(args) -> dict:
            "versions": args.versions, "inter_dc_gbit": args.inter_dc_gbit, "inter_dc_ms": args.inter_dc_ms,
            "step_s": args.step_s, "gen_s": args.gen_s, "density": args.density, "dtype": args.dtype,
            "results": results}
-    th = by.get("tensorhub_full")
+    if "tensorhub" in by:
+        out["tensorhub_bytes_over_one_copy_per_dc"] = by["tensorhub"]["delta_ratio"]
+    if "tensorhub_full" in by:
+        out["tensorhub_full_bytes_over_one_copy_per_dc"] = by["tensorhub_full"]["delta_ratio"]
+    th = by.get("tensorhub", by.get("tensorhub_full"))
     if th is not None:
-        out["tensorhub_bytes_over_one_copy_per_dc"] = th["delta_ratio"]
         if "per_replica" in by and th["stall_s"] > 0:
             out["per_replica_stall_over_tensorhub"] = round(by["per_replica"]["stall_s"] / th["stall_s"], 2)
         if "no_skipping" in by and th["stall_s"] > 0:
@@ -190,10 +192,10 @@ def plot(summary: dict, path: str) -> None:
                            (axes[1], "inter_dc_bytes_per_version", "MiB across datacenters per version"),
                            (axes[2], "mean_staleness", "mean staleness (versions)")):
         vals = [(r[key] or 0) / (2**20 if key == "inter_dc_bytes_per_version" else 1) for r in res]
-        ax.bar(names, vals, color=["tab:green", "tab:orange", "tab:red"][:len(names)])
+        ax.bar(names, vals, color=["tab:green", "tab:olive", "tab:orange", "tab:red"][:len(names)])
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
-    if "tensorhub_full" in names:
+    if "tensorhub_full" in names or "tensorhub" in names:
         one = summary["shard_bytes"] * (summary["dcs"] - 1) / 2**20
         axes[1].axhline(one, color="k", ls="--", lw=0.8, label="one copy per datacenter")
         axes[1].legend(fontsize=7)
@@ -229,9 +231,6 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="thxbn", help="emulated cluster name")
     args = ap.parse_args(argv)
     args.paths = [p for p in args.paths.split(",") if p]
-    for p in args.paths:
-        if p in NOT_WIRED:
-            ap.error(f"path {p}: {NOT_WIRED[p]}")
     bad = [p for p in args.paths if p not in PATHS]
     if bad:
         ap.error(f"unknown paths {bad}; choose from {PATHS}")

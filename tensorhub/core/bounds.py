@@ -279,10 +279,10 @@ def _fields(req: m.Request) -> None:
             check_endpoint("endpoint", req.endpoint)
         case m.OfferDelta():
             check_version("version", req.version)
-            check_version("base", req.base)
+            check_version("base", req.base, unset_ok=True)
             check_endpoint("endpoint", req.endpoint)
             check_int("capacity", req.capacity, 1, 1 << 62)
-            check_int("nbytes", req.nbytes, 1, req.capacity)
+            check_int("nbytes", req.nbytes, 0 if req.base == -1 else 1, req.capacity)
         case m.FindDelta():
             check_version("version", req.version)
             check_version("base", req.base)

@@ -15,6 +15,8 @@ Rules:
   server keeps is bounded by the shards it serves.
 - An offer is accepted only from a client that publishes ``version`` now (``LEGAL``: published;
   here: that version) and for a delta no larger than its shard.
+- An offer of base -1 offers nothing but the promise of deltas of the versions after it (a
+  publisher's first version): it makes the next version's delta ``DeltaPending``.
 - An offer whose client is gone is not answered, and dropped when asked for.
 - Asked for a version its publisher publishes but has not offered yet (an offer of an older
   version stands): ``DeltaPending`` -- it is being encoded, ask again -- not ``VersionNotFound``.
@@ -52,7 +54,7 @@ class Deltas:
     def on_offer(self, node: Node, req: m.OfferDelta) -> m.Reply:
         if node.version != req.version:
             raise InvalidState(f"{node.id} offers a delta of version {req.version} and publishes {node.version}")
-        if req.base >= req.version:
+        if req.base >= req.version or (req.base == -1) != (req.nbytes == 0):
             raise OutOfBounds(f"a delta of version {req.version} against base {req.base}: the base must be older")
         if req.capacity > node.layout.total_bytes:
             raise OutOfBounds(f"a delta buffer of {req.capacity} bytes for a shard of {node.layout.total_bytes}")

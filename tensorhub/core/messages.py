@@ -237,7 +237,9 @@ class OfferDelta(_Msg, frozen=True):
     delta`) in a registered buffer at ``endpoint`` (``capacity`` bytes, the delta the first
     ``nbytes``; its control block says ``version`` while it is valid), for a seeder whose staging
     copy holds ``base`` (``Config.seed_deltas``). Answered ``Ok``; the server keeps the newest
-    offer per (model, shard), forgets it when the offering client leaves."""
+    offer per (model, shard), forgets it when the offering client leaves. ``base`` -1 (and
+    ``nbytes`` 0): no delta of this version (the publisher holds no older one), but one of each
+    version after it will be offered (seeders of the next version wait for it: ``DeltaPending``)."""
 
     client_id: str
     version: int

@@ -132,9 +132,13 @@ class Offers:
                 c.copy_(t)
         base, prev = self._prev_version, self._prev
         self._prev, self._cur, self._prev_version = self._cur, prev, version
-        if base is None or base >= version:
-            return
         try:
+            if base is None or base >= version:
+                # No older copy: no delta of this one, but the promise of the next one's, so
+                # that its seeders wait for it (DeltaPending) instead of crossing in full.
+                capacity = delta_capacity(layout.total_bytes, self.config.seed_delta_ratio_max)
+                self._port.call(m.OfferDelta(self.client_id, version, -1, b"", 0, capacity))
+                return
             self._offer(version, base, prev, layout)
         except (errors.TensorHubError, OSError) as e:
             log.info("model=%s shard=%d: no delta of version %d: %s", self.model, self.shard, version, e)

@@ -76,7 +76,19 @@ def test_an_offer_of_a_client_that_left_is_not_answered():
     assert w.core.deltas.offers == {}
 
 
-@pytest.mark.parametrize("req", [_offer(nbytes=0), _offer(nbytes=101), _offer(capacity=0), _offer(base=-1),
+def test_a_publishers_first_version_promises_the_next_ones_delta():
+    """t's first version has no delta (no older copy): its offer of base -1 is a promise, so a
+    seeder of the next version waits for that delta instead of crossing in full."""
+    w = _world()
+    assert w.send(_offer(version=2, base=-1, nbytes=0, endpoint=b"")) == m.Ok()
+    assert err(w.send(m.FindDelta("s", 2, 1))) == "VersionNotFound"  # nothing of 2 itself
+    w.send(m.Replicate("s", 2, update=True)); w.send(m.ReplicateDone("s", 2))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 3))
+    assert err(w.send(m.FindDelta("s", 3, 2))) == "DeltaPending"
+    assert err(w.send(_offer(version=3, base=-1, nbytes=5))) == "OutOfBounds"  # a promise carries no bytes
+
+
+@pytest.mark.parametrize("req", [_offer(nbytes=0), _offer(nbytes=101), _offer(capacity=0), _offer(base=-2),
                                  m.FindDelta("s", -1, 0)])
 def test_offers_and_finds_out_of_bounds_are_refused_at_the_gate(req):
     with pytest.raises(OutOfBounds):
