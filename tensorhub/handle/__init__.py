@@ -25,6 +25,10 @@ threads, get what they need of the handle through their constructors:
   start to its :class:`ReadStats` (``call`` for ``replicate``/``update``; ``begin``/``finish``
   for code that moves a read's bytes itself, compiled graphs), tools' view of the region, and the
   pull path the driver uses too (``pull_range``: staging copy, same-host mapping, else NIXL);
+- ``deltas.py``: seeds as deltas (``Config.seed_deltas``): :class:`~tensorhub.handle.deltas.Offers`
+  (``hub._offers``: a publisher's host copies, encode thread and offered buffer) and
+  :class:`~tensorhub.handle.deltas.Seeds` (``hub._staging.seeds``: a seeder's delta read and
+  rebuild, in its prefetch thread; the rebuilt version is ``stage._delta_ready`` for the read);
 - ``pulse.py``: one liveness loop per process and server, carrying every handle's beat.
 
 No code outside this package uses a private member of :class:`Hub` (``tests/project/test_layers.py``).
@@ -38,7 +42,9 @@ Lock order (a thread holding one may take those after it, never one before it):
 3. ``Driver.lock`` (``hub._driver.lock``): the machine (user thread and pulse thread);
 4. leaves, nothing is taken while one is held: ``Staging._lock`` (the staging copy, prefetch
    jobs, ``close()`` begun; an update's swap takes it under ``_lock``, a seed under
-   ``_notes_lock``), ``HostCopies.lock``, the ``Sources`` lock and a ``Pulse``'s own lock.
+   ``_notes_lock``), ``HostCopies.lock``, the ``Sources`` lock, ``Offers._lock`` (its thread's
+   copy of the published tensors; ``unpublish`` waits on it under ``_lock``) and a ``Pulse``'s
+   own lock.
 
 A staging copy is a second :class:`Hub` of the same process whose locks 1-3 rank after its
 owner's ``Driver.lock`` and before the leaves: a swap holds the owner's ``_lock``, then the

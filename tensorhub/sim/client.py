@@ -144,6 +144,9 @@ class SimClient:
         """The machine's operation in progress is one step of the user's (a swap's unpublish or
         re-publish): its end goes here (with its code) instead of ending the user's operation."""
         self.transport = SimTransport(self)
+        self.delta_ready: Optional[tuple[int, list]] = None
+        """A staging copy's next read of this version copies these tags locally (a version
+        rebuilt from a delta: :mod:`tensorhub.sim.deltas`)."""
         self.token = 0
         """Answers to the awaited command carry this; a stale one is dropped."""
         self.waiters: dict[str, bool] = {}
@@ -188,6 +191,15 @@ class SimClient:
         self._begin("register", cb, hm.RegisterOp(self.registration()))
 
     def publish(self, version: int, cb: Callback) -> None:
+        deltas = self.world.deltas
+        if deltas is not None:
+            def published(code: str, v: int) -> None:
+                if code == "ok" and self.alive:
+                    deltas.published(self, version)  # Hub.publish -> Offers.published
+                if cb is not None:
+                    cb(code, v)
+            self._begin("publish", published, hm.PublishOp(version))
+            return
         self._begin("publish", cb, hm.PublishOp(version))
 
     def unpublish(self, cb: Callback) -> None:

@@ -21,6 +21,7 @@ from tensorhub.sim.loop import Sim
 from tensorhub.sim.network import Network
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.sim.server import CoreFactory, SimServer
+from tensorhub.sim.deltas import SimDeltas
 from tensorhub.sim.seeding import SeedingClient
 from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
 
@@ -117,7 +118,8 @@ class World:
 
     def __init__(self, seed: int, workload: Optional[str] = None, core_factory: Optional[CoreFactory] = None,
                  keep_trace: bool = False, params: Optional[Params] = None, config: Optional[Config] = None,
-                 faults: bool = True, interrupts: bool = True, shared_processes: bool = False) -> None:
+                 faults: bool = True, interrupts: bool = True, shared_processes: bool = False,
+                 seed_deltas: bool = False, delta_wrong_base: float = 0.0, delta_check_base: bool = True) -> None:
         self.sim = Sim(seed, keep_trace=keep_trace)
         self.interrupts = interrupts
         self.shared_processes = shared_processes
@@ -149,6 +151,11 @@ class World:
                               and self.params.workload == "standalone")
         """The prefetching standalone rollouts registered a double buffer: their prefetches land in it and an update
         swaps to a complete one (``Staging.swap``) instead of copying."""
+        if seed_deltas:
+            self.config = dataclasses.replace(self.config, seed_deltas=True)
+        self.deltas: Optional[SimDeltas] = (SimDeltas(self, wrong_base=delta_wrong_base, check_base=delta_check_base)
+                                            if seed_deltas else None)
+        """Seeds as deltas (:mod:`tensorhub.sim.deltas`); None: off, the traces as before."""
         self.net = Network(self.sim, self.sim.rng("net"))
         live = self.sim.rng("liveness")  # its own stream: the other draws of a seed stay as they were
         self.death_report_s: Optional[float] = live.uniform(0.05, 1.0) if live.random() < 0.5 else None
@@ -395,12 +402,12 @@ def build_workload(w: World, rng: random.Random) -> None:
 
 def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Optional[CoreFactory] = None,
                  keep_trace: bool = False, faults: bool = True, interrupts: bool = True,
-                 shared_processes: bool = False) -> ScenarioResult:
+                 shared_processes: bool = False, **deltas) -> ScenarioResult:
     """Run one seeded scenario and check every invariant. Deterministic in its arguments.
     ``interrupts``: the ``interrupt`` fault may be planned (a user stops a replicate mid-read).
     ``shared_processes``: the shards of each replica share one process (one pulse, one fate)."""
     w = World(seed, workload, core_factory, keep_trace=keep_trace, faults=faults, interrupts=interrupts,
-              shared_processes=shared_processes)
+              shared_processes=shared_processes, **deltas)
     w.run()
     w.sim.trace(f"end violations={len(w.checker.violations)} ops={w.checker.completed} failed={sorted(w.checker.failed.items())}")
     return ScenarioResult(

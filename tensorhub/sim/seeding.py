@@ -133,12 +133,21 @@ class SeedingClient(SimClient):
 
     def _stage_read(self, spec, asked: float) -> None:
         def done(code: str, v: int) -> None:
+            self.stage.delta_ready = None
             version = v if spec == "latest" else spec
             self.seeds.append((version, asked, self.world.sim.now, code))
             nxt, self.seed_next = self.seed_next, None
             if nxt is not None and nxt > version:
                 self._prefetch(nxt)
-        self.stage.replicate(spec, True, done, round=bg.seed_round(spec) if isinstance(spec, int) else None)
+        def read() -> None:
+            if self.stage is not None and self.stage.alive and self.stage.op is None:
+                self.stage.replicate(spec, True, done, round=bg.seed_round(spec) if isinstance(spec, int) else None)
+
+        deltas = self.world.deltas
+        if deltas is not None and isinstance(spec, int):
+            deltas.prepare(self.stage, spec, read)  # Staging._prefetch_now: Seeds.prepare first
+        else:
+            read()
 
     # ------------------------------------------------------------------ a double buffer's swap
 

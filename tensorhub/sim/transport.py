@@ -54,6 +54,9 @@ class Pulling:
         """Stopped: when its last posted read ends."""
         self.epoch = 0
         """The server epoch in which the pull started (its assignment's)."""
+        self.rebuilt: Optional[list] = None
+        """A version rebuilt from a delta in this process: its units are copied from these tags
+        at local speed, unchecked (the real LocalSource carries the rebuilt copy's checksums)."""
 
     @property
     def progress(self) -> int:
@@ -83,6 +86,8 @@ class SimTransport:
         rs = Pulling(a, st, token)
         rs.source = w.memory_of(a)  # the memory the assigned endpoint names
         rs.epoch = w.server.epoch
+        if c.delta_ready is not None and c.delta_ready[0] == a.version and first == 0:
+            rs.rebuilt = c.delta_ready[1]
         self.current = rs
         if st.finished:
             self._done(rs)
@@ -176,10 +181,11 @@ class SimTransport:
         if rs.failing or rs is not self.current or rs.st.finished:
             return
         src = w.source_client(rs.source)
-        if self._source_gone(rs, src):
+        if rs.rebuilt is None and self._source_gone(rs, src):
             return
         st = rs.st
-        version, progress = self._source_state(rs, src)
+        # A rebuilt version is complete here whatever the assigned source does.
+        version, progress = (rs.version, self.units) if rs.rebuilt is not None else self._source_state(rs, src)
         try:
             st.source_state(version, progress, None, w.sim.now)
         except TransferError as e:  # the source moved on
@@ -187,15 +193,19 @@ class SimTransport:
             return
         while (k := st.next_to_post()) is not None:
             nbytes = self.unit_bytes
-            end = w.net.reserve(src.host, c.host, nbytes)
-            if rs.source != src.cid:  # a host-memory copy: slower than GPU memory
-                end += nbytes / w.params.host_bw
-            rd = w.net.post(c.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
+            if rs.rebuilt is not None:  # a copy inside this process
+                end = w.net.reserve(c.host, c.host, nbytes)
+                rd = w.net.post(c.cid, f"{c.cid}#rebuilt", rs.version, k, end, w.server.epoch, rs.assign_no)
+            else:
+                end = w.net.reserve(src.host, c.host, nbytes)
+                if rs.source != src.cid:  # a host-memory copy: slower than GPU memory
+                    end += nbytes / w.params.host_bw
+                rd = w.net.post(c.cid, rs.source, rs.version, k, end, w.server.epoch, rs.assign_no)
             rd.pull_epoch = rs.epoch
             rs.inflight[k] = rd
             st.posted(k, nbytes, w.sim.now)
             w.sim.at(end, self._read_end, rd, rs)
-        if st.starved:
+        if st.starved and rs.rebuilt is None:
             src.waiters[c.cid] = True  # it pushes its progress to us (Follow)
 
     def _read_end(self, rd, rs: Pulling) -> None:
@@ -212,6 +222,10 @@ class SimTransport:
         del rs.inflight[rd.unit]
         st = rs.st
         st.completed([rd.unit], w.sim.now)
+        if rs.rebuilt is not None:
+            c._write_unit(rd.unit, rs.rebuilt[rd.unit], rs.version)
+            self._advance(rs)
+            return
         tag = w.read_tag(rd)
         c._write_unit(rd.unit, tag, rs.version)
         if not w.config.checksums:
