@@ -30,7 +30,8 @@ copy of the base and is checked bit-exact against the new version):
   xor_lzma         the same, stdlib lzma preset 0
   planes_*         the XOR split into its high bytes (sign, exponent) and low bytes (exponent's
                    last bit, mantissa), each compressed alone
-  *_zstd1, *_lz4   (sparse_diff, xor, planes) only where ``zstandard`` / ``lz4`` are importable (they are not dependencies)
+  *_zstd1, *_lz4   (sparse_diff, xor, planes) only where ``zstandard`` / ``lz4`` are importable (``zstandard`` is a
+                   dependency since tensorhub.transport.delta; ``lz4`` is not)
 
 Baseline from the same run: ``random_fill``, two fresh ``randn`` fills of the same size (what
 ``benchmarks/crossdc.py`` publishes as versions today), through every codec.
@@ -53,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:  # optional codecs: measured only where already installed (the lock does not pin them)
+try:  # optional codecs: measured only where installed (the lock pins zstandard, not lz4)
     import zstandard
 except ImportError:
     zstandard = None
