@@ -12,6 +12,8 @@ Scenarios:
 
   seed       one version: every remote reader ``update("latest")`` until it holds it. Bytes
              crossing each link, the readers' sources, seeders' ``prefetched`` flags.
+  seed_delta the same with seeds as deltas: a bf16 version changed as an RL step does crosses
+             as a fraction of the shard, and every reader holds it exactly.
   skip       version 1 everywhere; version 2 published: while its seed is in flight, remote
              readers' ``update("latest")`` return 1 with ``skipped_in_flight=2``; afterwards 2 is
              read inside the datacenter.
@@ -214,6 +216,30 @@ def seed(args) -> dict:
     return out
 
 
+def seed_delta(args) -> dict:
+    """Seeds as deltas (``seed_deltas=True``, a bf16 shard): versions 1 and 2 everywhere (the
+    staging copies hold 2), then version 3 -- version 2 changed as an RL step does
+    (``workload.evolve_version``, 4.3%) -- is published and every remote reader updates until
+    it holds it: what crossed each link, and whether every reader holds exactly version 3."""
+    s = Setup(argparse.Namespace(**{**vars(args), "dtype": "bfloat16"}), config={"seed_deltas": True})
+    ray.get(s.trainer.publish.remote(1))
+    _everyone_at(s, 1)
+    ray.get(s.trainer.publish.remote(2, density=0.043))
+    _everyone_at(s, 2)
+    time.sleep(1.0)  # background retention copies settle
+    before = s.crossed()
+    digest = ray.get(s.trainer.publish.remote(3, density=0.043))
+    time.sleep(args.gen_s)
+    results = _everyone_at(s, 3)
+    after = s.crossed()
+    out = {"scenario": "seed_delta", "shard_bytes": s.nbytes,
+           "crossed": {str(d): after[d] - before[d] for d in after},
+           "digests_ok": all(r["digest"] == digest for r in results.values()),
+           "reads": [{"prefetched": r["prefetched"], "cross": r["cross_datacenter"]} for r in results.values()]}
+    s.close()
+    return out
+
+
 def skip(args) -> dict:
     s = Setup(args)
     ray.get(s.trainer.publish.remote(1))
@@ -351,7 +377,7 @@ def link_down(args) -> dict:
     return out
 
 
-SCENARIOS = {"seed": seed, "skip": skip, "seeder_dies": seeder_dies, "link_down": link_down}
+SCENARIOS = {"seed": seed, "seed_delta": seed_delta, "skip": skip, "seeder_dies": seeder_dies, "link_down": link_down}
 
 
 def main(argv=None) -> int:
