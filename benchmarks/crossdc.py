@@ -31,8 +31,9 @@ Measured per path: ``stall_s`` (the rollouts' total time blocked in ``update``),
 interface counters, over the versions published), ``delta_ratio`` (that per remote datacenter,
 over the shard's bytes: 1.0 is one full copy into each), ``encoded_delta_ratio`` (the median over
 the versions published of their delta against the previous version, encoded by the trainer with
-:mod:`tensorhub.transport.delta`, over the shard's bytes; null with ``--density -1``), ``mean_staleness`` (per update, how many
-versions the rollout was behind the newest published when its update returned). Human lines go
+:mod:`tensorhub.transport.delta`, over the shard's bytes; null with ``--density -1``),
+``mean_staleness`` (per update, how many versions the rollout was behind the newest published
+when its update returned). Human lines go
 to stderr (a live progress display on a terminal, not with ``--json``); the last stdout line is
 one JSON object: ``dcs``, ``readers_per_dc``, ``shard_bytes``, ``versions``, ``results``
 (``{path, stall_s, inter_dc_bytes_per_version, mean_staleness, ...}``) and the goals' ratios.

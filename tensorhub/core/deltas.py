@@ -68,10 +68,12 @@ class Deltas:
         if offer is not None and offer.client_id not in self.table.nodes:
             del self.offers[key]  # its publisher left: its buffer went with it
             offer = None
-        if offer is not None and offer.version < req.version and self.table.nodes[offer.client_id].version == req.version:
+        publisher = self.table.nodes[offer.client_id] if offer is not None else None
+        if publisher is not None and offer.version < req.version and publisher.version == req.version:
             raise DeltaPending(f"the delta of version {req.version} is not offered yet (its publisher offered "
                                f"{offer.version}'s)")
         if offer is None or (offer.version, offer.base) != (req.version, req.base):
-            raise VersionNotFound(f"no delta of version {req.version} against {req.base} offered for shard {node.shard}")
+            raise VersionNotFound(f"no delta of version {req.version} against {req.base} offered for shard "
+                                  f"{node.shard}")
         return m.DeltaAt(source_id=offer.client_id, endpoint=offer.endpoint, nbytes=offer.nbytes,
                          capacity=offer.capacity)

@@ -197,7 +197,8 @@ def apply(buf, target: Sequence[np.ndarray], *, base_digest: bytes = b"") -> Inf
     tails = bytes(payload[gl + dl:])
     _write(target, idx, diffs, tails)
     if digest(target) != info.new_digest:
-        raise errors.DeltaRejected("the delta's result does not match the new version's digest; the target holds garbage")
+        raise errors.DeltaRejected("the delta's result does not match the new version's digest; the target "
+                                   "holds garbage")
     return info
 
 
