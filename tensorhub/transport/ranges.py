@@ -43,12 +43,16 @@ Rules, as :func:`tensorhub.transport.reader.pull` has them:
 
 1. Every run is checked against both sides' tensor sizes before anything is posted; a run that
    does not fit, or names a tensor neither side has, is :class:`LayoutMismatch` (nothing moved).
-2. The holder must hold ``expect_version`` complete: its control block is read first (twice:
-   the second read times the round trip for the window) and again after the last read (a
-   seqlock: a holder that moved on meanwhile makes the bytes void, :class:`TransferError`). A
-   holder still at an older version or still partial is waited for, at most
-   ``source_stall_timeout_s`` (:class:`SourceStalled`). A partial holder's finished ranges are
-   not served yet (that needs the holder's units mapped to runs: the wiring stage).
+2. The holder must hold ``expect_version``: its control block is read first (twice: the
+   second read times the round trip for the window) and again after the last read (a seqlock:
+   a holder that moved on meanwhile makes the bytes void, :class:`TransferError`). A holder
+   still at an older version is waited for, at most ``source_stall_timeout_s``
+   (:class:`SourceStalled`). Given the holder's unit table (``HolderTensors.units``,
+   :func:`unit_map` of its layout), a *partial* holder serves the runs whose bytes lie in its
+   final units: each request is posted once the holder's progress covers the units under it
+   (requests go in that order), the control block is polled for more while the next request
+   waits, and the last check asks for every unit read from to be still final. Without the
+   table the holder must be complete.
 3. At most ``config.reads_in_flight`` requests are posted, fewer as the link needs
    (:class:`~tensorhub.transport.pacing.Pacer`); nothing moving for ``source_stall_timeout_s``
    is :class:`SourceStalled`; a failed request is :class:`TransferError`.
@@ -63,9 +67,10 @@ Rules, as :func:`tensorhub.transport.reader.pull` has them:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -74,6 +79,7 @@ import torch
 from tensorhub.config import Config
 from tensorhub.core.reshard import ReshardPlan, Run
 from tensorhub.errors import LayoutMismatch, ReadsNotTerminal, SourceStalled, SourceUnreachable, TransferError
+from tensorhub.layout import Layout
 from tensorhub.transport.agent import XferState, await_terminal, sleep_unlocked, unlocked
 from tensorhub.transport.nixl import MemRegion, Region, Source
 from tensorhub.transport.pacing import POLL_MAX_S, POLL_MIN_S, Pacer
@@ -90,10 +96,14 @@ multi-descriptor request here, and every request stays bounded."""
 
 class HolderTensors(NamedTuple):
     """A holder shard's local tensors as runs name them: ``names`` in the order of its endpoint's
-    tensors (its placement's order), and their sizes in bytes."""
+    tensors (its placement's order), and their sizes in bytes. ``units``: the holder's transfer
+    units (its :class:`~tensorhub.layout.Layout`'s, see :func:`unit_map`), so that a partial
+    holder serves the runs whose bytes lie in its final units (rule 2); None: the holder must be
+    complete."""
 
     names: tuple[str, ...]
     nbytes: tuple[int, ...]
+    units: Optional["UnitMap"] = None
 
     @classmethod
     def of(cls, names: Sequence[str], mems: Sequence[MemRegion]) -> "HolderTensors":
@@ -107,6 +117,40 @@ class HolderTensors(NamedTuple):
             return self.names.index(name)
         except ValueError:
             raise LayoutMismatch(f"the holder has no local tensor {name!r}") from None
+
+    def need(self, tensor: int, end: int) -> Optional[int]:
+        """Units of the holder's prefix that must be final before bytes ``[.., end)`` of its
+        tensor ``tensor`` may be read (None: all of them, no unit map)."""
+        return None if self.units is None else self.units.need(tensor, end)
+
+
+class UnitMap(NamedTuple):
+    """Where a holder's transfer units start, per tensor: ``starts[t]`` are the byte offsets in
+    tensor ``t`` at which its units begin, ``first[t]`` the index of the first of them."""
+
+    starts: tuple[tuple[int, ...], ...]
+    first: tuple[int, ...]
+    unit_count: int
+
+    def need(self, tensor: int, end: int) -> int:
+        """1 + the index of the unit holding byte ``end - 1`` of ``tensor``."""
+        starts = self.starts[tensor]
+        if not starts:
+            return 0
+        return self.first[tensor] + bisect.bisect_right(starts, max(end - 1, 0))
+
+
+def unit_map(layout: Layout) -> UnitMap:
+    """The :class:`UnitMap` of a holder's layout (:mod:`tensorhub.layout` rules: a large tensor
+    cut into units, small ones packed together)."""
+    starts: list[list[int]] = [[] for _ in layout.metas]
+    first = [0] * len(layout.metas)
+    for u, unit in enumerate(layout.units):
+        for piece in unit:
+            if not starts[piece.tensor_index]:
+                first[piece.tensor_index] = u
+            starts[piece.tensor_index].append(piece.offset)
+    return UnitMap(tuple(tuple(x) for x in starts), tuple(first), layout.unit_count)
 
 
 def runs_of(plan: ReshardPlan, shard: int) -> tuple[Run, ...]:
@@ -146,12 +190,15 @@ class _Request(NamedTuple):
     local: np.ndarray
     remote: np.ndarray
     nbytes: int
+    need: int = 0
+    """Holder units that must be final before it is posted."""
 
 
-def _segments(r: Run, lmem: MemRegion, rmem: MemRegion, strided: str,
-              request_bytes: int) -> Iterator[_Request]:
+def _segments(r: Run, lmem: MemRegion, rmem: MemRegion, strided: str, request_bytes: int,
+              need: Callable[[int], int]) -> Iterator[_Request]:
     """One run as blocks of descriptors that may share a request, each at most
-    ``request_bytes`` unless it is one strided run posted whole (``"multi"``)."""
+    ``request_bytes`` unless it is one strided run posted whole (``"multi"``). ``need(end)``:
+    the holder units that must be final to read its tensor's bytes up to ``end``."""
     if r.run_bytes == 0:
         return
     if r.count > 1 and (strided == "multi" or r.run_bytes <= request_bytes):
@@ -160,36 +207,43 @@ def _segments(r: Run, lmem: MemRegion, rmem: MemRegion, strided: str,
             b = min(r.count, a + per)
             yield _Request(range_descs(lmem, r.reader_offset, r.run_bytes, b, r.reader_stride, a),
                            range_descs(rmem, r.holder_offset, r.run_bytes, b, r.holder_stride, a),
-                           (b - a) * r.run_bytes)
+                           (b - a) * r.run_bytes, need(r.holder_offset + (b - 1) * r.holder_stride + r.run_bytes))
         return
     for i in range(r.count):  # contiguous, or rows longer than a request: cut each row
         lo, ho = r.reader_offset + i * r.reader_stride, r.holder_offset + i * r.holder_stride
         for a in range(0, r.run_bytes, request_bytes):
             n = min(request_bytes, r.run_bytes - a)
-            yield _Request(range_descs(lmem, lo + a, n), range_descs(rmem, ho + a, n), n)
+            yield _Request(range_descs(lmem, lo + a, n), range_descs(rmem, ho + a, n), n, need(ho + a + n))
 
 
 def _requests(runs: Sequence[Run], lmems: dict[str, MemRegion], rmems: dict[str, MemRegion],
-              strided: str, request_bytes: int) -> list[_Request]:
-    """Segments packed greedily, in plan order, into requests of at most ``request_bytes``."""
+              strided: str, request_bytes: int, holder: "HolderTensors") -> list[_Request]:
+    """Segments ordered by the holder units they need (stable: plan order within one need; a
+    partial holder's final units first), packed greedily into requests of at most
+    ``request_bytes`` that never mix needs (a request waits for nothing it does not read)."""
     out: list[_Request] = []
     pending: list[_Request] = []
     size = 0
+    segs: list[_Request] = []
+    for r in runs:
+        j = holder.index(r.holder_tensor)
+        need = (lambda end, j=j: holder.need(j, end)) if holder.units is not None else (lambda end: -1)
+        segs.extend(_segments(r, lmems[r.reader_tensor], rmems[r.holder_tensor], strided, request_bytes, need))
+    segs.sort(key=lambda q: q.need)
 
     def flush() -> None:
         nonlocal size
         if pending:
             out.append(_Request(np.concatenate([p.local for p in pending]),
-                                np.concatenate([p.remote for p in pending]), size))
+                                np.concatenate([p.remote for p in pending]), size, pending[0].need))
             pending.clear()
             size = 0
 
-    for r in runs:
-        for seg in _segments(r, lmems[r.reader_tensor], rmems[r.holder_tensor], strided, request_bytes):
-            if size and size + seg.nbytes > request_bytes:
-                flush()
-            pending.append(seg)
-            size += seg.nbytes
+    for seg in segs:
+        if size and (size + seg.nbytes > request_bytes or seg.need != pending[0].need):
+            flush()
+        pending.append(seg)
+        size += seg.nbytes
     flush()
     return out
 
@@ -229,7 +283,7 @@ def read_runs(region: Region, source: Source, runs: Sequence[Run], holder: Holde
     mem_types = {m.mem_type for m in rmems.values() if m.nbytes}
     if len(mem_types) > 1:
         raise LayoutMismatch(f"source {source.name} spans memory types {sorted(mem_types)}")
-    requests = _requests(runs, lmems, rmems, strided, request_bytes)
+    requests = _requests(runs, lmems, rmems, strided, request_bytes, holder)
     if not requests:
         return 0
     with region.agent.xfer_lock:
@@ -259,11 +313,17 @@ class _RangeReader:
         self.next = 0
         self.bytes_read = 0
         self.moved_at = time.monotonic()
+        self.total = source.endpoint.unit_count
+        self.progress = 0
+        """The holder's final units as last read from its control block (our version)."""
+        self.needs = [self.total if q.need < 0 else min(q.need, self.total) for q in requests]
+        """Per request, the holder units that must be final (sorted: _requests orders them)."""
 
     def run(self) -> int:
         try:
-            self._await_version()
-            self._await_version()  # the first paid for connecting: this one times the round trip
+            first = self.needs[0] if self.needs else self.total
+            self._await_version(first)
+            self._await_version(first)  # the first paid for connecting: this one times the round trip
             self._loop()
             self._check_version("after the last read")  # rule 2: the seqlock
         except BaseException as e:
@@ -275,16 +335,28 @@ class _RangeReader:
     def _loop(self) -> None:
         n = len(self.requests)
         while self.next < n or self.inflight:
-            while self.next < n and self.pacer.may_post():
+            while self.next < n and self.pacer.may_post() and self.needs[self.next] <= self.progress:
                 self._post(self.next)
                 self.next += 1
             if self._reap():
                 continue
             now = time.monotonic()
-            if now - self.moved_at > self.config.source_stall_timeout_s:
-                raise SourceStalled(f"range reads from {self.source.name}: none of {len(self.inflight)} "
-                                    f"in flight completed in {self.config.source_stall_timeout_s}s")
+            if self.next < n and self.needs[self.next] > self.progress and self.pacer.may_post():
+                self._poll_progress()  # a partial holder: its next units, or it moved on
+            if time.monotonic() - self.moved_at > self.config.source_stall_timeout_s:
+                raise SourceStalled(f"range reads from {self.source.name}: none of {len(self.inflight)} in flight "
+                                    f"completed and the holder's final units stayed {self.progress} of {self.total} "
+                                    f"for {self.config.source_stall_timeout_s}s")
             sleep_unlocked(self.lock, self.pacer.sleep_s(now, POLL_MIN_S))
+
+    def _poll_progress(self) -> None:
+        v, p, _ = self._control()
+        if v != self.version:
+            raise TransferError(f"{self.source.name} moved on from version {self.version} (now {v}) "
+                                f"while it was partial: the bytes read are void")
+        if p > self.progress:
+            self.progress = p
+            self.moved_at = time.monotonic()
 
     def _post(self, k: int) -> None:
         req = self.requests[k]
@@ -320,8 +392,9 @@ class _RangeReader:
             self.moved_at = time.monotonic()
         return bool(landed)
 
-    def _await_version(self) -> None:
-        """Rule 2: wait (bounded) until the holder holds our version complete; time the read."""
+    def _await_version(self, need: int) -> None:
+        """Rule 2: wait (bounded) until the holder holds our version with at least ``need``
+        final units; time the read."""
         deadline = time.monotonic() + self.config.source_stall_timeout_s
         delay = POLL_MIN_S
         while True:
@@ -331,17 +404,20 @@ class _RangeReader:
                 self.pacer.on_rtt(time.perf_counter() - t)
             if v > self.version:
                 raise TransferError(f"{self.source.name} holds version {v}, newer than {self.version}")
-            if v == self.version and p >= total:
+            if v == self.version and p >= need:
+                self.progress = max(self.progress, p)
                 return
             if time.monotonic() > deadline:
                 raise SourceStalled(f"{self.source.name} holds version {v} with {p} of {total} units final, "
-                                    f"not version {self.version} complete, after {self.config.source_stall_timeout_s}s")
+                                    f"not version {self.version} with {need}, after {self.config.source_stall_timeout_s}s")
             sleep_unlocked(self.lock, delay)
             delay = min(2 * delay, POLL_MAX_S)
 
     def _check_version(self, when: str) -> None:
+        """The seqlock: still our version, with every unit read from still final."""
         v, p, total = self._control()
-        if v != self.version or p < total:
+        need = max(self.needs, default=0)
+        if v != self.version or p < need:
             raise TransferError(f"{self.source.name} moved on from version {self.version} (now {v}, "
                                 f"{p} of {total} units) {when}: the bytes read are void")
 
@@ -382,30 +458,37 @@ def _strided(flat: torch.Tensor, r: Run, offset: int, stride: int) -> torch.Tens
 
 
 def copy_runs(region: Region, src: Any, runs: Sequence[Run], holder: HolderTensors, *,
-              expect_version: int) -> int:
+              expect_version: int, config: Optional[Config] = None) -> int:
     """The same-host tier of :func:`read_runs`: copy ``runs`` from a holder's memory mapped in
     this process (``src``: a :class:`~tensorhub.transport.shm.ShmSource` or
     :class:`~tensorhub.transport.shm.LocalSource`) into ``region``'s tensors, one ``copy_`` per
     run between strided views of the two sides' bytes. ``holder`` names the holder's tensors in
     its endpoint's order with their sizes (the mapped memory's offsets are the endpoint's, not
-    trusted past them). The holder must hold ``expect_version`` complete before the first copy
-    and still after the last (a seqlock on its live control block): else :class:`TransferError`;
+    trusted past them). The holder must hold ``expect_version``, with the units under each run
+    final before it is copied (all of them without ``holder.units``; a partial holder is waited
+    for, at most ``config.source_stall_timeout_s`` without progress: :class:`SourceStalled`), and
+    still after the last copy (a seqlock on its live control block): else :class:`TransferError`;
     memory that is gone is :class:`SourceUnreachable`; runs that do not fit
     :class:`LayoutMismatch` (nothing copied). Returns the bytes copied; every copy has ended
     when it returns or raises (plain memory copies)."""
     checked = []
+    total = int(src.control.numel()) - 2
     for r in runs:
         i = _reader_index(region, r.reader_tensor)
         j = holder.index(r.holder_tensor)
         _check_run(r, region.layout.metas[i].nbytes, holder.nbytes[j])
-        checked.append((r, i, j))
+        need = holder.need(j, _span(r, r.holder_offset, r.holder_stride))
+        checked.append((total if need is None else min(need, total), r, i, j))
+    checked.sort(key=lambda c: c[0])  # a partial holder's final units first
     if not src.still_same():
         raise SourceUnreachable(f"{src.name}: the memory mapped earlier is gone")
-    _check_near_version(src, expect_version, "before the first copy")
+    timeout = (config or Config()).source_stall_timeout_s
+    _await_near(src, expect_version, checked[0][0] if checked else total, timeout, "before the first copy")
     nbytes = 0
-    for r, i, j in checked:
+    for need, r, i, j in checked:
         if not r.nbytes:
             continue
+        _await_near(src, expect_version, need, timeout, "before a copy")
         hspan = _span(r, 0, r.holder_stride)
         piece = src.piece(j, r.holder_offset, hspan)
         if piece.numel() != hspan:  # the endpoint's offsets run past the memory mapped
@@ -413,14 +496,36 @@ def copy_runs(region: Region, src: Any, runs: Sequence[Run], holder: HolderTenso
         dst = _strided(_byte_view(region.tensors[i]), r, r.reader_offset, r.reader_stride)
         dst.copy_(_strided(piece, r, 0, r.holder_stride))
         nbytes += r.nbytes
-    _check_near_version(src, expect_version, "after the last copy")
+    _check_near_version(src, expect_version, "after the last copy", max((c[0] for c in checked), default=0))
     return nbytes
 
 
-def _check_near_version(src: Any, version: int, when: str) -> None:
+def _await_near(src: Any, version: int, need: int, timeout_s: float, when: str) -> None:
+    """Wait (bounded by ``timeout_s`` without progress) until the mapped holder holds
+    ``version`` with ``need`` final units; a holder of another version is TransferError."""
+    ctl = src.control
+    last, moved = -1, time.monotonic()
+    delay = POLL_MIN_S
+    while True:
+        v, p = int(ctl[0]), int(ctl[1])
+        if v != version:
+            raise TransferError(f"{src.name} holds version {v}, not version {version} ({when}): "
+                                f"the bytes copied are void")
+        if p >= need:
+            return
+        if p != last:
+            last, moved = p, time.monotonic()
+        elif time.monotonic() - moved > timeout_s:
+            raise SourceStalled(f"{src.name}: version {version} stayed at {p} final units, {need} needed, "
+                                f"for {timeout_s}s ({when})")
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
+
+
+def _check_near_version(src: Any, version: int, when: str, need: int) -> None:
     ctl = src.control
     v, p = int(ctl[0]), int(ctl[1])
     total = ctl.numel() - 2
-    if v != version or p < total or int(ctl[0]) != v:
+    if v != version or p < need or int(ctl[0]) != v:
         raise TransferError(f"{src.name} holds version {v} with {p} of {total} units final {when}, "
-                            f"not version {version} complete: the bytes copied are void")
+                            f"not version {version} with {need}: the bytes copied are void")

@@ -40,6 +40,12 @@ assignments yet; the caller names the holder shards (tests and ``benchmarks/resh
    its cells checked and its units' checksums computed on a second thread while the next batch
    is read (the hashes let go of the GIL). :meth:`read` and :meth:`check` stay for a failover:
    read one shard again, check everything again.
+7. A holder shard still receiving the version (a reader of the holder's placement, partial)
+   serves the runs whose bytes lie in its final units: the reader waits for the rest (at most
+   ``source_stall_timeout_s`` without progress), so a read across layouts pipelines behind a
+   partial holder as a same-layout read does. Needs the holder's unit table, rebuilt from its
+   placement with this process's ``unit_bytes``/``pack_below_bytes`` and used only when the
+   holder's endpoint shows the same unit signature (else the holder must be complete).
 
 Memory: nothing beyond the plan (a few runs per local tensor) and the cell map; the bytes move
 straight into the reader's registered tensors and are hashed where they land.
@@ -59,10 +65,10 @@ from tensorhub.core.placements import check_locals
 from tensorhub.core.reshard import ReshardPlan, Run, c_strides, plan_reshard
 from tensorhub.errors import ChecksumMismatch, InvalidState
 from tensorhub.gridsums import CellKey, CellMismatch, verify_cells
-from tensorhub.layout import checksum_all, checksum_unit
+from tensorhub.layout import Layout, TensorMeta, checksum_all, checksum_unit
 from tensorhub.placement import Placement, itemsize
 from tensorhub.transport.nixl import Region, Source
-from tensorhub.transport.ranges import HolderTensors, copy_runs, read_runs, runs_of
+from tensorhub.transport.ranges import HolderTensors, UnitMap, copy_runs, read_runs, runs_of, unit_map
 
 __all__ = ["ReshardRead", "ShardMismatch"]
 
@@ -92,6 +98,8 @@ class ReshardRead:
         self.done: set[int] = set()
         self.bytes_read = 0
         self._unit_shards = _unit_writers(region, self.plan)
+        self._units: dict[int, tuple[Layout, UnitMap]] = {}
+        """Per holder shard: its layout as this process's config cuts it, and its unit table."""
         self._unit_sums: Optional[list[int]] = None
         """The unit checksums :meth:`run` computed (None: compute them at :meth:`publish`)."""
 
@@ -100,10 +108,25 @@ class ReshardRead:
         """The holder shards this read needs (ascending)."""
         return self.plan.shards
 
-    def holder_tensors(self, shard: int) -> HolderTensors:
-        """Holder shard ``shard``'s local tensors as its endpoint lists them (its placement's order)."""
+    def holder_tensors(self, shard: int, source: Any = None) -> HolderTensors:
+        """Holder shard ``shard``'s local tensors as its endpoint lists them (its placement's
+        order), with its unit table when ``source`` shows the holder cut its units as this
+        process's config would (the same unit signature, or unit count for a mapped holder):
+        then a partial holder serves what it has (rule 7)."""
         p = self.holders[shard]
-        return HolderTensors(p.names, tuple(t.nbytes for t in p.tensors))
+        nbytes = tuple(t.nbytes for t in p.tensors)
+        units = self._units.get(shard)
+        if units is None:
+            metas = [TensorMeta(t.name, t.dtype, t.shape, t.nbytes) for t in p.tensors]
+            layout = Layout.from_metas(metas, self.config.unit_bytes, self.config.pack_below_bytes)
+            units = self._units[shard] = (layout, unit_map(layout))
+        layout, table = units
+        if isinstance(source, Source):
+            same = source.endpoint.unit_signature == layout.unit_signature
+        else:
+            control = getattr(source, "control", None)
+            same = control is not None and int(control.numel()) - 2 == layout.unit_count
+        return HolderTensors(p.names, nbytes, table if same else None)
 
     def read(self, shard: int, source: Any, *, strided: Optional[str] = None) -> int:
         """Carry out holder shard ``shard``'s runs from ``source`` (rule 2); returns the bytes
@@ -211,12 +234,12 @@ class ReshardRead:
 
     def _move(self, shard: int, source: Any, runs: Sequence[Run], strided: Optional[str]) -> int:
         """``runs`` (all of holder shard ``shard``) from ``source``: NIXL or same-host."""
-        holder = self.holder_tensors(shard)
+        holder = self.holder_tensors(shard, source)
         if isinstance(source, Source):
             n = read_runs(self.region, source, runs, holder, expect_version=self.version, config=self.config,
                           strided=strided)
         else:
-            n = copy_runs(self.region, source, runs, holder, expect_version=self.version)
+            n = copy_runs(self.region, source, runs, holder, expect_version=self.version, config=self.config)
         self.bytes_read += n
         return n
 

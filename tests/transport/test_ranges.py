@@ -434,9 +434,10 @@ def test_same_host_copy_from_a_holder_of_another_version_is_void(agents):
     try:
         with pytest.raises(TransferError, match="version 3"):
             copy_runs(reader.region, src, runs_of(plan, 0), holders[0].holder, expect_version=4)
-        holders[0].region.set_progress(0)
-        with pytest.raises(TransferError, match="0 of"):
-            copy_runs(reader.region, src, runs_of(plan, 0), holders[0].holder, expect_version=3)
+        holders[0].region.set_progress(0)  # partial: waited for, boundedly (no unit map: all units)
+        with pytest.raises(SourceStalled, match="stayed at 0 final units"):
+            copy_runs(reader.region, src, runs_of(plan, 0), holders[0].holder, expect_version=3,
+                      config=CFG.replace(source_stall_timeout_s=0.2))
         _assert_reader(reader, _expected_after(plan, set(), reader, holders))
     finally:
         _close(holders, reader, [src])

@@ -286,3 +286,91 @@ def test_run_with_a_source_missing_or_moved_on_leaves_that_shard_not_done(agents
         for s in sources.values():
             s.close()
         region.close()
+
+
+@pytest.mark.parametrize("tier", ["nixl", "same_host"])
+def test_a_partial_holder_serves_the_runs_under_its_final_units_and_the_read_waits_for_the_rest(agents, tier):
+    """Holder shard 0 is still receiving (its progress a prefix of its units): the reader reads
+    what lies in that prefix at once and waits for the rest, then gets every byte right."""
+    import threading
+    import time as _time
+
+    holders, rp, region, truth, grid, sums = _world(agents, "rows -> columns")
+    h = holders[0]
+    made = agents[0]
+    src = (open_source(h.region.endpoint(), agent=made[1]) if tier == "nixl"
+           else shm.ShmSource(h.region.endpoint().shm))
+    units = h.layout.unit_count
+    assert units >= 3, "the case needs a holder of several units"
+    h.region.set_progress(1)  # version 3 with only its first unit final
+    cfg = CFG.replace(source_stall_timeout_s=30.0)
+    try:
+        rd = ReshardRead(region, rp, [x.placement for x in holders], version=VERSION, config=cfg)
+        table = rd.holder_tensors(0, src).units
+        assert table is not None and table.unit_count == units, "the holder's unit table is known"
+        early = [r for r in rd.plan.runs if r.holder_shard == 0
+                 and table.need(h.placement.names.index(r.holder_tensor),
+                                r.holder_offset + (r.count - 1) * r.holder_stride + r.run_bytes) <= 1]
+        assert early, "some runs lie in the holder's first unit"
+        done = threading.Event()
+        errors_seen = []
+
+        def read():
+            try:
+                rd.read(0, src)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors_seen.append(e)
+            done.set()
+
+        t = threading.Thread(target=read)
+        t.start()
+        deadline = _time.monotonic() + 10
+        dst = dict(zip(rp.names, region.tensors))
+        want = dict(zip(rp.names, truth))
+
+        def landed(r) -> bool:
+            got, exp = _bytes(dst[r.reader_tensor]), _bytes(want[r.reader_tensor])
+            return all(np.array_equal(got[r.reader_offset + i * r.reader_stride:][:r.run_bytes],
+                                      exp[r.reader_offset + i * r.reader_stride:][:r.run_bytes])
+                       for i in range(r.count))
+
+        while not all(landed(r) for r in early) and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+        assert all(landed(r) for r in early), "the runs under the final unit were read while the holder was partial"
+        assert not done.is_set(), "the read waits for the holder's other units"
+        for k in range(2, units + 1):
+            h.region.set_progress(k)
+            _time.sleep(0.02)
+        assert done.wait(10) and not errors_seen, errors_seen
+        rd.read(1, open_source(holders[1].region.endpoint(), agent=made[1]) if tier == "nixl"
+                else shm.ShmSource(holders[1].region.endpoint().shm))
+        rd.check(grid, sums)
+        for got, exp in zip(region.tensors, truth):
+            assert np.array_equal(_bytes(got), _bytes(exp))
+    finally:
+        h.region.publish_complete(VERSION)
+        src.close()
+        region.close()
+
+
+def test_a_partial_holder_that_moves_on_voids_the_read(agents):
+    holders, rp, region, _, _, _ = _world(agents, "rows -> columns")
+    h = holders[0]
+    src = shm.ShmSource(h.region.endpoint().shm)
+    h.region.set_progress(1)
+    try:
+        rd = ReshardRead(region, rp, [x.placement for x in holders], version=VERSION,
+                         config=CFG.replace(source_stall_timeout_s=5.0))
+        import threading
+
+        t = threading.Timer(0.2, lambda: (h.region.set_progress(0), h.region.set_version(VERSION + 1)))
+        t.start()
+        from tensorhub.errors import TransferError
+        with pytest.raises(TransferError, match="version 4"):
+            rd.read(0, src)
+        t.join()
+        assert 0 not in rd.done
+    finally:
+        h.region.publish_complete(VERSION)
+        src.close()
+        region.close()
