@@ -80,9 +80,9 @@ _POLL_S = 0.05
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register ``tensorhub`` in both of vLLM's
-    weight-transfer factories (lazily, by module path: nothing of TensorHub is imported until an
-    engine is built). Idempotent: vLLM loads general plugins once per process, a test may call
-    it again."""
+    weight-transfer factories (by module path). Idempotent. vLLM loads general plugins in the
+    processes where it builds engines; a trainer process that runs none registers by importing
+    this module (which it does for :class:`TensorHubTrainerInitInfo`)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for factory, cls in ((WeightTransferEngineFactory, "TensorHubWeightTransferEngine"),
@@ -342,6 +342,33 @@ def _repack_tied_cpu_gemm(model: torch.nn.Module) -> None:
 # ---------------------------------------------------------------------------------- trainer side
 
 
+class LocalLLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` over ``vllm.LLM`` objects of this process (vLLM ships
+    HTTP and Ray actor clients): each call goes to every engine, one after another, so the later
+    ones may read from the earlier ones. ``engines`` may be replaced between updates (an update
+    of some engines only)."""
+
+    def __init__(self, *engines: Any) -> None:
+        self.engines = list(engines)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        for e in self.engines:
+            e.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        for e in self.engines:
+            e.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        for e in self.engines:
+            e.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        for e in self.engines:
+            e.finish_weight_update(weight_version)
+
+
+
 class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHubTrainerInitInfo]):
     """vLLM trainer side (the module docstring's table)."""
 
@@ -456,3 +483,6 @@ def _gcs_address() -> str:
         return ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - not in a Ray job: the engines use RAY_ADDRESS or "auto"
         return ""
+
+
+register()  # importing this module (e.g. for TensorHubTrainerInitInfo in a trainer that runs no engine) registers too

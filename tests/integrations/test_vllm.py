@@ -84,36 +84,13 @@ def _step(model, k: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
-class Client:
-    """vLLM's ``VLLMWeightSyncClient`` over offline ``LLM`` objects in this process, in order."""
-
-    def __init__(self, *llms: LLM) -> None:
-        self.llms = llms
-
-    def init_weight_transfer_engine(self, init_info):
-        for llm in self.llms:
-            llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self):
-        for llm in self.llms:
-            llm.start_weight_update()
-
-    def update_weights(self, update_info):
-        for llm in self.llms:
-            llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None):
-        for llm in self.llms:
-            llm.finish_weight_update(weight_version)
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2-tied"])
 def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind):
     trainer_model = _build(kind)
     llm = _engine(_save(trainer_model, tmp_path / "v-initial"))
     before = _greedy(llm)
     engine = WeightTransferTrainerFactory.trainer_init(
-        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=Client(llm),
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(llm),
         source=ModuleSource(trainer_model))
     saved = []
     try:
@@ -141,7 +118,7 @@ def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray
     path = _save(trainer_model, tmp_path / "init")
     a, b = _engine(path), _engine(path)
     engine = WeightTransferTrainerFactory.trainer_init(
-        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=Client(a, b),
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(a, b),
         source=ModuleSource(trainer_model))
     try:
         _step(trainer_model, 0)
@@ -151,7 +128,7 @@ def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray
         # the trainer publishes the next version and only engine A takes it; then the trainer
         # stops serving: B can get it only from A
         _step(trainer_model, 1)
-        engine.client = Client(a)
+        engine.client = thv.LocalLLMClient(a)
         v1 = engine.send_weights()
         assert v1 == v0 + 1
         engine.hub.unpublish()
@@ -170,7 +147,7 @@ def test_bad_init_and_update_info_are_typed_errors_and_the_engine_keeps_serving(
     llm = _engine(_save(trainer_model, tmp_path / "init"))
     before = _greedy(llm)
     engine = WeightTransferTrainerFactory.trainer_init(
-        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=Client(llm),
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(llm),
         source=ModuleSource(trainer_model))
     try:
         for bad, what in [({"model": ""}, "model must be"), ({"model": model_name, "nope": 1}, "nope"),
@@ -200,3 +177,21 @@ def test_the_plugin_registers_both_sides_once():
         thv.TensorHubInitInfo(model="")
     with pytest.raises(errors.BadVersionSpec):
         thv.TensorHubUpdateInfo(version="newest")
+
+
+def test_the_rl_example_with_vllm_rollouts_improves_its_reward(tmp_path):
+    """examples/vllm_rl.py: a trainer and two vLLM rollout actors on Ray; every step's weights
+    reach the engines through backend="tensorhub" (the example asserts the engines run the
+    version just published); the reward goes up."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "vllm_rl.py"), "--steps", "20", "--json"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(res["reward_curve"]) == 20
+    assert res["reward_last5"] > 2 * res["reward_first5"] and res["reward_last5"] > 0.1, res

@@ -45,6 +45,8 @@ def test_rl_loop_tensorhub_part_is_at_most_40_lines():
         sys.path.remove(str(EXAMPLES))
     n = rl_loop.tensorhub_loc(str(EXAMPLES / "rl_loop.py"))
     assert 0 < n <= 40, n
+    n = rl_loop.tensorhub_loc(str(EXAMPLES / "vllm_rl.py"))  # run in the vllm environment's tests
+    assert 0 < n <= 40, n
     # nothing of ours outside the markers but the import
     text = (EXAMPLES / "rl_loop.py").read_text()
     outside, inside = [], False

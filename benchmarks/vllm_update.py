@@ -1,0 +1,228 @@
+"""One weight update of a few-hundred-MB model into 1 and 2 real vLLM engines (CPU build), four ways.
+
+    python benchmarks/vllm_update.py --json [--reps 3] [--hidden 768 --layers 6]
+    (in the vllm environment: bash scripts/test vllm builds it; .venvs/vllm/bin/python ...)
+
+A Llama-shaped fp32 model (vocabulary 32000, GQA, untied head) is built with ``transformers`` in
+this process (the trainer) and served by vLLM engines (``LLM(..., weight_transfer_config=
+WeightTransferConfig(backend="tensorhub"))``, engine core and worker in their own processes).
+Each repetition changes the trainer's weights and moves them into the engines, every path in
+turn (the machine is shared and noisy: paths see the same moments):
+
+  tensorhub_checkpoint  TensorHub's backend, checkpoint-format path: ``send_weights()`` (copy into
+                        the registered staging buffer, publish, then start / update / finish on
+                        each engine: a verified read into the engine's buffer and ``load_weights``
+                        inside vLLM's layerwise reload). Engines updated one after another, so
+                        the second reads from the first or the trainer (the scheduler's choice)
+  reload_from_disk      ``save_pretrained`` (safetensors) then vLLM's own
+                        ``collective_rpc("reload_weights", weights_path=...)`` on each engine
+  object_store          ``ray.put`` of the state dict (its reference kept by an actor), then on each
+                        engine's worker ``ray.get`` and ``load_weights`` inside the layerwise
+                        reload (the naive framework path)
+  raw_replicate         the transport alone: a plain TensorHub handle in this process
+                        ``replicate()``-s the trainer's published version (same bytes), no engine
+
+``tensorhub_direct`` (vLLM's own parameters registered with their placements, read in place) is
+not built: it needs resharded reads planned by the server (issue 24). Per path: seconds per
+update for 1 and 2 engines (best repetition), bytes each engine received, and the peak resident
+memory an update added in the engine's worker process. Human lines go to stderr; the last stdout
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, _REPO)
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the JSON line only
+
+
+def say(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _mark(worker) -> int:
+    """In an engine's worker: reset the peak resident memory to now; the resident memory now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _peak(worker) -> int:
+    return _status("VmHWM")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _last_read_bytes(worker) -> int:
+    return sum(s.bytes for s in worker.weight_transfer_engine.last_reads)
+
+
+def _load_from_object_store(worker, store_name: str, namespace: str) -> None:
+    """In an engine's worker (a process that joined the cluster): the state dict the trainer put
+    in the object store, through the actor that holds its reference, then load_weights."""
+    import ray
+
+    from tensorhub.integrations.vllm import _load_checkpoint
+
+    store = ray.get_actor(store_name, namespace=namespace)
+    weights = ray.get(ray.get(store.get.remote())[0])
+    _load_checkpoint(worker.model_runner.model, worker.model_runner.model_config, list(weights.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    args = ap.parse_args()
+
+    import ray
+    import torch
+    import transformers
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import tensorhub
+    from tensorhub.integrations import vllm as thv
+
+    namespace = f"bench-vllm-{uuid.uuid4().hex[:6]}"
+    ray.init(num_cpus=8, namespace=namespace, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Store:
+        """Holds the trainer's object reference (a framework's driver or trainer actor would)."""
+
+        def __init__(self) -> None:
+            self.refs: list = []
+
+        def put(self, refs: list) -> None:
+            self.refs = refs
+
+        def get(self) -> list:
+            return self.refs
+
+    store = Store.options(name="bench-store", namespace=namespace).remote()
+    h = args.hidden
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=h * 8 // 3 // 64 * 64,
+                                   num_hidden_layers=args.layers, num_attention_heads=h // 64,
+                                   num_key_value_heads=max(1, h // 256), tie_word_embeddings=False,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    policy = transformers.LlamaForCausalLM(cfg)
+    model_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+    tmp = tempfile.mkdtemp(prefix="bench-vllm-")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    policy.save_pretrained(f"{tmp}/init")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(f"{tmp}/init")
+    say(f"model {model_bytes / 2**20:.0f} MiB; starting 2 engines")
+    engines = [LLM(model=f"{tmp}/init", dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=2,
+                   seed=0, weight_transfer_config=WeightTransferConfig(backend=thv.BACKEND)) for _ in range(2)]
+    model_name = f"bench-vllm-{uuid.uuid4().hex[:6]}"
+
+    trainer = WeightTransferTrainerFactory.trainer_init(thv.TensorHubTrainerInitInfo(model=model_name, rank=0),
+                                                        client=thv.LocalLLMClient(*engines), source=ModuleSource(policy))
+    plain = tensorhub.open(model_name, replica="bench-raw-reader")
+    plain.register([(n, torch.empty_like(t)) for n, t in trainer.buffer])
+    best: dict[str, float] = {}
+    received: dict[str, list[int]] = {}
+    extra: dict[str, int] = {}
+    g = torch.Generator().manual_seed(1)
+
+    def timed(key: str, n: int, fn) -> None:
+        marks = [e.collective_rpc(_mark)[0] for e in engines[:n]]
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        peaks = [e.collective_rpc(_peak)[0] for e in engines[:n]]
+        extra[key] = max(extra.get(key, 0), *(p - m for p, m in zip(peaks, marks)))
+        best[key] = min(best.get(key, float("inf")), dt)
+
+    try:
+        for rep in range(args.reps):
+            for n in (1, 2):
+                with torch.no_grad():
+                    for p in policy.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+                trainer.client = thv.LocalLLMClient(*engines[:n])
+                timed(f"tensorhub_checkpoint/{n}", n, trainer.send_weights)
+                received[f"tensorhub_checkpoint/{n}"] = [e.collective_rpc(_last_read_bytes)[0] for e in engines[:n]]
+                t0 = time.perf_counter()
+                plain.update(trainer.version)
+                best[f"raw_replicate/{n}"] = min(best.get(f"raw_replicate/{n}", float("inf")),
+                                                 (time.perf_counter() - t0) * n)
+
+                def from_disk(n=n):
+                    path = f"{tmp}/rep{rep}-{n}"
+                    policy.save_pretrained(path)
+                    for e in engines[:n]:
+                        e.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                timed(f"reload_from_disk/{n}", n, from_disk)
+
+                def from_object_store(n=n):
+                    ref = ray.put({k: v.detach() for k, v in policy.state_dict().items()})
+                    ray.get(store.put.remote([ref]))  # in a list: the reference, not its value
+                    for e in engines[:n]:
+                        e.collective_rpc(_load_from_object_store, args=("bench-store", namespace))
+                timed(f"object_store/{n}", n, from_object_store)
+            say(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v:.3f}s" for k, v in sorted(best.items())))
+        sample = engines[0].generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4),
+                                     use_tqdm=False)
+        assert sample and sample[0].outputs[0].token_ids
+    finally:
+        plain.close(drop_last_copy=True)
+        for e in engines:
+            e.shutdown_weight_transfer_engine()  # the engines' handles leave before the cluster goes
+        trainer.shutdown()
+        trainer.client = None
+        engines.clear()
+        gc.collect()  # the engines' processes end here
+        ray.shutdown()
+
+    paths = ("tensorhub_checkpoint", "reload_from_disk", "object_store", "raw_replicate")
+    out = {"bench": "vllm_update", "reps": args.reps, "model_bytes": model_bytes, "engines": [1, 2],
+           "seconds": {p: {str(n): round(best[f"{p}/{n}"], 4) for n in (1, 2)} for p in paths},
+           "bytes_received_per_engine": {k: v for k, v in received.items()},
+           "extra_memory_per_engine": {p: {str(n): extra.get(f"{p}/{n}") for n in (1, 2)} for p in paths[:3]},
+           "tensorhub_direct": "not built: needs resharded reads planned by the server (issue 24)",
+           "load_avg": os.getloadavg()[0]}
+    for n in (1, 2):
+        th = best[f"tensorhub_checkpoint/{n}"]
+        out[f"disk_over_tensorhub_{n}"] = round(best[f"reload_from_disk/{n}"] / th, 2)
+        out[f"object_store_over_tensorhub_{n}"] = round(best[f"object_store/{n}"] / th, 2)
+        out[f"tensorhub_over_raw_replicate_{n}"] = round(th / best[f"raw_replicate/{n}"], 2)
+        out[f"extra_memory_ratio_{n}"] = round(extra[f"tensorhub_checkpoint/{n}"] / model_bytes, 4)
+    out["goals"] = {"disk_over_tensorhub": 5.0, "extra_memory_ratio": 0.01,
+                    "tensorhub_direct_over_raw_replicate": 1.2}
+    say(json.dumps(out, indent=1))
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
