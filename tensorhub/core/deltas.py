@@ -24,22 +24,11 @@ Rules:
 
 from __future__ import annotations
 
-import dataclasses
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import Node
 from tensorhub.core.table import Table
 from tensorhub.errors import DeltaPending, InvalidState, OutOfBounds, VersionNotFound
-
-
-@dataclasses.dataclass(frozen=True)
-class Offer:
-    client_id: str
-    version: int
-    base: int
-    endpoint: bytes
-    nbytes: int
-    capacity: int
 
 
 class Deltas:
@@ -48,8 +37,8 @@ class Deltas:
 
     def __init__(self, table: Table) -> None:
         self.table = table
-        self.offers: dict[tuple[str, int], Offer] = {}
-        """(model, shard) -> the newest offer."""
+        self.offers: dict[tuple[str, int], m.OfferDelta] = {}
+        """(model, shard) -> the newest offer (its request, from ``node``: the gate checked who)."""
 
     def on_offer(self, node: Node, req: m.OfferDelta) -> m.Reply:
         if node.version != req.version:
@@ -58,8 +47,7 @@ class Deltas:
             raise OutOfBounds(f"a delta of version {req.version} against base {req.base}: the base must be older")
         if req.capacity > node.layout.total_bytes:
             raise OutOfBounds(f"a delta buffer of {req.capacity} bytes for a shard of {node.layout.total_bytes}")
-        self.offers[(node.model, node.shard)] = Offer(node.id, req.version, req.base, req.endpoint, req.nbytes,
-                                                      req.capacity)
+        self.offers[(node.model, node.shard)] = req
         return m.Ok()
 
     def on_find(self, node: Node, req: m.FindDelta) -> m.Reply:

@@ -11,7 +11,6 @@ falls back to the full seed and the staging copy holds exactly the trainer's ver
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -19,6 +18,7 @@ from tensorhub.config import Config
 from tensorhub.handle import deltas as hd
 from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
+from tests.handle.test_crossdc import _staged, _wait
 
 CFG = Config(unit_bytes=64 << 10, heartbeat_interval_s=0.1, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
              same_host=False, versions_retained=3, seed_deltas=True)
@@ -35,16 +35,6 @@ def _hub(port, dc, config=CFG, **kw):
     return inproc.open_hub(port, config=config, spec=SPEC, datacenter=dc, **kw)
 
 
-def _wait(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def _staged(hub, version):
-    stage = hub.staging
-    return stage is not None and stage.version == version
 
 
 def _step(trainer, tt, version):

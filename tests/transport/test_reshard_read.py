@@ -72,6 +72,13 @@ def _world(agents, case, dtype="float32", copy=0):
     return holders, rp, region, truth, grid, sums
 
 
+def _sources(agents, holders, tier):
+    """Holder shard -> an open source of it: NIXL (``tier`` "nixl") or its memory mapped here."""
+    if tier == "nixl":
+        return {i: open_source(h.region.endpoint(), agent=agents[0][1]) for i, h in enumerate(holders)}
+    return {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
+
+
 def _unit_bytes_equal(region, truth, unit) -> bool:
     for piece in unit:
         got = _bytes(region.tensors[piece.tensor_index])[piece.offset:piece.offset + piece.nbytes]
@@ -86,11 +93,7 @@ def _unit_bytes_equal(region, truth, unit) -> bool:
                                   "uneven -> columns", "rows -> rows (2 -> 3)", "rows -> rows (same)"])
 def test_a_reader_reshards_from_every_holder_shard_checks_its_cells_and_holds_its_own_placement(agents, case, tier):
     holders, rp, region, truth, grid, sums = _world(agents, case)
-    made = agents[0]
-    if tier == "nixl":
-        sources = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(holders)}
-    else:
-        sources = {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
+    sources = _sources(agents, holders, tier)
     try:
         rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
         assert rd.units_done() == 0
@@ -222,11 +225,7 @@ def test_a_placement_whose_tensor_is_whole_reads_it_as_one_run(agents):
 @pytest.mark.parametrize("case", ["rows -> fused qkv TP=2", "columns -> quarters", "uneven -> columns"])
 def test_run_overlaps_the_hashing_with_the_reads_and_publishes_the_same_checksums(agents, case, tier):
     holders, rp, region, truth, grid, sums = _world(agents, case)
-    made = agents[0]
-    if tier == "nixl":
-        sources = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(holders)}
-    else:
-        sources = {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
+    sources = _sources(agents, holders, tier)
     try:
         rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
         # batches smaller than most tensors: one per tensor or so, hashed while the next is read
