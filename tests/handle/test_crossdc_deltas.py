@@ -11,7 +11,6 @@ falls back to the full seed and the staging copy holds exactly the trainer's ver
 
 from __future__ import annotations
 
-
 import pytest
 
 from tensorhub.config import Config
