@@ -54,6 +54,17 @@ class Config:
     is found within ``pulse_hold_s + lease_timeout_s`` (on a server that is behind, longer:
     ``lease_stretch_max_s``). 0: no holding, one pulse per
     ``heartbeat_interval_s``."""
+    noop_staleness_s: float = 10.0
+    """No-op updates answered locally: the server pushes every change of a model's newest
+    readable version to the model's handles (``Newest``, on their held pulses), and a handle
+    that publishes the newest version it was told of answers ``update("latest")`` as a no-op
+    without a call while that knowledge is at most this old -- it counts from the moment the
+    server answered the pulse that brought it, so a delayed push or a slow server never makes a
+    local answer staler than this. The server holds pulses at most ``noop_staleness_s - 2 *
+    heartbeat_interval_s`` (:attr:`pulse_hold_max_s`) so a live handle's knowledge is renewed
+    before it runs out. Shards of sharded replicas always ask (their rounds are transactions
+    the server resolves; docs/design.md, "No-op updates answered locally"). 0: every update
+    asks the server (pulses held ``pulse_hold_s``)."""
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
     lease_stretch_max_s: float = 60.0
@@ -213,12 +224,23 @@ class Config:
         need(self.server_tick_s > 0, "server_tick_s must be > 0")
         need(self.liveness_check_s >= 0, "liveness_check_s must be >= 0")
         need(self.pulse_hold_s >= 0, "pulse_hold_s must be >= 0")
+        need(self.noop_staleness_s == 0 or self.noop_staleness_s >= 3 * self.heartbeat_interval_s,
+             "noop_staleness_s must be 0 (off) or >= 3 * heartbeat_interval_s")
         need(self.lease_stretch_max_s >= 0, "lease_stretch_max_s must be >= 0")
         need(self.register_shed_s >= 0, "register_shed_s must be >= 0")
         need(0 < self.seed_delta_ratio_max <= 1, "seed_delta_ratio_max must be within (0, 1]")
         need(self.seed_delta_wait_s >= 0, "seed_delta_wait_s must be >= 0")
         need(isinstance(self.model_secret, str) and len(self.model_secret) <= 4096,
              "model_secret must be a str of at most 4096 characters")
+
+    @property
+    def pulse_hold_max_s(self) -> float:
+        """The longest a pulse is held: ``pulse_hold_s``, and with local no-op answers
+        (``noop_staleness_s`` > 0) at most ``noop_staleness_s - 2 * heartbeat_interval_s``, so that
+        an idle handle hears from its server before what it knows of the versions goes stale."""
+        if self.noop_staleness_s <= 0:
+            return self.pulse_hold_s
+        return min(self.pulse_hold_s, self.noop_staleness_s - 2 * self.heartbeat_interval_s)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

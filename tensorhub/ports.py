@@ -128,7 +128,7 @@ class LocalPort:
         reply = self.gate.answered(self.core, signed, reply)
         self.keys.answered(signed, reply, self.config.model_secret)
         self._wake(woken)
-        hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_s)
+        hold_s = holdable(request, reply, wait_s, self.config.pulse_hold_max_s)
         if hold_s:
             behind = self.backlog.behind_s(time.monotonic())
             return self._hold(request, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
@@ -158,7 +158,7 @@ class LocalPort:
     def _hold(self, pulse: m.Pulse, hold_s: float) -> m.PulseReply:
         """Keep an idle process's pulse (the caller holds the lock) until an event, a release
         or ``hold_s``; ticks every ``server_tick_s`` meanwhile (:class:`PulseHolds`)."""
-        hold = self.holds.start(pulse, self.core, time.monotonic() + hold_s)
+        hold = self.holds.start(pulse, self.core, time.monotonic() + hold_s, time.monotonic())
         core = self.core
         while not hold.over and self.core is core:
             left = hold.deadline - time.monotonic()
@@ -169,7 +169,7 @@ class LocalPort:
                 self._tick()
         if self.core is not core:  # restarted while held: as a dead actor, every handle unknown
             return m.PulseReply(unknown=hold.client_ids)
-        return self.holds.answer(hold, self.core, self.mail)
+        return self.holds.answer(hold, self.core, self.mail, time.monotonic())
 
     def notes(self, client_id: str) -> list:
         """The client's background events; Unauthorized without its capability."""

@@ -17,7 +17,9 @@ publish, unpublish, close), :attr:`~HandleMachine.replicating`
 :attr:`~HandleMachine.read` (:mod:`~tensorhub.core.handle_read`: the read in progress). This
 module keeps the one entry point (:meth:`HandleMachine.handle`, dispatching each event to its
 part), what the handle announces (:meth:`HandleMachine.holding`), the server's background notes
-and how an operation ends (rules 3 and 6).
+and how an operation ends (rules 3 and 6). What the handle knows of its model's newest version is
+:attr:`~HandleMachine.view` (:mod:`~tensorhub.core.handle_view`: ``Viewed`` events feed it; a
+no-op ``update("latest")`` it can answer ends at ``Start``, rule 9).
 
 Rules, in the order they are applied (each stated in full where it lives):
 
@@ -59,6 +61,10 @@ Rules, in the order they are applied (each stated in full where it lives):
    the model remain, is refused by the server (``LastCopyHeld``): the handle stays open and keeps
    serving its host copy; ``close(drop_last_copy=True)`` drops it
    (:mod:`~tensorhub.core.handle_offer`).
+9. A no-op ``update("latest")`` of a handle that publishes the newest version it was told of,
+   while that knowledge is fresh (``noop_staleness_s``), ends at once with ``Done`` (``noop``,
+   ``local``), no request sent; it counts its round like any call
+   (:mod:`~tensorhub.core.handle_view`, :mod:`~tensorhub.core.handle_replicate`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from tensorhub.core.handle_offer import Offering
 from tensorhub.core.handle_read import Read
 from tensorhub.core.handle_replicate import Replicating
 from tensorhub.core.handle_state import HandleState, Step
+from tensorhub.core.handle_view import View, Viewed, viewed
 from tensorhub.core.handle_io import (  # re-exported: the machine's vocabulary
     Phase, RegisterOp, PublishOp, UnpublishOp, ReplicateOp, CloseOp, Op, LEGAL, Start, Replied,
     Unavailable, Rechecked, Pulled, Offloaded, TimerFired, Interrupted, Noted, Event, Send,
@@ -83,7 +90,7 @@ __all__ = [
     "Phase", "RegisterOp", "PublishOp", "UnpublishOp", "ReplicateOp", "CloseOp", "Op", "LEGAL",
     "Start", "Replied", "Unavailable", "Rechecked", "Pulled", "Offloaded", "TimerFired",
     "Interrupted", "Noted", "Event", "Send", "Reconnect", "Sleep", "SetRegion", "Recheck", "Pull",
-    "Offload", "DropHost", "Outcome", "Done", "Fail", "Command", "AWAITING",
+    "Offload", "DropHost", "Outcome", "Done", "Fail", "Command", "AWAITING", "View", "Viewed", "viewed",
 ]
 
 
@@ -127,17 +134,20 @@ class HandleMachine:
     incomplete_wait_s = _Shared()
 
     def __init__(self, client_id: str, *, request_timeout_s: float, reconnects_max: int, failovers_max: int,
-                 unit_count: int = 0) -> None:
+                 unit_count: int = 0, noop_staleness_s: float = 0.0) -> None:
         self.state = HandleState(client_id, request_timeout_s=request_timeout_s, reconnects_max=reconnects_max,
                                  failovers_max=failovers_max, unit_count=unit_count)
         """What the machine and its parts share (:mod:`tensorhub.core.handle_state`)."""
+        self.view = View(noop_staleness_s)
+        """The model's newest version as the server told it, and until when a no-op
+        ``update("latest")`` is answered from it (:mod:`tensorhub.core.handle_view`; 0: never)."""
         self.read = Read(client_id, request_timeout_s=request_timeout_s, failovers_max=failovers_max)
         """The read in progress of a replicate/update call (:mod:`tensorhub.core.handle_read`)."""
         self.offering = Offering(self.state, send=self._send, end=self._end, fail_reply=self._fail_reply)
         """Register, publish, unpublish, close (:mod:`tensorhub.core.handle_offer`)."""
         self.replicating = Replicating(
             self.state, self.read, replicate_request=self.replicate_request, send=self._send, end=self._end,
-            fail=self._fail, fail_reply=self._fail_reply, offload=self.offering.offload)
+            fail=self._fail, fail_reply=self._fail_reply, offload=self.offering.offload, view=self.view)
         """A replicate/update call (:mod:`tensorhub.core.handle_replicate`)."""
         self.link = Link(
             self.state, self.read, announce_request=self.announce_request, replicate_request=self.replicate_request,
@@ -229,6 +239,9 @@ class HandleMachine:
                 return self._noted(ev)
             case Interrupted(message):
                 return self._interrupted(message)
+            case Viewed():
+                self.view.viewed(event)
+                return []
         if self.state.op is None:
             raise AssertionError(f"{self.state.client_id}: {event!r} with no operation in progress")
         match event:

@@ -248,6 +248,8 @@ class Outcome:
     """unpublish: the version that was published (the driver's mutability check)."""
     in_flight: int = -1
     """Reads: smart skipping chose ``version``; this newer one is still seeding (-1: no skip)."""
+    local: bool = False
+    """A no-op ``update("latest")`` answered without a call (:mod:`tensorhub.core.handle_view`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,8 @@ class Members:
         """model -> host copies."""
         self._lease: dict[str, None] = {}
         """Clients (host copies excluded) in the order they were last heard from, oldest first."""
+        self._clients: dict[str, dict[str, None]] = {}
+        """model -> its clients (host copies excluded), in registration order."""
 
     @property
     def registrations(self) -> int:
@@ -71,6 +73,10 @@ class Members:
     def clients_in(self, model: str) -> int:
         """Clients of ``model`` (host copies excluded)."""
         return self._model_nodes[model] - self._model_hosts[model]
+
+    def clients_of(self, model: str) -> list[str]:
+        """The clients of ``model`` (host copies excluded), in registration order."""
+        return list(self._clients.get(model, ()))
 
     def check(self, req: m.Register) -> None:
         """Raise if ``req`` cannot register (nothing changes either way)."""
@@ -112,6 +118,7 @@ class Members:
         self._replica_back(node.model, node.replica_id)
         self._model_nodes[node.model] += 1
         self._lease[node.id] = None
+        self._clients.setdefault(node.model, {})[node.id] = None
         table.index.mark(node)
         return node
 
@@ -163,6 +170,10 @@ class Members:
             self._replica_gone(node.model, node.replica_id, table.now)
         self._replica_changed(node.model, node.replica_id, node.num_shards)
         del self._lease[node.id]
+        clients = self._clients[node.model]
+        del clients[node.id]
+        if not clients:
+            del self._clients[node.model]
 
     def forget_empty_models(self) -> None:
         """Models with no node left are forgotten."""

@@ -408,6 +408,16 @@ class SeedAhead(_Msg, frozen=True):
     version: int
 
 
+class Newest(_Msg, frozen=True):
+    """Background: the model's newest readable version is now ``version`` (-1: none): a commit
+    made a newer one readable, or the newest was withdrawn (lost, past retention, its last
+    holder of some shard gone). Sent to every handle of the model when it changes, and to a
+    handle when it registers; a handle that publishes it answers ``update("latest")`` locally
+    while what it knows is fresh (``Config.noop_staleness_s``, :mod:`tensorhub.core.handle_view`)."""
+
+    version: int
+
+
 class DropHostCopy(_Msg, frozen=True):
     """A host copy of ``version`` is no longer needed (past retention); free it."""
 
@@ -493,7 +503,7 @@ class Status(_Msg, frozen=True):
 
 
 Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted,
-              Demoted]
+              Demoted, Newest]
 
 
 class PulseReply(_Msg, frozen=True):
@@ -504,6 +514,20 @@ class PulseReply(_Msg, frozen=True):
     notes: dict[str, list[Event]] = {}
     acks: dict[str, int] = {}
     """Per handle in ``notes``: the number of its newest event there (the next beat's ``acked``)."""
+    held_s: float = 0.0
+    """How long the server held the pulse before this answer (0: answered on arrival). The
+    answer left at least this long after the pulse was sent, so what it brings is current as of
+    the pulse's sending plus ``held_s`` on the handle's clock (``Viewed``)."""
+    view_s: float = 0.0
+    """For how long after that what this answer brings may serve local no-op answers
+    (``update("latest")``: the server's ``noop_staleness_s``; 0: not at all, e.g. a server
+    older than them, or one inside its recovery window)."""
+
+    def __repr__(self) -> str:
+        # Without held_s when not held, as it read before it existed.
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
+                          if f not in ("held_s", "view_s") or getattr(self, f))
+        return f"PulseReply({shown})"
 
 
 Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply, DeltaAt]
@@ -519,7 +543,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Union[Request, Signed])
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, PulseReply, DeltaAt,
+    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, Newest, PulseReply, DeltaAt,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

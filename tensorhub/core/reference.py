@@ -75,6 +75,7 @@ from tensorhub.core.recovery import Recovery
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import Rounds
 from tensorhub.core.versions import Versions
+from tensorhub.core.views import Views
 from tensorhub.core.table import Key, Table
 from tensorhub.core.state import LEGAL, Node, NodeState
 from tensorhub.errors import (
@@ -130,6 +131,10 @@ class ReferenceCore:
                                seed_pending=self.crossdc.seed_pending,
                                recovering=lambda: self.table.now < self.recovery.until)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
+        self.views = Views(self.table, available=self.versions.available,
+                           clients_of=lambda model: self.members.clients_of(model),
+                           recovering=lambda: self.table.now < self.recovery.until)
+        """Pushes of each model's newest version for local no-op answers (:mod:`tensorhub.core.views`)."""
         self.rounds = Rounds(self.table, resolve=self.versions.resolve, available=self.versions.available,
                              stop_reading=self.reading.stop, describe=self._describe,
                              recovering_until=lambda: self.recovery.until)
@@ -201,7 +206,8 @@ class ReferenceCore:
         except TensorHubError as err:
             assert not self.table.effects, "a rejected request must not have effects"
             return m.ErrorReply(code=code_of(err), message=str(err)), []
-        self._settle()
+        node = self.nodes.get(getattr(req, "client_id", None) or getattr(getattr(req, "register", None), "client_id", ""))
+        self._settle(node.model if node is not None else None)
         effects = self.table.take_effects()
         client_id = getattr(req, "client_id", None)
         if isinstance(reply, m.Waiting) and client_id is not None:
@@ -222,7 +228,9 @@ class ReferenceCore:
             case m.Register():
                 return self._on_Register(req, now)
             case m.Announce():
-                return self.recovery.on_Announce(req, now)
+                reply = self.recovery.on_Announce(req, now)
+                self.views.announced(req.register.client_id)
+                return reply
             case m.Heartbeat():
                 return m.Ok()
             case m.Query():
@@ -325,6 +333,12 @@ class ReferenceCore:
         out. Walks the lease order from its oldest end: nothing to walk when all are current."""
         return self.members.overdue(now, after_s, limit)
 
+    def pulse_answered(self, client_ids, now: float) -> float:
+        """A pulse of ``client_ids`` is answered at ``now`` (on arrival or after a hold): what it
+        brings may serve local no-op answers for the returned seconds (``PulseReply.view_s``; 0:
+        not at all; :meth:`tensorhub.core.views.Views.answered`)."""
+        return self.views.answered(client_ids, now)
+
     def touch(self, client_ids, now: float) -> None:
         """Count ``client_ids`` as heard from at ``now`` for their lease (the server holds their
         process's pulse: the process is waiting on us). Not a proof that the process is alive
@@ -400,6 +414,7 @@ class ReferenceCore:
                 raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
                                        f"are still re-announcing; retry")
         self.members.add(req, now)
+        self.views.joined(req.client_id)
         mod = self.models[req.model]
         if not req.stage_for and mod.committed:
             asked = mod.seed_asked.get(req.datacenter)
@@ -409,8 +424,9 @@ class ReferenceCore:
 
     # ------------------------------------------------------------------ the end of a request or tick
 
-    def _settle(self) -> None:
-        """Assign waiting readers of every touched group, FIFO; fail readers of lost versions."""
+    def _settle(self, model: Optional[str] = None) -> None:
+        """Assign waiting readers of every touched group, FIFO; fail readers of lost versions;
+        push a changed newest version of every touched model (and ``model``, the request's)."""
         table = self.table
         if table.reseed:  # first: a new seed entry may release readers waiting for an old one
             todo, table.reseed = sorted(table.reseed), set()
@@ -424,6 +440,7 @@ class ReferenceCore:
             for key in keys:
                 self.reading.pump(key)
         self.versions.drop_lost(seen)
+        self.views.settle({k[0] for k in seen} | ({model} if model is not None else set()))
         if table.removed:
             # A removed client gets nothing from this request but its eviction (one pass
             # here, not one per removal: a death wave of k clients filters once, not k times).

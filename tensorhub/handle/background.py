@@ -87,16 +87,20 @@ class Background:
             return None
         return m.Beat(self.client_id, region.progress if reading else -1, acked=self._notes_acked)
 
-    def after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
+    def after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True,
+                   viewed: Optional[hm.Viewed] = None) -> None:
         """The pulse's answer for this handle: announce again if the server does not know it,
         then apply the background events it brought (numbered up to ``acked``: the next beat
-        acknowledges them; one that comes again, its reply having been lost, is done already)."""
+        acknowledges them; one that comes again, its reply having been lost, is done already)
+        and what it says of the model's newest version (``viewed``, before the next beat)."""
         if self._stopped.is_set():
             return
         with self._notes_lock:
             # Events the server sent before it forgot this handle come first (a host copy it
             # dropped must not be announced again).
             self._apply(notes, in_call=False)
+            if viewed is not None:
+                self._feed(viewed)
             with self._mlock:
                 reading = self._machine.reading
             # No call in flight (that call re-announces itself): the user lock is free.

@@ -74,7 +74,8 @@ class Driver:
         self._port = port
         self._config = config
         self.machine = hm.HandleMachine(handle.client_id, request_timeout_s=config.request_timeout_s,
-                                        reconnects_max=config.reconnects_max, failovers_max=config.failovers_max)
+                                        reconnects_max=config.reconnects_max, failovers_max=config.failovers_max,
+                                        noop_staleness_s=config.noop_staleness_s)
         self.lock = threading.Lock()
         """The machine: user thread and pulse thread."""
         self.t_assigned = 0.0

@@ -489,13 +489,14 @@ class Hub:
         return self.config.heartbeat_interval_s
 
     def _pulse_hold(self) -> float:
-        return self.config.pulse_hold_s
+        return self.config.pulse_hold_max_s
 
     def _beat(self) -> Optional[m.Beat]:
         return self._background.beat()
 
-    def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
-        self._background.after_beat(known, notes, acked, may_announce)
+    def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True,
+                    viewed: Optional[hm.Viewed] = None) -> None:
+        self._background.after_beat(known, notes, acked, may_announce, viewed)
 
     def _release(self) -> None:
         if self._offers is not None:

@@ -34,6 +34,7 @@ from typing import Hashable, Optional, Protocol
 
 from tensorhub import errors
 from tensorhub.core import messages as m
+from tensorhub.core.handle_view import viewed
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,11 @@ class Member(Protocol):
     def _beat(self) -> Optional[m.Beat]:
         """This interval's heartbeat (None: nothing to say yet, e.g. not registered)."""
 
-    def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True) -> None:
-        """The server's answer for this handle: known or not, its background events, and
-        whether this reply may announce it again (the liveness stream's may)."""
+    def _after_beat(self, known: bool, notes: list, acked: int = -1, may_announce: bool = True,
+                    viewed: Optional[object] = None) -> None:
+        """The server's answer for this handle: known or not, its background events, whether
+        this reply may announce it again (the liveness stream's may), and what it says of the
+        model's newest version (a :class:`tensorhub.core.handle_view.Viewed`; None: nothing)."""
 
     def _beat_interval(self) -> float:
         """The heartbeat interval this handle was configured with."""
@@ -165,6 +168,7 @@ class Pulse:
         by_id = {b.client_id: x for x, b in beats}
         port = beats[0][0]._port
         self.calls += 1
+        sent_at = time.monotonic()  # the machine's clock: what the answer brings is current as of then + held_s
         try:
             reply = port.call(m.Pulse(beats=tuple(b for _, b in beats)), hold)
         except errors.ServerUnavailable:
@@ -179,7 +183,7 @@ class Pulse:
         for cid, x in by_id.items():
             try:
                 x._after_beat(cid not in unknown, list(reply.notes.get(cid, ())), reply.acks.get(cid, -1),
-                              may_announce=announce)
+                              may_announce=announce, viewed=viewed(reply, cid, sent_at))
             except Exception:  # noqa: BLE001 - one member's trouble is not the others'
                 log.warning("handle %s: handling its pulse failed", cid, exc_info=True)
 

@@ -152,7 +152,7 @@ class ReferenceServer:
             ev = await self._wait_terminal(client_id, time.monotonic() + wait_s)
             if ev is not None:
                 reply = ev
-        elif hold_s := holdable(req, reply, wait_s, self.config.pulse_hold_s):
+        elif hold_s := holdable(req, reply, wait_s, self.config.pulse_hold_max_s):
             behind = self._backlog.behind_s(time.monotonic())
             reply = await self._hold(req, busy_hold(hold_s, behind, self.config.heartbeat_interval_s,
                                                     self.config.request_timeout_s))
@@ -174,14 +174,14 @@ class ReferenceServer:
         (:class:`~tensorhub.server.requests.PulseHolds`). A hold that runs out stamps its handles as heard
         from now: the process was waiting on us until the answer leaves, and its next pulse
         gets a whole lease (plus the server's backlog) to arrive."""
-        hold = self._holds.start(pulse, self.core, time.monotonic() + hold_s)
+        hold = self._holds.start(pulse, self.core, time.monotonic() + hold_s, time.monotonic())
         hold.waker = asyncio.Event()
         try:
             await asyncio.wait_for(hold.waker.wait(), timeout=hold_s)
         except asyncio.TimeoutError:
             if not hold.over:  # not released meanwhile (a released hold stops counting at once)
                 self.core.touch(hold.client_ids, time.monotonic())
-        return self._holds.answer(hold, self.core, self.mail)
+        return self._holds.answer(hold, self.core, self.mail, time.monotonic())
 
     async def probe(self, token: int) -> None:
         """The server's own call to itself, through the queue its clients' calls wait in: read

@@ -23,7 +23,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 
 TERMINAL = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed, m.Evicted)
-BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted, m.Demoted)
+BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted, m.Demoted, m.Newest)
 
 
 EVICTED_MAILBOXES_MAX = 1024
@@ -63,6 +63,9 @@ class Mailboxes:
         for eff in effects:
             if isinstance(eff.event, TERMINAL):
                 self.terminal[eff.client_id].append(eff.event)
+            if isinstance(eff.event, m.Newest):
+                # Only the newest news counts: an older one still waiting is superseded.
+                self._keep(eff.client_id, lambda e: not isinstance(e, m.Newest))
             if isinstance(eff.event, BACKGROUND):
                 self._seq += 1
                 self.background[eff.client_id].append((self._seq, eff.event))
@@ -116,8 +119,15 @@ class Mailboxes:
         return None
 
     def pop_background(self, client_id: str) -> list:
-        """Take ``client_id``'s background events, acknowledged or not (the ``notes`` poll)."""
-        return [e for _, e in self.background.pop(client_id, [])]
+        """Take ``client_id``'s background events, acknowledged or not (the ``notes`` poll) -- but
+        a ``Newest``: it stays for the next pulse answer, which carries its number and the
+        answer's freshness (:mod:`tensorhub.core.handle_view`); taken here it would be lost to
+        the handle's view."""
+        q = self.background.pop(client_id, [])
+        kept = [(n, e) for n, e in q if isinstance(e, m.Newest)]
+        if kept:
+            self.background[client_id] = kept
+        return [e for _, e in q if not isinstance(e, m.Newest)]
 
     def _keep(self, client_id: str, keep) -> None:
         q = self.background.get(client_id)
@@ -142,12 +152,15 @@ class Mailboxes:
 class Hold:
     """One process's pulse held by the server (see :class:`PulseHolds`)."""
 
-    __slots__ = ("client_ids", "process", "deadline", "over", "waker")
+    __slots__ = ("client_ids", "process", "deadline", "over", "waker", "since")
 
-    def __init__(self, client_ids: tuple[str, ...], process: Optional[m.ProcessId], deadline: float) -> None:
+    def __init__(self, client_ids: tuple[str, ...], process: Optional[m.ProcessId], deadline: float,
+                 since: float = 0.0) -> None:
         self.client_ids = client_ids
         self.process = process
         self.deadline = deadline
+        self.since = since
+        """When the hold began (the answer says how long it held: ``PulseReply.held_s``)."""
         self.over = False
         """Released or answered: its handles no longer count as heard from."""
         self.waker = None
@@ -179,11 +192,11 @@ class PulseHolds:
         self.of: dict[str, Hold] = {}
         self.by_process: dict[m.ProcessId, Hold] = {}
 
-    def start(self, pulse: m.Pulse, core: ReferenceCore, deadline: float) -> Hold:
+    def start(self, pulse: m.Pulse, core: ReferenceCore, deadline: float, now: float) -> Hold:
         cids = tuple(b.client_id for b in pulse.beats)
         first = core.nodes.get(cids[0]) if cids else None
         proc = first.process if first is not None and (first.process.pid or first.process.worker_id) else None
-        hold = Hold(cids, proc, deadline)
+        hold = Hold(cids, proc, deadline, since=now)
         for cid in cids:
             old = self.of.get(cid)
             if old is not None:
@@ -242,9 +255,10 @@ class PulseHolds:
         """The handles whose pulse is held now."""
         return list(self.of)
 
-    def answer(self, hold: Hold, core: ReferenceCore, mail: "Mailboxes") -> m.PulseReply:
-        """The reply to a hold that is over: each handle's background events, and the handles
-        the server no longer knows (declared dead while held: they announce again)."""
+    def answer(self, hold: Hold, core: ReferenceCore, mail: "Mailboxes", now: float) -> m.PulseReply:
+        """The reply to a hold that is over at ``now``: each handle's background events, the
+        handles the server no longer knows (declared dead while held: they announce again), how
+        long it held and how long what it brings may serve local no-op answers."""
         self.end(hold)
         unknown, notes, acks = [], {}, {}
         for cid in hold.client_ids:
@@ -254,7 +268,9 @@ class PulseHolds:
             events, last = mail.take_background(cid)
             if events:
                 notes[cid], acks[cid] = events, last
-        return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks)
+        view_s = core.pulse_answered([c for c in hold.client_ids if c not in unknown], now)
+        return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks, held_s=max(0.0, now - hold.since),
+                            view_s=view_s)
 
 
 class Backlog:
@@ -360,7 +376,8 @@ def shed_register(request: m.Request, core: ReferenceCore, behind_s: float, conf
 
 def holdable(request: m.Request, reply: object, wait_s: float, hold_max_s: float) -> float:
     """How long a server may hold ``request`` after answering it with ``reply`` (0: answer
-    now): a pulse asked to wait (``wait_s``), up to the server's ``pulse_hold_s``, that brought
+    now): a pulse asked to wait (``wait_s``), up to the server's ``hold_max_s``
+    (``Config.pulse_hold_max_s``), that brought
     nothing to answer and carries no read progress."""
     if (not isinstance(request, m.Pulse) or wait_s <= 0 or hold_max_s <= 0 or not request.beats
             or not isinstance(reply, m.PulseReply) or reply.unknown or reply.notes
@@ -425,4 +442,5 @@ def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: floa
             events = [failed[beat.client_id], *events]
         if events:
             notes[beat.client_id] = events
-    return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks), woken
+    view_s = core.pulse_answered([b.client_id for b in pulse.beats if b.client_id not in unknown], now)
+    return m.PulseReply(unknown=tuple(unknown), notes=notes, acks=acks, view_s=view_s), woken

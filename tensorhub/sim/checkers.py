@@ -47,6 +47,9 @@ would), every physical memory write of a client, every finished operation, and t
                    again (the one retry a lost version gets) or when the server has no version
                    available: a read that failed (even one whose every byte landed, its source
                    dead) must not fail the update while an older retained version is held.
+(t) ``fresh``      a no-op update answered locally names the newest version its handle was told
+                   of, and one that was the model's newest readable within
+                   ``noop_staleness_s`` (:mod:`tensorhub.sim.freshness`).
 (j)-(n)            need the core's table before and after a step: :mod:`tensorhub.sim.observer`.
 """
 
@@ -56,6 +59,7 @@ from typing import Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core.state import NodeState
+from tensorhub.sim.freshness import NoopFreshnessChecker
 from tensorhub.sim.known import KNOWN_OPEN
 from tensorhub.sim.observer import CoreObserver
 
@@ -79,6 +83,7 @@ class Checker:
         self.bound_s = 0.0
         self.fault_end_s = 0.0
         self.ghosts = GhostCopyChecker(world, self.violate)
+        self.freshness = NoopFreshnessChecker(world, self.violate)
         self.restarted_at: Optional[float] = None
         """When the server last restarted (its recovery window starts then)."""
         self.observer = CoreObserver(self)
@@ -112,6 +117,8 @@ class Checker:
 
     def on_server(self, cid, req, reply, effects, epoch: int) -> None:
         self.ghosts.on_server(cid, req, reply, effects)
+        if self.world.server.core is not None:
+            self.freshness.observe(self.world.server.core, self.world.sim.now)
         if isinstance(req, m.Replicate):
             self.asks[cid] = self.asks.get(cid, 0) + 1
         if isinstance(req, (m.Publish, m.ReplicateDone, m.Announce)) and isinstance(reply, m.Ok):

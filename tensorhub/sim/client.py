@@ -80,7 +80,7 @@ class SimProcess:
             return
         for c in members:
             if c.alive:
-                c._pulse_answer(reply)
+                c._pulse_answer(reply, sent=sent)
         _next_pulse(self.world, sent, reply, self._pulse)
 
     def _progress(self) -> None:
@@ -90,9 +90,12 @@ class SimProcess:
         w = self.world
         readers = [c for c in self.members if c.alive and c.registered and c.machine.reading]
         if readers:
-            beats = tuple(m.Beat(c.cid, c.region_progress, acked=c.notes_acked) for c in readers)
+            beats = tuple(m.Beat(c.cid, c.region_progress, acked=c.notes_acked)
+                          for c in readers)
+            sent = w.sim.now
             w.server.call(readers[0], m.Pulse(beats=beats), False, None,
-                          on_reply=lambda reply: [c._pulse_answer(reply, announce=False) for c in readers if c.alive])
+                          on_reply=lambda reply: [c._pulse_answer(reply, announce=False, sent=sent)
+                                                  for c in readers if c.alive])
         w.sim.after(w.config.heartbeat_interval_s, self._progress)
 
 
@@ -122,7 +125,7 @@ class SimClient:
         self.unit_bytes = p.unit_bytes
         self.machine = hm.HandleMachine(cid, request_timeout_s=cfg.request_timeout_s,
                                         reconnects_max=cfg.reconnects_max, failovers_max=cfg.failovers_max,
-                                        unit_count=p.units)
+                                        unit_count=p.units, noop_staleness_s=cfg.noop_staleness_s)
         self.mem: list = [None] * self.units
         self.endpoint = cid.encode()
         """What names :attr:`mem` to readers (a region's endpoint); a double buffer's swap
@@ -372,6 +375,8 @@ class SimClient:
         if outcome is None:
             self._finish(code)
             return
+        if outcome.local:
+            self.world.checker.freshness.on_local_answer(self, outcome.version)
         if self.op is not None and self.op.kind == "replicate":
             self.world.checker.on_replicated(self, outcome.version)
         self._finish("ok", outcome.version, prefetched=self._from_own_stage(outcome))
@@ -501,17 +506,18 @@ class SimClient:
             return
         w = self.world
         if self.registered and self.machine.reading:
-            w.server.call(self, m.Pulse(beats=(m.Beat(self.cid, self.region_progress, acked=self.notes_acked),)),
-                          False, None,
-                          on_reply=lambda reply: self.alive and self._pulse_answer(reply, announce=False))
+            beat = m.Beat(self.cid, self.region_progress, acked=self.notes_acked)
+            sent = w.sim.now
+            w.server.call(self, m.Pulse(beats=(beat,)), False, None,
+                          on_reply=lambda reply: self.alive and self._pulse_answer(reply, announce=False, sent=sent))
         w.sim.after(w.config.heartbeat_interval_s, self._progress)
 
     def _heartbeat_reply(self, reply, sent: float) -> None:
         if self.alive:
-            self._pulse_answer(reply)
+            self._pulse_answer(reply, sent=sent)
             _next_pulse(self.world, sent, reply, self._heartbeat)
 
-    def _pulse_answer(self, reply, announce: bool = True) -> None:
+    def _pulse_answer(self, reply, announce: bool = True, sent: Optional[float] = None) -> None:
         """This handle's share of a pulse's reply (``Hub._after_beat``; ``announce`` False: the
         progress stream's reply, ``Pulse._send``)."""
         if isinstance(reply, m.ErrorReply):
@@ -521,6 +527,11 @@ class SimClient:
             # handle, as if the server did not know them (it may have restarted).
             reply = m.PulseReply(unknown=(self.cid,))
         self._notes(list(reply.notes.get(self.cid, ())))  # the rule's order: notes first
+        seen = hm.viewed(reply, self.cid, sent) if sent is not None else None
+        if seen is not None:
+            if seen.newest is not None:
+                self.world.checker.freshness.on_told(self.cid, seen.number, seen.newest)
+            self._feed(seen)
         answer = bg.after_pulse(known=self.cid not in reply.unknown, may_announce=announce,
                                 acked_before=self.notes_acked, acked=reply.acks.get(self.cid, -1),
                                 reading=self.machine.reading, idle=self.op is None and self.registered, unoffered=bool(self.unoffered))

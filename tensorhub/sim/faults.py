@@ -18,6 +18,10 @@ parameters; every injection is traced and counted.
 - ``msg_loss``         while the server is up, a call's request or reply is lost with chance
                        ``p`` for a while (the caller sees the server unavailable and retries).
 - ``msg_dup``          while the server is up, a request is delivered twice with chance ``p``.
+- ``push_delay``       for a while, a pulse answer that brings a ``Newest`` (the server's push of
+                       a commit or withdrawal) is held up to ``max_s`` on its way: handles keep
+                       answering no-op updates locally from what they knew, within
+                       ``noop_staleness_s`` (the ``fresh`` checker).
 - ``holders_hang``     every non-spot rollout process holding the trainer's newest published
                        version hangs at once (no death report; they restart fresh later): the
                        trainer's next unpublish must not count them as live copies.
@@ -70,7 +74,7 @@ from tensorhub.core import messages as m
 
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
                "interrupt", "trainer_replaced", "msg_loss", "msg_dup", "holders_hang", "restart_mid_read",
-               "restart_after_failed_read", "broadcast_shard_crash")
+               "restart_after_failed_read", "broadcast_shard_crash", "push_delay")
 """The kinds a seed may plan, in the order it draws them (new kinds go last: a seed's draws for the
 earlier kinds stay as they were)."""
 
@@ -80,6 +84,8 @@ BOUNDS = {
     "slow_link.duration_s": (1.0, 8.0),
     "msg_delay.max_s": (0.05, 0.8),
     "msg_delay.duration_s": (1.0, 8.0),
+    "push_delay.max_s": (0.5, 3.0),
+    "push_delay.duration_s": (2.0, 10.0),
     "spot_preemption.max_nodes": (1, 3),
     "msg_loss.p": (0.02, 0.2),
     "msg_loss.duration_s": (1.0, 6.0),
@@ -117,6 +123,11 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
             elif kind == "msg_delay":
                 knobs["max_s"] = min(rng.uniform(*BOUNDS["msg_delay.max_s"]), world.config.lease_timeout_s / 4)
                 knobs["duration_s"] = rng.uniform(*BOUNDS["msg_delay.duration_s"])
+            elif kind == "push_delay":
+                # Held up to half a lease: longer, and the handle's next pulse (its liveness) waits
+                # past its lease behind it.
+                knobs["max_s"] = min(rng.uniform(*BOUNDS["push_delay.max_s"]), world.config.lease_timeout_s / 2)
+                knobs["duration_s"] = rng.uniform(*BOUNDS["push_delay.duration_s"])
             elif kind == "spot_preemption":
                 knobs["nodes"] = rng.randint(*BOUNDS["spot_preemption.max_nodes"])
             elif kind in ("msg_loss", "msg_dup"):
@@ -251,6 +262,10 @@ def inject(world, kind: str, knobs: dict) -> None:
         for c in hang:
             world.crash(c, restart=True, report=False)
         done = bool(hang)
+    elif kind == "push_delay":
+        world.server.push_delay_max_s = knobs["max_s"]
+        sim.after(knobs["duration_s"], _unpush_delay, world)
+        done = True
     elif kind == "msg_delay":
         world.net.extra_delay_max_s = knobs["max_s"]
         world.checker.observer.max_delay_s = max(world.checker.observer.max_delay_s, knobs["max_s"])
@@ -397,6 +412,10 @@ def _restart(world) -> None:
 def _unslow(target, factor: float) -> None:
     for r in target:
         r.factor /= factor
+
+
+def _unpush_delay(world) -> None:
+    world.server.push_delay_max_s = 0.0
 
 
 def _undelay(world) -> None:

@@ -86,6 +86,7 @@ def make_config(rng: random.Random) -> Config:
         readers_per_source_max=rng.choice([1, 1, 1, 2]),
         reads_in_flight=rng.choice([1, 2, 4]),
         pulse_hold_s=rng.choice([0.0, 3.0, 20.0]),
+        noop_staleness_s=rng.choice([0.0, 3.0, 4.0, 10.0]),
     )
 
 

@@ -51,6 +51,12 @@ class Call:
         """``req`` as it goes over the wire: with its clients' capabilities."""
 
 
+def _pushes(reply) -> bool:
+    """Whether ``reply`` is a pulse answer that brings a ``Newest`` (a push)."""
+    return isinstance(reply, m.PulseReply) and any(
+        isinstance(e, m.Newest) for events in reply.notes.values() for e in events)
+
+
 class SimServer:
     def __init__(self, world, core_factory: Optional[CoreFactory] = None) -> None:
         self.world = world
@@ -70,6 +76,9 @@ class SimServer:
         self.gate = Gate(world.config.model_secret)
         self.keys = Keyring(token=_sim_capability)
         """The clients' side: every simulated client's capability (they outlive a crash)."""
+        self.push_delay_max_s = 0.0
+        """The ``push_delay`` fault: pulse answers that bring a ``Newest`` are delayed up to this long."""
+        self.push_rng = world.sim.rng("push-delay")
         world.sim.after(world.config.server_tick_s, self._tick)
 
     def _mailboxes(self) -> Mailboxes:
@@ -102,6 +111,7 @@ class SimServer:
         if not self.up:
             return
         effects = self.core.declare_dead([cid], self.world.sim.now, "process gone")
+        self.world.checker.freshness.observe(self.core, self.world.sim.now)
         self.world.sim.trace(f"srv declare_dead {cid}")
         self._route(effects)
 
@@ -173,12 +183,13 @@ class SimServer:
         reply = self.gate.answered(self.core, c.signed, reply)
         for hold in released:
             self._answer_hold(hold)
-        hold_s = holdable(req, reply, self.world.config.pulse_hold_s if c.wait else 0.0, self.world.config.pulse_hold_s)
+        hold_s = holdable(req, reply, self.world.config.pulse_hold_max_s if c.wait else 0.0,
+                          self.world.config.pulse_hold_max_s)
         if isinstance(reply, m.Waiting) and c.wait:
             self.polls[cid] = c
             sim.after(self.world.config.request_timeout_s, self._poll_expired, c, reply)
         elif hold_s:
-            hold = self.holds.start(req, self.core, sim.now + hold_s)
+            hold = self.holds.start(req, self.core, sim.now + hold_s, sim.now)
             hold.waker = c
             sim.trace(f"srv hold pulse of {list(hold.client_ids)}")
             sim.after(hold_s, self._answer_hold, hold)
@@ -193,7 +204,7 @@ class SimServer:
         c, hold.waker = hold.waker, False
         if c.epoch != self.epoch or not self.up:
             return
-        reply = self.holds.answer(hold, self.core, self.mail)
+        reply = self.holds.answer(hold, self.core, self.mail, self.world.sim.now)
         self.holds_answered += 1
         self.world.sim.trace(f"srv answer held pulse of {list(hold.client_ids)} -> {reply!r}")
         self._answer(c, reply)
@@ -217,6 +228,11 @@ class SimServer:
             return  # answered already (a duplicated request), or its reply was lost
         if self.world.net.lose():
             self._lost(c, "reply")
+            return
+        if self.push_delay_max_s > 0 and _pushes(reply):
+            # The push_delay fault: a pulse answer that brings a Newest is held up on its way.
+            delay = self.push_rng.random() * self.push_delay_max_s
+            self.world.sim.after(delay, self.world.net.send, NAME, c.client.cid, self._reply, c, reply, self.epoch)
             return
         self.world.net.send(NAME, c.client.cid, self._reply, c, reply, self.epoch)
 
@@ -261,7 +277,9 @@ class SimServer:
         if self.up:
             if self.holds.of:
                 self.core.touch(self.holds.attended(), self.world.sim.now)
-            self._route(self.core.tick(self.world.sim.now))
+            effects = self.core.tick(self.world.sim.now)
+            self.world.checker.freshness.observe(self.core, self.world.sim.now)
+            self._route(effects)
         self.world.sim.after(self.world.config.server_tick_s, self._tick)
 
     def status(self, model: str = "") -> Optional[m.Status]:

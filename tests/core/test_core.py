@@ -22,6 +22,9 @@ class World:
     """A core plus shorthands; every reply/effect is kept for assertions."""
 
     def __init__(self, **cfg) -> None:
+        # The exact effects of the protocol without the pushes of no-op updates answered locally
+        # (tests/core/test_noop_local.py turns them on).
+        cfg.setdefault("noop_staleness_s", 0.0)
         self.core = ReferenceCore(Config(**cfg))
         self.now = 0.0
         self.events: dict[str, list] = {}

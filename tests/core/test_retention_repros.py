@@ -37,7 +37,7 @@ class _Server:
 
     def call(self, req):
         for hold in self.holds.releases(req):
-            self.holds.answer(hold, self.core, self.mail)
+            self.holds.answer(hold, self.core, self.mail, self.now)
         reply, _ = apply_request(self.core, self.mail, req, self.now)
         return reply
 
@@ -48,7 +48,7 @@ class _Server:
         if reply.notes:
             reply = self.call(pulse)
         assert holdable(pulse, reply, self.cfg.pulse_hold_s, self.cfg.pulse_hold_s)
-        self.holds.start(pulse, self.core, self.now + self.cfg.pulse_hold_s)
+        self.holds.start(pulse, self.core, self.now + self.cfg.pulse_hold_s, self.now)
 
     def tick(self, dt: float) -> None:
         self.now += dt

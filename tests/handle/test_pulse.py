@@ -212,7 +212,7 @@ def test_held_pulses_are_released_by_their_process_and_answered_by_events():
     assert not holdable(m.Pulse(beats=(m.Beat("a", 3),)), m.PulseReply(), 60.0, 30.0), "a reader's pulse carries progress"
     assert not holdable(pulse_ab, m.PulseReply(), 0.0, 30.0) and not holdable(pulse_ab, m.PulseReply(), 60.0, 0.0)
 
-    h = holds.start(pulse_ab, core, deadline=30.0)
+    h = holds.start(pulse_ab, core, deadline=30.0, now=0.0)
     assert sorted(holds.attended()) == ["a", "b"] and h.process == p1
     core.touch(holds.attended(), 25.0)
     assert core.nodes["a"].last_seen == 25.0 and core.nodes["t"].last_seen == 0.0
@@ -220,21 +220,21 @@ def test_held_pulses_are_released_by_their_process_and_answered_by_events():
     assert holds.releases(m.Replicate("a", "latest", 1)) == [], "a read's progress goes by other pulses"
     assert holds.releases(m.Leave("b")) == [h] and h.over and not holds.attended()
 
-    h = holds.start(pulse_ab, core, deadline=30.0)
+    h = holds.start(pulse_ab, core, deadline=30.0, now=0.0)
     assert holds.releases(_reg("c", process=p1)) == [h], "a new handle of the process: pulse again now"
-    h = holds.start(pulse_ab, core, deadline=30.0)
+    h = holds.start(pulse_ab, core, deadline=30.0, now=0.0)
     assert holds.releases(m.SourceFailed("t", "b", 0)) == [h], "the probe: prove the process alive"
     assert holds.releases(m.SourceFailed("t", "b", 0)) == [], "a released hold is over"
 
-    h = holds.start(pulse_ab, core, deadline=30.0)
+    h = holds.start(pulse_ab, core, deadline=30.0, now=0.0)
     assert holds.held(["a"], mail) == [], "no background event for it: still held"
     mail.route([m.Deliver("b", m.SeedAhead(version=4))])
     assert holds.held(["b"], mail) == [h]
-    assert holds.answer(h, core, mail).notes == {"b": [m.SeedAhead(version=4)]}
+    assert holds.answer(h, core, mail, 0.0).notes == {"b": [m.SeedAhead(version=4)]}
 
-    h = holds.start(pulse_ab, core, deadline=30.0)
+    h = holds.start(pulse_ab, core, deadline=30.0, now=0.0)
     core.declare_dead(["a"], 26.0, "test")
-    assert holds.answer(h, core, mail).unknown == ("a",), "forgotten while held: announce again"
+    assert holds.answer(h, core, mail, 0.0).unknown == ("a",), "forgotten while held: announce again"
     assert not holds.of and not holds.by_process
 
 
