@@ -424,7 +424,7 @@ def _plant_no_recheck(monkeypatch):
 @pytest.mark.parametrize("plant, seeds, kind", [
     (_plant_no_recheck, (36, 734), {"torn"}),  # the user's writes end up in a "finished" replica
     (_plant_no_abort, (10, 190), {"mutate", "hang"}),  # a phantom reader: a drain that never ends
-    (_plant_fresh_round, (12, 28), {"txn"}),  # seeds re-found when the simulator gained the source_dies_at_done fault
+    (_plant_fresh_round, (64, 98), {"txn"}),  # seeds re-found when the simulator gained the push_delay fault and noop_staleness_s
 ])
 def test_the_simulator_catches_bugs_planted_in_the_shipped_machine(monkeypatch, plant, seeds, kind):
     """The simulator drives HandleMachine itself: a bug planted there shows as a violation (these

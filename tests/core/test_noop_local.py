@@ -1,0 +1,154 @@
+"""No-op updates answered locally: the rules of core/views.py (server) and core/handle_view.py
+(handle), in process.
+
+    trainer publishes v -> server pushes Newest(v) -> held pulse answered -> handle: update("latest")
+    answered without a call while what it knows is at most noop_staleness_s old
+"""
+
+from __future__ import annotations
+
+from tensorhub.config import Config
+from tensorhub.core import handle as hm
+from tensorhub.core import messages as m
+from tensorhub.core.reference import ReferenceCore
+from tensorhub.server.requests import Mailboxes, apply_request
+
+from tests.core.test_core import LAYOUT
+
+CFG = Config(noop_staleness_s=10.0)
+
+
+def _machine(num_shards: int = 1, version: int = 3) -> hm.HandleMachine:
+    mc = hm.HandleMachine("c", request_timeout_s=5.0, reconnects_max=1, failovers_max=1, unit_count=4,
+                          noop_staleness_s=10.0)
+    mc.register_msg = m.Register("c", "pol", "r", 0, num_shards, LAYOUT)
+    mc.phase, mc.published = hm.Phase.PUBLISHED, version
+    mc.region_version, mc.region_progress = version, 4
+    return mc
+
+
+def _viewed(newest, number=1, as_of=0.0, view_s=10.0) -> hm.Viewed:
+    return hm.Viewed(newest=newest, number=number, as_of=as_of, view_s=view_s)
+
+
+def _update(mc, now, spec="latest", update=True):
+    return mc.handle(hm.Start(hm.ReplicateOp(spec, update)), now)
+
+
+def test_a_fresh_view_of_the_published_version_answers_update_latest_without_a_call():
+    mc = _machine()
+    mc.handle(_viewed(3, as_of=100.0), 100.0)
+    cmds = _update(mc, 105.0)
+    assert cmds == [hm.Done(hm.Outcome(action="noop", version=3, local=True))]
+    assert mc.seq == 1 and mc.state.round == (1, 3), "a local answer counts its round"
+    assert mc.op is None
+
+
+def test_a_view_older_than_the_bound_asks_the_server():
+    mc = _machine()
+    mc.handle(_viewed(3, as_of=100.0), 100.0)
+    cmds = _update(mc, 110.0)  # as_of + noop_staleness_s: no longer strictly before the end
+    assert isinstance(cmds[-1], hm.Send) and isinstance(cmds[-1].request, m.Replicate)
+
+
+def test_the_server_bound_caps_the_handles_own():
+    mc = _machine()
+    mc.handle(_viewed(3, as_of=100.0, view_s=2.0), 100.0)
+    assert isinstance(_update(mc, 102.5)[-1], hm.Send)
+
+
+def test_a_newer_version_known_another_spec_replicate_or_a_shard_ask_the_server():
+    mc = _machine()
+    mc.handle(_viewed(4, as_of=100.0), 100.0)
+    assert isinstance(_update(mc, 101.0)[-1], hm.Send), "a newer version is known"
+    for spec, update in (("latest-1", True), (3, True)):
+        mc = _machine()
+        mc.handle(_viewed(3, as_of=100.0), 100.0)
+        assert isinstance(_update(mc, 101.0, spec, update)[-1], hm.Send), spec
+    sharded = _machine(num_shards=2)
+    sharded.handle(_viewed(3, as_of=100.0), 100.0)
+    assert isinstance(_update(sharded, 101.0)[-1], hm.Send), "a shard's round is the server's to resolve"
+
+
+def test_an_answer_older_than_one_taken_brings_no_older_news():
+    mc = _machine(version=3)
+    mc.handle(_viewed(4, number=9, as_of=100.0), 100.0)
+    mc.handle(_viewed(3, number=7, as_of=101.0), 101.0)  # crossed on the way: older news
+    assert mc.view.newest == 4
+    assert isinstance(_update(mc, 101.5)[-1], hm.Send)
+
+
+def test_viewed_reads_the_last_newest_and_the_hold_of_a_pulse_answer():
+    reply = m.PulseReply(notes={"c": [m.Newest(version=2), m.DropHostCopy(version=1), m.Newest(version=3)]},
+                         acks={"c": 12}, held_s=4.0, view_s=10.0)
+    assert hm.viewed(reply, "c", sent_at=50.0) == hm.Viewed(newest=3, number=12, as_of=54.0, view_s=10.0)
+    assert hm.viewed(m.PulseReply(unknown=("c",)), "c", 50.0) is None, "an unknown handle learns nothing"
+
+
+# ---------------------------------------------------------------------------- the server's side
+
+
+class Server:
+    def __init__(self, cfg: Config = CFG) -> None:
+        self.core, self.mail, self.now = ReferenceCore(cfg), Mailboxes(seq_base=0), 0.0
+
+    def call(self, req):
+        return apply_request(self.core, self.mail, req, self.now)[0]
+
+    def reg(self, cid, replica=None, shard=0, num_shards=1):
+        assert isinstance(self.call(m.Register(cid, "pol", replica or cid, shard, num_shards, LAYOUT, cid.encode())),
+                          m.Registered)
+
+    def pulse(self, cid) -> m.PulseReply:
+        return self.call(m.Pulse(beats=(m.Beat(cid, acked=0),)))
+
+
+def _newest(reply: m.PulseReply, cid: str):
+    return [e.version for e in reply.notes.get(cid, ()) if isinstance(e, m.Newest)]
+
+
+def test_a_commit_is_pushed_to_every_handle_of_the_model_and_a_newcomer_is_told():
+    s = Server()
+    s.reg("t")
+    s.reg("r")
+    s.now = 40.0  # past the recovery window a fresh server starts with
+    assert s.call(m.Publish("t", 1)) == m.Ok()
+    assert _newest(s.pulse("r"), "r") == [1] and _newest(s.pulse("t"), "t") == [1]
+    s.reg("late")
+    assert _newest(s.pulse("late"), "late") == [1]
+    assert s.call(m.Publish("t", 1)) == m.Ok()  # nothing changed: nothing pushed
+    assert _newest(s.pulse("r"), "r") == [1], "still unacknowledged: the same event, not a second one"
+
+
+def test_a_withdrawn_newest_is_pushed_too():
+    s = Server()
+    s.reg("t")
+    s.reg("r")
+    s.now = 40.0
+    s.call(m.Publish("t", 1))
+    s.call(m.Pulse(beats=(m.Beat("r", acked=10**9),)))  # r took it
+    s.call(m.Leave("t", drop_last_copy=True))
+    assert _newest(s.pulse("r"), "r") == [-1]
+
+
+def test_pulse_answers_serve_local_answers_for_the_servers_bound_and_not_while_it_recovers():
+    s = Server()
+    s.reg("r")
+    s.now = 40.0
+    assert s.pulse("r").view_s == CFG.noop_staleness_s
+    s.core.recovery.until = 50.0  # as after a restart: holders are still re-announcing
+    assert s.pulse("r").view_s == 0.0
+    off = Server(Config(noop_staleness_s=0.0))
+    off.reg("r")
+    off.now = 40.0
+    assert off.pulse("r").view_s == 0.0
+
+
+def test_pulses_are_held_at_most_the_bound_less_two_intervals():
+    assert Config(noop_staleness_s=10.0, pulse_hold_s=30.0).pulse_hold_max_s == 8.0
+    assert Config(noop_staleness_s=0.0, pulse_hold_s=30.0).pulse_hold_max_s == 30.0
+    assert Config(noop_staleness_s=20.0, pulse_hold_s=3.0).pulse_hold_max_s == 3.0
+
+
+def test_a_bound_under_two_intervals_holds_no_pulse():
+    assert Config(noop_staleness_s=1.5, heartbeat_interval_s=1.0).pulse_hold_max_s == 0.0
