@@ -54,7 +54,7 @@ class Config:
     is found within ``pulse_hold_s + lease_timeout_s`` (on a server that is behind, longer:
     ``lease_stretch_max_s``). 0: no holding, one pulse per
     ``heartbeat_interval_s``."""
-    noop_staleness_s: float = 10.0
+    noop_staleness_s: float = 0.0
     """No-op updates answered locally: the server pushes every change of a model's newest
     readable version to the model's handles (``Newest``, on their held pulses), and a handle
     that publishes the newest version it was told of answers ``update("latest")`` as a no-op
@@ -63,8 +63,10 @@ class Config:
     local answer staler than this. The server holds pulses at most ``noop_staleness_s - 2 *
     heartbeat_interval_s`` (:attr:`pulse_hold_max_s`) so a live handle's knowledge is renewed
     before it runs out. Shards of sharded replicas always ask (their rounds are transactions
-    the server resolves; docs/design.md, "No-op updates answered locally"). 0: every update
-    asks the server (pulses held ``pulse_hold_s``)."""
+    the server resolves; docs/design.md, "No-op updates answered locally"). 0 (the default):
+    every update asks the server (pulses held ``pulse_hold_s``). Off by default because a local
+    answer may miss a version published less than this long ago: a rollout told out of band
+    that the trainer published (the examples do) would not see it."""
     lease_timeout_s: float = 10.0
     """A client silent for this long is declared dead and its whole replica removed."""
     lease_stretch_max_s: float = 60.0

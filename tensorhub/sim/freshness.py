@@ -1,5 +1,5 @@
-"""(t) ``fresh``: the checker of no-op updates answered locally (docs/design.md, "No-op updates
-answered locally"). It observes; it never steers the system.
+"""(t) ``fresh``: the checker of no-op updates answered locally
+(docs/design.md, "No-op updates answered locally"). It observes; it never steers the system.
 
 What it sees: the server's newest readable version of every model after every request, tick and
 removal (computed from the core's table, not from what the server pushes: a push the server

@@ -62,12 +62,12 @@ class Config:
 
 def test_docgen_check_mode_says_which_command(tmp_path, capsys):
     doc = tmp_path / "configuration.md"
-    doc.write_text(f"intro\n{_docgen.BEGIN}\nstale\n{_docgen.END}\n")
+    doc.write_text(f"intro\n{_docgen.BEGIN}\nan outdated table\n{_docgen.END}\n")
     assert _docgen.main(["config", "--check", "--doc", str(doc)]) == 1
     assert _docgen.COMMAND in capsys.readouterr().err
     assert _docgen.main(["config", "--doc", str(doc)]) == 0
     assert _docgen.main(["config", "--check", "--doc", str(doc)]) == 0
-    assert doc.read_text().startswith("intro\n") and "stale" not in doc.read_text()
+    assert doc.read_text().startswith("intro\n") and "an outdated table" not in doc.read_text()
 
 
 # ---------------------------------------------------------------------------- links
