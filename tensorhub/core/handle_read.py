@@ -167,8 +167,10 @@ class Read:
         return Sleep(pause)
 
     def noted_failed(self, ev: m.Failed, op: Optional[Op]) -> None:
-        """The server's note that it failed this handle's read (a liveness reply)."""
-        if isinstance(op, ReplicateOp) and self.assignment is not None:
+        """The server's note that it failed this handle's read (a pulse's reply). A note of
+        another version's read is about a read this call already ended (its follow-up's reply
+        said so first, and the call retried with another version): not taken."""
+        if isinstance(op, ReplicateOp) and self.assignment is not None and ev.version in (-1, self.assignment.version):
             self.lost_at_server = ev
 
     def take_lost(self) -> m.Failed:

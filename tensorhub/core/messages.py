@@ -425,8 +425,13 @@ class DropHostCopy(_Msg, frozen=True):
 
 
 class Failed(_Msg, frozen=True):
+    """The server failed this client's read (an outcome, and a background event)."""
+
     code: str
     message: str
+    version: int = -1
+    """The version the failed read was reading (-1: not said). A note can arrive after its read
+    ended and the call began another: the handle takes it only for the read of that version."""
 
 
 class Evicted(_Msg, frozen=True):

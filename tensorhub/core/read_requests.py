@@ -130,11 +130,11 @@ class ReadRequests:
         self._reading.wait(node)
         return m.Waiting(version=node.version)
 
-    def read_failed(self, client_id: str) -> bool:
-        """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
-        ReplicateDone of it is answered with that failure)."""
+    def read_failed(self, client_id: str) -> Optional[m.Failed]:
+        """How the server failed ``client_id``'s last read (a later Progress, SourceFailed or
+        ReplicateDone of it is answered with that failure); None: it did not."""
         node = self.table.nodes.get(client_id)
-        return node is not None and node.state is NodeState.IDLE and node.failure is not None
+        return node.failure if node is not None and node.state is NodeState.IDLE else None
 
     def on_Progress(self, req: m.Progress, now: float) -> m.Reply:
         node = self.table.nodes[req.client_id]

@@ -106,8 +106,9 @@ class Reading:
     def fail(self, node: Node, err: TensorHubError) -> None:
         """``node``'s read ends with ``err`` (delivered, and kept as its ``failure``)."""
         log.info("model=%s version=%d reader=%s fails: %s", node.model, node.version, node.id, err)
+        version = node.version  # stop() forgets it
         self.stop(node)
-        node.failure = m.Failed(code=code_of(err), message=str(err))
+        node.failure = m.Failed(code=code_of(err), message=str(err), version=version)
         self.table.deliver(node.id, node.failure)
 
     def attach(self, reader: Node, src: Node) -> None:

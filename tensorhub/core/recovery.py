@@ -132,7 +132,7 @@ class Recovery:
             # that version ends here too).
             if node.state in (NodeState.WAITING, NodeState.READING) and node.version == hold.published:
                 self._reading.stop(node)
-                node.failure = m.Failed(code=code_of(refused), message=str(refused))
+                node.failure = m.Failed(code=code_of(refused), message=str(refused), version=hold.published)
         elif hold.reading_version >= 0 and node.state is NodeState.IDLE:
             node.round_seq = hold.txn_seq
             table.set_version(node, hold.reading_version, NodeState.WAITING, max(0, min(hold.reading_units, node.units)))

@@ -367,9 +367,9 @@ class ReferenceCore:
         """Committed versions of ``model`` not yet forgotten (retention), oldest first."""
         return self.table.retained(model)
 
-    def read_failed(self, client_id: str) -> bool:
-        """The server failed ``client_id``'s last read (a later Progress, SourceFailed or
-        ReplicateDone of it is answered with that failure)."""
+    def read_failed(self, client_id: str) -> Optional[m.Failed]:
+        """How the server failed ``client_id``'s last read (a later Progress, SourceFailed or
+        ReplicateDone of it is answered with that failure); None: it did not."""
         return self.read_requests.read_failed(client_id)
 
     def status(self, model: str = "", layouts: bool = False) -> m.Status:

@@ -431,8 +431,9 @@ def _apply_pulse(core: ReferenceCore, mail: Mailboxes, pulse: m.Pulse, now: floa
             # The read this progress belongs to has failed here: the reader learns it now too,
             # not only when its read ends (the server may be gone by then). Any other refusal
             # (InvalidState: the server completed the read and the handle has not heard yet, a
-            # ReplicateDone reply lost) is not a failure of the read.
-            failed[beat.client_id] = m.Failed(code=reply.code, message=reply.message)
+            # ReplicateDone reply lost) is not a failure of the read. The note names the read's
+            # version: it may reach the handle after its call moved on to another read.
+            failed[beat.client_id] = core.read_failed(beat.client_id)
     notes, acks = {}, {}
     for beat in pulse.beats:
         events, last = mail.take_background(beat.client_id)

@@ -154,6 +154,53 @@ def test_a_read_the_server_failed_is_not_announced_complete_to_its_successor(los
     assert isinstance(cmds[-1].request, m.Announce) and cmds[-1].request.holding.published == 1
 
 
+def test_a_late_failed_note_of_an_earlier_read_does_not_end_the_next_one():
+    """Simulator seed 273 (default workload, with no-op pushes on): the server failed the read of
+    version 1 (VersionLost); the handle learned it first from its SourceFailed's reply and retried
+    in its round, reading version 2, and only then did a slow progress pulse bring the same
+    failure as a note. The note was taken as the failure of the read of 2: its ReplicateDone met
+    a restarted server and the call ended as VersionLost instead of announcing 2 complete, while
+    a follower read 2 from this handle through the restart (the user then wrote the tensors under
+    it). A note names its read's version now; one of another version is not taken."""
+    mc = _machine()
+    _reading(mc)
+    mc.handle(hm.Pulled(2, "source gone"), 0.0)  # -> SourceFailed
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="no holder is left")), 0.0)
+    assert isinstance(cmds[-1].request, m.Replicate)  # the one retry, in the same round
+    a2 = msgspec.structs.replace(A1, version=2, assign_no=2)
+    assert mc.handle(hm.Replied(a2), 0.0) == [hm.Pull(a2, 0)]
+    assert mc.handle(hm.Noted(m.Failed(code="VersionLost", message="no holder is left", version=1)), 0.0) == []
+    assert isinstance(mc.handle(hm.Pulled(4), 0.0)[-1].request, m.ReplicateDone)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
+    assert isinstance(cmds[-1].request, m.Announce) and cmds[-1].request.holding.published == 2, cmds
+    # A note of the read in progress is still its failure.
+    mc = _machine()
+    mc.handle(hm.Start(hm.ReplicateOp(1, True)), 0.0)
+    mc.handle(hm.Replied(A1), 0.0)
+    mc.handle(hm.Noted(m.Failed(code="VersionLost", message="no holder is left", version=1)), 0.0)
+    mc.handle(hm.Pulled(4), 0.0)
+    cmds = mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
+    assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
+
+
+def test_a_failed_note_names_the_version_of_the_read_it_ends():
+    """The server's side of seed 273: the Failed a progress pulse brings names the version the
+    failed read was reading (the node itself has forgotten it)."""
+    from tensorhub.core.reference import ReferenceCore
+    from tensorhub.server.requests import Mailboxes, apply_request
+
+    core, mail = ReferenceCore(CFG), Mailboxes()
+    lay = m.LayoutInfo("fp", 4, 400)
+    for cid in ("t", "r"):
+        apply_request(core, mail, m.Register(cid, "pol", cid, 0, 1, lay, cid.encode(), "a", False), 0.0)
+    apply_request(core, mail, m.Publish("t", 1), 0.0)
+    assert isinstance(apply_request(core, mail, m.Replicate("r", "latest", seq=1), 0.0)[0], m.Assignment)
+    core.reading.fail(core.nodes["r"], errors.VersionLost("no holder is left"))
+    reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=2),)), 0.1)
+    failed = [e for e in reply.notes["r"] if isinstance(e, m.Failed)]
+    assert failed and {e.version for e in failed} == {1}, reply
+
+
 def test_a_finished_read_the_server_failed_retries_a_relative_update():
     """Chaos rounds 27 and 30 (seed 0, kill_trainer_after_publish): a reader of the trainer's
     memory through the same-host tier finished every byte after the trainer died (the mapping
