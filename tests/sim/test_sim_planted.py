@@ -180,7 +180,7 @@ CASES = [
     (latest_answers_older, "fresh", [(0, None)]),
     (commit_before_every_shard, "atomic", [(0, "sharded")]),
     (no_recovery_window, "restart", [(189, None)]),
-    (retains_one_more, "over_retention", [(1, None)]),
+    (retains_one_more, "over_retention", [(3, None)]),  # was 1: no-op pushes moved its pulses
     (host_copies_never_dropped, "host_leak", [(3, None)]),
     (dead_holder_counts_as_live, "last_copy", [(14, "standalone")]),
     (skip_to_oldest, "skip", [(1, "crossdc")]),  # was 5: seeds as rounds version + 1 moved its trajectory
