@@ -77,6 +77,10 @@ def _last_read_bytes(worker) -> int:
     return sum(s.bytes for s in worker.weight_transfer_engine.last_reads)
 
 
+def _last_split(worker) -> tuple:
+    return worker.weight_transfer_engine.last_split_s
+
+
 def _load_from_object_store(worker, store_name: str, namespace: str) -> None:
     """In an engine's worker (a process that joined the cluster): the state dict the trainer put
     in the object store, through the actor that holds its reference, then load_weights."""
@@ -151,6 +155,7 @@ def main() -> None:
     plain.register([(n, torch.empty_like(t)) for n, t in trainer.buffer])
     best: dict[str, float] = {}
     received: dict[str, list[int]] = {}
+    split: dict[int, list] = {}  # engines -> per engine (read s, load s) of the last repetition
     extra: dict[str, int] = {}
     g = torch.Generator().manual_seed(1)
 
@@ -172,6 +177,7 @@ def main() -> None:
                 trainer.client = thv.LocalLLMClient(*engines[:n])
                 timed(f"tensorhub_checkpoint/{n}", n, trainer.send_weights)
                 received[f"tensorhub_checkpoint/{n}"] = [e.collective_rpc(_last_read_bytes)[0] for e in engines[:n]]
+                split[n] = [e.collective_rpc(_last_split)[0] for e in engines[:n]]
                 t0 = time.perf_counter()
                 plain.update(trainer.version)
                 best[f"raw_replicate/{n}"] = min(best.get(f"raw_replicate/{n}", float("inf")),
@@ -208,6 +214,7 @@ def main() -> None:
     out = {"bench": "vllm_update", "reps": args.reps, "model_bytes": model_bytes, "engines": [1, 2],
            "seconds": {p: {str(n): round(best[f"{p}/{n}"], 4) for n in (1, 2)} for p in paths},
            "bytes_received_per_engine": {k: v for k, v in received.items()},
+           "tensorhub_read_load_s": {str(n): [[round(x, 4) for x in pair] for pair in v] for n, v in split.items()},
            "extra_memory_per_engine": {p: {str(n): extra.get(f"{p}/{n}") for n in (1, 2)} for p in paths[:3]},
            "tensorhub_direct": "not built: needs resharded reads planned by the server (issue 24)",
            "load_avg": os.getloadavg()[0]}

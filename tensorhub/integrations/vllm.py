@@ -189,6 +189,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         """The version the model was last loaded with."""
         self.last_reads: list[ReadStats] = []
         """The :class:`~tensorhub.handle.ReadStats` of the last update, one per trainer shard."""
+        self.last_split_s: tuple[float, float] = (0.0, 0.0)
+        """The last update's seconds: reading the version (waits included), loading it."""
         self._port = None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TensorHubInitInfo:
@@ -245,13 +247,17 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         arrived and verified. A no-op transfer and load when the model already runs it."""
         if not self.hubs:
             raise errors.InvalidState(f"backend {BACKEND!r}: receive_weights before init_weight_transfer_engine")
-        deadline = time.monotonic() + self.info.wait_timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.info.wait_timeout_s
         stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s)
         version = self.hubs[0].version
         self.last_reads = stats
+        t1 = time.monotonic()
         if version == self.version:
+            self.last_split_s = (t1 - t0, 0.0)
             return
         _load_checkpoint(self.model, self.model_config, (t for buf in self.buffers for t in buf))
+        self.last_split_s = (t1 - t0, time.monotonic() - t1)
         self.version = version
         log.info("model=%s replica=%s: loaded version %s (%d bytes read)", self.info.model, self.replica,
                  version, sum(s.bytes for s in stats))
