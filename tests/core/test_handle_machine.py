@@ -183,9 +183,9 @@ def test_a_late_failed_note_of_an_earlier_read_does_not_end_the_next_one():
     assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
 
 
-def test_a_failed_note_names_the_version_of_the_read_it_ends():
-    """The server's side of seed 273: the Failed a progress pulse brings names the version the
-    failed read was reading (the node itself has forgotten it)."""
+def _reading_r():
+    """A server core where trainer "t" published version 1 of a 4-unit shard and reader "r" was
+    assigned it: (core, mailboxes, apply_request)."""
     from tensorhub.core.reference import ReferenceCore
     from tensorhub.server.requests import Mailboxes, apply_request
 
@@ -195,6 +195,13 @@ def test_a_failed_note_names_the_version_of_the_read_it_ends():
         apply_request(core, mail, m.Register(cid, "pol", cid, 0, 1, lay, cid.encode(), "a", False), 0.0)
     apply_request(core, mail, m.Publish("t", 1), 0.0)
     assert isinstance(apply_request(core, mail, m.Replicate("r", "latest", seq=1), 0.0)[0], m.Assignment)
+    return core, mail, apply_request
+
+
+def test_a_failed_note_names_the_version_of_the_read_it_ends():
+    """The server's side of seed 273: the Failed a progress pulse brings names the version the
+    failed read was reading (the node itself has forgotten it)."""
+    core, mail, apply_request = _reading_r()
     core.reading.fail(core.nodes["r"], errors.VersionLost("no holder is left"))
     reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=2),)), 0.1)
     failed = [e for e in reply.notes["r"] if isinstance(e, m.Failed)]
@@ -695,15 +702,7 @@ def test_an_invalid_state_progress_beat_is_not_a_read_failure():
     """(seed 8) the server completed the read (its ReplicateDone reply was lost) and refuses the
     next progress beat with InvalidState: the pulse must not hand the handle a Failed note that
     ends its call while the server lists it published. A read the server failed still is one."""
-    from tensorhub.core.reference import ReferenceCore
-    from tensorhub.server.requests import Mailboxes, apply_request
-
-    core, mail = ReferenceCore(CFG), Mailboxes()
-    lay = m.LayoutInfo("fp", 4, 400)
-    for cid in ("t", "r"):
-        apply_request(core, mail, m.Register(cid, "pol", cid, 0, 1, lay, cid.encode(), "a", False), 0.0)
-    apply_request(core, mail, m.Publish("t", 1), 0.0)
-    assert isinstance(apply_request(core, mail, m.Replicate("r", "latest", seq=1), 0.0)[0], m.Assignment)
+    core, mail, apply_request = _reading_r()
     assert apply_request(core, mail, m.ReplicateDone("r", 1), 0.1)[0] == m.Ok()
     reply, _ = apply_request(core, mail, m.Pulse(beats=(m.Beat("r", reading_units=4),)), 0.2)
     assert not any(isinstance(e, m.Failed) for e in reply.notes.get("r", ())), reply

@@ -79,6 +79,15 @@ def _sources(agents, holders, tier):
     return {i: shm.ShmSource(h.region.endpoint().shm) for i, h in enumerate(holders)}
 
 
+def _assert_published(region, truth) -> None:
+    """The reader holds the version complete, its bytes the truth, its unit checksums today's
+    (same-placement readers verify as today)."""
+    assert (region.version, region.progress) == (VERSION, region.layout.unit_count)
+    assert region.checksums() == checksum_all(truth, region.layout)
+    for t, want in zip(region.tensors, truth):
+        assert np.array_equal(_bytes(t), _bytes(want))
+
+
 def _unit_bytes_equal(region, truth, unit) -> bool:
     for piece in unit:
         got = _bytes(region.tensors[piece.tensor_index])[piece.offset:piece.offset + piece.nbytes]
@@ -111,10 +120,7 @@ def test_a_reader_reshards_from_every_holder_shard_checks_its_cells_and_holds_it
         rd.check(grid, sums)
         assert region.version == -1, "published only by publish()"
         rd.publish()
-        assert (region.version, region.progress) == (VERSION, region.layout.unit_count)
-        assert region.checksums() == checksum_all(truth, region.layout), "same-placement readers verify as today"
-        for t, want in zip(region.tensors, truth):
-            assert np.array_equal(_bytes(t), _bytes(want))
+        _assert_published(region, truth)
     finally:
         for s in sources.values():
             s.close()
@@ -232,9 +238,7 @@ def test_run_overlaps_the_hashing_with_the_reads_and_publishes_the_same_checksum
         assert rd.run(sources, grid, sums, batch_bytes=16 << 10) == region.layout.total_bytes
         assert rd.done == set(rd.shards) and rd.units_done() == region.layout.unit_count
         rd.publish()
-        assert region.checksums() == checksum_all(truth, region.layout)
-        for t, want in zip(region.tensors, truth):
-            assert np.array_equal(_bytes(t), _bytes(want))
+        _assert_published(region, truth)
     finally:
         for s in sources.values():
             s.close()
