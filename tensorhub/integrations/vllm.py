@@ -192,6 +192,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.last_split_s: tuple[float, float] = (0.0, 0.0)
         """The last update's seconds: reading the version (waits included), loading it."""
         self._port = None
+        self._round = 0
+        """Updates asked of this engine: the round number of a sharded trainer's replica."""
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TensorHubInitInfo:
         try:
@@ -249,7 +251,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             raise errors.InvalidState(f"backend {BACKEND!r}: receive_weights before init_weight_transfer_engine")
         t0 = time.monotonic()
         deadline = t0 + self.info.wait_timeout_s
-        stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s)
+        self._round += 1
+        stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s, self._round)
         version = self.hubs[0].version
         self.last_reads = stats
         t1 = time.monotonic()
@@ -287,11 +290,11 @@ def _wait_layouts(port, model: str, deadline: float) -> list[m.LayoutInfo]:
         time.sleep(_POLL_S)
 
 
-def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float) -> list[ReadStats]:
-    """update(spec) on every shard (one round of the replica), retrying while the version is not
-    published yet."""
+def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float, round_no: int) -> list[ReadStats]:
+    """update(spec) on every shard, as round ``round_no`` of the replica (this engine's count of
+    its updates: growing, the same on every shard), retrying while the version is not published."""
     stats: list[Optional[ReadStats]] = [None] * len(hubs)
-    rnd = uuid.uuid4().int & ((1 << 62) - 1) if len(hubs) > 1 else None
+    rnd = round_no if len(hubs) > 1 else None
     while True:
         waiting = None
         for i, hub in enumerate(hubs):
