@@ -206,7 +206,7 @@ class Holders:
             self.remove(hid)
         self._reading.detach(node)
         for r in sorted(node.readers):
-            self._reading.orphan(r)
+            self._reading.orphan(r, node_id)
         node.readers.clear()
         self.table.set_version(node, -1, NodeState.IDLE, 0)
         self._forget(node)

@@ -25,7 +25,7 @@ import collections
 from typing import Callable
 
 from tensorhub.core import messages as m
-from tensorhub.core.placements import Placements
+from tensorhub.core.placements import Placements, logical
 from tensorhub.core.state import ModelRecord, Node
 from tensorhub.core.table import Table
 from tensorhub.errors import LayoutMismatch, ShardTaken
@@ -78,13 +78,15 @@ class Members:
         """The clients of ``model`` (host copies excluded), in registration order."""
         return list(self._clients.get(model, ()))
 
-    def check(self, req: m.Register) -> None:
-        """Raise if ``req`` cannot register (nothing changes either way)."""
+    def check(self, req: m.Register) -> str:
+        """Raise if ``req`` cannot register (nothing changes either way); else the layout class
+        it registers in (an internal model name, :meth:`Placements.class_of`)."""
         if req.num_shards < 1 or not 0 <= req.shard < req.num_shards:
             raise LayoutMismatch(f"shard {req.shard} of {req.num_shards} is out of range")
         if req.layout.unit_count < 1:
             raise LayoutMismatch(f"{req.model}: a layout needs at least one transfer unit")
-        mod = self.table.models.get(req.model)
+        cls = self._placements.class_of(req)
+        mod = self.table.models.get(cls)
         if mod is not None:
             if mod.num_shards != req.num_shards:
                 raise LayoutMismatch(f"{req.model} has {mod.num_shards} shards per replica, not {req.num_shards}")
@@ -94,25 +96,28 @@ class Members:
         holder = self._shards.get((req.model, req.replica_id, req.shard))
         if holder is not None:
             raise ShardTaken(f"{req.model} replica {req.replica_id} shard {req.shard} is held by client {holder}")
-        self._placements.check(req)
+        self._placements.check(req, cls)
+        return cls
 
-    def add(self, req: m.Register, now: float) -> Node:
-        """A client registers (checked by :meth:`check` first): an IDLE node."""
+    def add(self, req: m.Register, now: float, cls: str) -> Node:
+        """A client registers (checked by :meth:`check` first, which named its layout class
+        ``cls``): an IDLE node of that class."""
         table = self.table
-        mod = table.models.get(req.model)
+        mod = table.models.get(cls)
         if mod is None:
-            mod = table.models[req.model] = ModelRecord(req.model, req.num_shards)
+            mod = table.models[cls] = ModelRecord(cls, req.num_shards)
+            table.classes.setdefault(req.model, []).append(cls)
         mod.layouts.setdefault(req.shard, req.layout)
         self._order += 1
         node = Node(
-            id=req.client_id, model=req.model, replica_id=req.replica_id, shard=req.shard,
+            id=req.client_id, model=cls, replica_id=req.replica_id, shard=req.shard,
             num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now, heard_at=now,
             process=req.process, machine=req.machine, stage_for=req.stage_for,
         )
         self._placements.add(node, req.placement)
         table.nodes[node.id] = node
-        self._shards[(node.model, node.replica_id, node.shard)] = node.id
+        self._shards[(req.model, node.replica_id, node.shard)] = node.id
         table.replicas.setdefault((node.model, node.replica_id), set()).add(node.id)
         self._replica_changed(node.model, node.replica_id, node.num_shards)
         self._replica_back(node.model, node.replica_id)
@@ -141,7 +146,7 @@ class Members:
     def registration_of(self, n: Node) -> m.Register:
         """The ``Register`` that made ``n`` (a repeated one is answered as the first was)."""
         return m.Register(
-            client_id=n.id, model=n.model, replica_id=n.replica_id, shard=n.shard,
+            client_id=n.id, model=logical(n.model), replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
             datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
             stage_for=n.stage_for, placement=self._placements.get(n.placement),
@@ -161,7 +166,7 @@ class Members:
                 if not hosts:
                     del table.hosts_of[node.owner]
             return
-        del self._shards[(node.model, node.replica_id, node.shard)]
+        del self._shards[(logical(node.model), node.replica_id, node.shard)]
         self._placements.drop(node)
         replica = table.replicas[(node.model, node.replica_id)]
         replica.discard(node.id)
@@ -179,6 +184,10 @@ class Members:
         """Models with no node left are forgotten."""
         for name in [k for k in self.table.models if not self._model_nodes[k]]:
             del self.table.models[name]
+            classes = self.table.classes[logical(name)]
+            classes.remove(name)
+            if not classes:
+                del self.table.classes[logical(name)]
             self._model_nodes.pop(name, None)
             self._model_hosts.pop(name, None)
 

@@ -337,9 +337,25 @@ class ErrorReply(_Msg, frozen=True):
     """``ServerBusy``: how long the client should wait before it asks again (0: not set)."""
 
 
+class ReshardSource(msgspec.Struct, frozen=True, array_like=True):
+    """One holder shard a resharded read takes bytes from: its shard, client, endpoint and the
+    digest of its placement (the placement itself is in the assignment's ``placements``)."""
+
+    shard: int
+    client_id: str
+    endpoint: bytes
+    placement: str
+
+
 class Assignment(_Msg, frozen=True):
     """Read ``version`` of this shard from ``source_id`` starting at unit ``start_unit``.
-    ``assign_no`` grows with every assignment to this client; a client ignores an older one."""
+    ``assign_no`` grows with every assignment to this client; a client ignores an older one.
+
+    A *resharded* read (``reshard`` not empty; docs/placements.md): the version's holder replica
+    is of another layout class; the reader plans the byte ranges from its own placement and the
+    holder shards' (``plan_reshard``, ``spread`` = its shard) and reads them from every shard
+    named in ``reshard`` (``source_id`` is the first of them); ``placements`` holds each distinct
+    holder placement once. ``start_unit`` counts units of the reader's own layout done."""
 
     version: int
     source_id: str
@@ -353,6 +369,14 @@ class Assignment(_Msg, frozen=True):
     failed_source_gone: bool = False
     """This assignment follows a ``SourceFailed`` whose source the server has removed as dead: the
     failure says nothing about the data path, so the reader does not count it against its budget."""
+    reshard: tuple[ReshardSource, ...] = ()
+    placements: tuple[Placement, ...] = ()
+
+    def __repr__(self) -> str:
+        # Without the reshard fields when empty, as it read before they existed.
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
+                          if f not in ("reshard", "placements") or getattr(self, f))
+        return f"Assignment({shown})"
 
 
 class NoChange(_Msg, frozen=True):

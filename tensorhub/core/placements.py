@@ -16,9 +16,21 @@ tensor; nothing changes). Without a placement only rule 3 applies.
 3. A replica's shards carry placements all or none (coverage is a replica's).
 4. The model's schema is the union of its placements' global tensors: a placement that
    disagrees on a global tensor's dtype or shape is refused (:func:`merge_schemas`).
-5. Shard ``k`` has one placement in every replica that carries one: the data path still copies
-   whole shards, so two placements of one shard would mix bytes (planning across placements is
-   the next stage).
+5. Shard ``k`` has one placement in every replica *of its layout class* that carries one (a
+   class's shards copy whole units between each other, so two placements of one shard there
+   would mix bytes).
+
+**Layout classes** (stage 3b of issue 24). A replica whose shards do not fit the model's first
+class (another shard count, another layout or placement of some shard) is not refused when it
+carries placements: it joins (or opens) another *layout class* of the model, an internal model
+record named :func:`class_name` (``model`` + ``"\x1f"`` + n, a name no client can give), so
+every rule of the core (rounds, commits, retention, queues, pipelining) applies within the class
+as it did within the model. :meth:`Placements.class_of` decides a registration's class: its
+replica's class if one of its shards is registered; else the first class (in creation order) it
+fits (shard count, the shard's layout and placement); else a new one. Only a registration with
+a placement opens a class; one without is checked against the first class as before. Across
+classes bytes move only by resharded reads (:mod:`tensorhub.core.reading`, reshard
+assignments), so rule 5 holds per class.
 
 Then :meth:`Placements.add` keeps one copy per distinct digest, counted by the clients using it
 and dropped with the last (:meth:`Placements.drop`); the model's schema counts the distinct
@@ -40,10 +52,14 @@ import dataclasses
 from typing import Optional
 
 from tensorhub.core import messages as m
+from tensorhub.core.reshard import plan_reshard
 from tensorhub.core.state import Node
 from tensorhub.core.table import Table
 from tensorhub.errors import LayoutMismatch
 from tensorhub.placement import GlobalTensor, Placement, Schema, check_coverage, merge_schemas
+
+_PLANS_MAX = 4096
+"""Cached reshard questions (:meth:`Placements.reshard_shards`); the cache is emptied past this."""
 
 
 @dataclasses.dataclass
@@ -56,7 +72,8 @@ class Interned:
 
 @dataclasses.dataclass
 class ModelPlacements:
-    """One model's placements: their uses, the schema they make and which replicas cover it."""
+    """One model's placements (all its layout classes): their uses, the schema they make and which
+    replicas cover it."""
 
     uses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """digest -> the model's clients that registered it."""
@@ -64,11 +81,32 @@ class ModelPlacements:
     """The union of the model's placements' global tensors, by name."""
     naming: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """global tensor name -> the distinct placements that name it."""
-    shard_digest: dict[int, str] = dataclasses.field(default_factory=dict)
-    """shard -> its one placement (rule 5)."""
+    shard_digest: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
+    """(layout class, shard) -> its one placement (rule 5)."""
     shard_nodes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     covered: set[str] = dataclasses.field(default_factory=set)
     """Replicas whose placements cover the schema as it is (rule 6, remembered)."""
+
+
+CLASS_SEP = "\x1f"
+"""Separates a model's name from its layout class's number in the class's internal model name
+(a character the server's bounds refuse in any name a client gives)."""
+
+
+def logical(model: str) -> str:
+    """The model a layout class's internal name belongs to (``model`` itself for its first class)."""
+    return model.split(CLASS_SEP, 1)[0]
+
+
+def class_name(model: str, n: int) -> str:
+    """The internal model name of layout class ``n`` of ``model`` (0: ``model`` itself)."""
+    return model if n == 0 else f"{model}{CLASS_SEP}{n}"
+
+
+def shown(model: str) -> str:
+    """A layout class's internal name as messages show it: ``policy (layout class 1)``."""
+    name, _, n = model.partition(CLASS_SEP)
+    return f"{name} (layout class {n})" if n else name
 
 
 class Placements:
@@ -80,15 +118,47 @@ class Placements:
         self.interned: dict[str, Interned] = {}
         """digest -> the one copy of that placement (every model's)."""
         self.models: dict[str, ModelPlacements] = {}
+        """model (not a layout class's internal name) -> its placements."""
+        self._plans: dict[tuple[str, tuple[str, ...], int], tuple[int, ...]] = {}
+        """(reader digest, holder digests, spread) -> the holder shards a resharded read takes
+        (``()``: that replica cannot fill the reader): :meth:`reshard_shards`."""
 
     def get(self, digest: str) -> Optional[Placement]:
         """The interned placement of ``digest`` (None for "", no placement)."""
         return self.interned[digest].placement if digest else None
 
-    def check(self, req: m.Register) -> None:
-        """Raise LayoutMismatch if ``req``'s placement breaks rules 1 to 5; changes nothing."""
+    def class_of(self, req: m.Register) -> str:
+        """The layout class (an internal model name, :func:`class_name`) ``req`` registers in: its
+        replica's if a shard of it is registered; else the first class it fits (its shard count,
+        its shard's layout and placement); else, with a placement, a new class (the first free
+        name); without one, the first class, whose checks then refuse it as before. Changes
+        nothing."""
+        classes = self.table.classes.get(req.model, ())
+        for c in classes:
+            if (c, req.replica_id) in self.table.replicas:
+                return c
+        if req.placement is None:
+            return classes[0] if classes else req.model
+        digest = req.placement.digest()
+        mp = self.models.get(req.model)
+        for c in classes:
+            mod = self.table.models[c]
+            known = mod.layouts.get(req.shard)
+            if mod.num_shards != req.num_shards or (known is not None and (known.fingerprint, known.unit_count)
+                                                    != (req.layout.fingerprint, req.layout.unit_count)):
+                continue
+            if mp is None or mp.shard_digest.get((c, req.shard), digest) == digest:
+                return c
+        n = 0
+        while class_name(req.model, n) in self.table.models:
+            n += 1
+        return class_name(req.model, n)
+
+    def check(self, req: m.Register, cls: str) -> None:
+        """Raise LayoutMismatch if ``req``'s placement breaks rules 1 to 5 in layout class
+        ``cls`` (:meth:`class_of`); changes nothing."""
         where = f"{req.model} replica {req.replica_id} shard {req.shard}"
-        placed = self._replica_placed(req.model, req.replica_id)
+        placed = self._replica_placed(cls, req.replica_id)
         p = req.placement
         if placed is not None and placed != (p is not None):
             raise LayoutMismatch(f"{where}: {'has no' if p is None else 'has a'} placement, its replica's other "
@@ -106,11 +176,11 @@ class Placements:
             mp = self.models.get(req.model)
             if mp is not None:
                 merge_schemas([[mp.schema[g.name] for g in p.globals if g.name in mp.schema], p.globals])
-                other = mp.shard_digest.get(req.shard, digest)
+                other = mp.shard_digest.get((cls, req.shard), digest)
                 if other != digest:
                     raise LayoutMismatch(
-                        f"placement {digest[:12]} differs from the model's shard {req.shard} placement {other[:12]}: "
-                        "whole shards are copied between equal placements (reading across placements is not built yet)")
+                        f"placement {digest[:12]} differs from shard {req.shard}'s placement {other[:12]} in its "
+                        "replica's layout class: a class copies whole shards between equal placements")
         except LayoutMismatch as err:
             raise LayoutMismatch(f"{where}: {err}") from None
 
@@ -124,7 +194,7 @@ class Placements:
             entry = self.interned[digest] = Interned(p)
         entry.nodes += 1
         node.placement = digest
-        mp = self.models.setdefault(node.model, ModelPlacements())
+        mp = self.models.setdefault(logical(node.model), ModelPlacements())
         if not mp.uses[digest]:
             for g in entry.placement.globals:
                 if not mp.naming[g.name]:
@@ -132,8 +202,8 @@ class Placements:
                     mp.covered.clear()
                 mp.naming[g.name] += 1
         mp.uses[digest] += 1
-        mp.shard_digest.setdefault(node.shard, digest)
-        mp.shard_nodes[node.shard] += 1
+        mp.shard_digest.setdefault((node.model, node.shard), digest)
+        mp.shard_nodes[(node.model, node.shard)] += 1
         mp.covered.discard(node.replica_id)
 
     def drop(self, node: Node) -> None:
@@ -145,11 +215,12 @@ class Placements:
         entry.nodes -= 1
         if not entry.nodes:
             del self.interned[digest]
-        mp = self.models[node.model]
+        mp = self.models[logical(node.model)]
         mp.covered.discard(node.replica_id)
-        mp.shard_nodes[node.shard] -= 1
-        if not mp.shard_nodes[node.shard]:
-            del mp.shard_nodes[node.shard], mp.shard_digest[node.shard]
+        at = (node.model, node.shard)
+        mp.shard_nodes[at] -= 1
+        if not mp.shard_nodes[at]:
+            del mp.shard_nodes[at], mp.shard_digest[at]
         mp.uses[digest] -= 1
         if not mp.uses[digest]:
             del mp.uses[digest]
@@ -159,13 +230,13 @@ class Placements:
                     del mp.naming[g.name], mp.schema[g.name]
                     mp.covered.clear()
         if not mp.uses:
-            del self.models[node.model]
+            del self.models[logical(node.model)]
 
     def check_covered(self, node: Node) -> None:
         """Rule 6, for a publish by ``node`` of a version not yet committed: LayoutMismatch
         naming the missing ranges unless its replica's placements cover the model's schema (or
         the replica has no placements, or some of its shards are not registered yet)."""
-        mp = self.models.get(node.model)
+        mp = self.models.get(logical(node.model))
         if not node.placement or mp is None or node.replica_id in mp.covered:
             return
         shards = self.table.replica_nodes(node.model, node.replica_id)
@@ -175,11 +246,34 @@ class Placements:
         try:
             check_coverage([self.interned[d].placement for d in sorted(distinct)], Schema(tuple(mp.schema.values())))
         except LayoutMismatch as err:
-            raise LayoutMismatch(f"{node.model} replica {node.replica_id}: {err}") from None
+            raise LayoutMismatch(f"{shown(node.model)} replica {node.replica_id}: {err}") from None
         mp.covered.add(node.replica_id)
 
+    def reshard_shards(self, reader: str, holders: tuple[str, ...], spread: int) -> Optional[tuple[int, ...]]:
+        """The holder shards a reader of placement ``reader`` reads from a replica whose shard
+        ``i`` has placement ``holders[i]`` (digests), under
+        :func:`~tensorhub.core.reshard.plan_reshard` with ``spread`` (the reader's shard), as the
+        reader will plan it; None if that replica cannot fill the reader (a box it lacks, a dtype
+        conversion, schemas that disagree). Cached per distinct question (a few layouts meet)."""
+        key = (reader, holders, spread)
+        hit = self._plans.get(key)
+        if hit is None:
+            try:
+                plan = plan_reshard(self.interned[reader].placement,
+                                    [self.interned[h].placement for h in holders], spread=spread)
+                hit = () if plan.missing else plan.shards
+            except LayoutMismatch:
+                hit = ()
+            if len(self._plans) >= _PLANS_MAX:
+                self._plans.clear()
+            self._plans[key] = hit
+        return hit or None
+
     def view(self, model: str) -> tuple[m.PlacementUse, ...]:
-        """The model's distinct placements and their clients, by digest."""
+        """The model's distinct placements and their clients, by digest (every layout class's,
+        shown with its first class)."""
+        if logical(model) != model:
+            return ()
         mp = self.models.get(model)
         return () if mp is None else tuple(m.PlacementUse(d, c) for d, c in sorted(mp.uses.items()))
 

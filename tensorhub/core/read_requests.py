@@ -115,7 +115,7 @@ class ReadRequests:
                 node.suspects.add(req.source_id)
                 self.table.touched.add(node.key)
             return m.Waiting(version=node.version)
-        if node.source != req.source_id:
+        if req.source_id not in (node.reshard_from or (node.source,)):
             return self._reading.assignment(node)  # already moved on; repeat the current one
         log.info("model=%s version=%d reader=%s reports source %s failed at unit %d",
                  node.model, node.version, node.id, req.source_id, node.progress)

@@ -15,7 +15,14 @@ few functions of the core it acts through passed in, and owns the queue order of
   ``VersionLost`` (outside the recovery window after a restart, when holders may still
   re-announce);
 - smart skipping's read that would have to cross datacenters after all fails instead (a
-  ``latest`` caller retries and resolves anew).
+  ``latest`` caller retries and resolves anew);
+- a reader whose layout class (:mod:`tensorhub.core.placements`) holds no free source of its
+  version gets a *resharded read* (:meth:`Reading.reshard`): the holder shards it needs of one
+  replica of another class complete at that version, each of which counts it among its readers
+  (their drains wait for it). One such reader per group at a time while it has room: the
+  class's other readers pipeline from it, unit by unit of their own layout, as from any partial
+  holder. A group with no holder of its own class is not lost while another class can still
+  fill it.
 
 Cost: a pump costs the readers it assigns plus those it looks at while some source is still
 free; once every source is busy, at most :data:`_CROSS_LOOK_MAX` (the origin's
@@ -30,6 +37,7 @@ from typing import Callable, Iterable, Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core import scheduler
+from tensorhub.core.placements import Placements, logical, shown
 from tensorhub.core.state import VISIBLE_SOURCE, Node, NodeState
 from tensorhub.core.table import Key, Table
 from tensorhub.errors import TensorHubError, VersionLost, code_of
@@ -51,12 +59,18 @@ class Reading:
     core's recovery window after a restart is open)."""
 
     def __init__(self, table: Table, *, finish_drain: Callable[[Node], None],
-                 seed_pending: Callable[[str, int], dict[str, str]], recovering: Callable[[], bool]) -> None:
+                 seed_pending: Callable[[str, int], dict[str, str]], recovering: Callable[[], bool],
+                 placements: Placements) -> None:
         self.table = table
         self._finish_drain = finish_drain
         self._seed_pending = seed_pending
         self._recovering = recovering
+        self._placements = placements
+        """The interned placements and the reshard questions' cache (read only)."""
         self._stamp = 0
+        self._reshard_waits: dict[tuple[str, int], set[Key]] = {}
+        """(model, version) -> groups of its layout classes whose waiting readers found no
+        other class's holder with room: touched again when a group of that version changes."""
 
     def stamp(self, node: Node) -> None:
         """``node`` joins the end of its group's queue."""
@@ -78,29 +92,37 @@ class Reading:
         self.table.touched.add(node.key)
 
     def detach(self, node: Node) -> None:
-        """``node`` no longer reads from its source (the source's drain may end here)."""
-        src = self.table.nodes.get(node.source) if node.source else None
+        """``node`` no longer reads from its source(s) (a source's drain may end here)."""
+        self._leave_sources(node, "")
+
+    def _leave_sources(self, node: Node, gone: str) -> None:
+        """``node`` leaves every source it reads from but ``gone`` (which is being removed)."""
+        ids = node.reshard_from or ((node.source,) if node.source else ())
         node.source = None
-        if src is not None:
-            src.readers.discard(node.id)
-            self.table.index.mark(src)
-            self.table.touched.add(src.key)
-            if src.state is NodeState.DRAINING and not src.readers:
-                self._finish_drain(src)
+        node.reshard_from = ()
+        for sid in ids:
+            src = self.table.nodes.get(sid) if sid != gone else None
+            if src is not None:
+                src.readers.discard(node.id)
+                self.table.index.mark(src)
+                self.table.touched.add(src.key)
+                if src.state is NodeState.DRAINING and not src.readers:
+                    self._finish_drain(src)
 
     def stop(self, node: Node) -> None:
         """The node stops receiving (abort, lost version): its own readers lose their source."""
         self.detach(node)
         for r in sorted(node.readers):
-            self.orphan(r)
+            self.orphan(r, node.id)
         node.readers.clear()
         self.table.set_version(node, -1, NodeState.IDLE, 0)
 
-    def orphan(self, reader_id: str) -> None:
-        """The source of ``reader_id`` is gone: a reading reader waits for another."""
+    def orphan(self, reader_id: str, source_id: str) -> None:
+        """Source ``source_id`` of ``reader_id`` is gone (the caller clears its readers): a
+        reading reader waits for another, leaving its other sources (a resharded read's)."""
         reader = self.table.nodes.get(reader_id)
         if reader is not None and reader.state is NodeState.READING:
-            reader.source = None
+            self._leave_sources(reader, source_id)
             self.wait(reader)
 
     def fail(self, node: Node, err: TensorHubError) -> None:
@@ -129,12 +151,120 @@ class Reading:
         """The assignment of a reading node, as its reader gets it."""
         src = self.table.nodes[node.source]
         gone, node.failed_gone = node.failed_gone, False
+        if node.reshard_from:
+            # Every shard of the holder replica (the reader plans over all of them), each
+            # distinct placement once; it reads only those in reshard_from.
+            shards = sorted(self.table.replica_nodes(src.model, src.replica_id), key=lambda n: n.shard)
+            digests = list(dict.fromkeys(n.placement for n in shards))
+            return m.Assignment(
+                version=node.version, source_id=src.id, source_endpoint=src.endpoint, source_partial=False,
+                start_unit=node.progress, assign_no=node.assign_no, failed_source_gone=gone, in_flight=node.in_flight,
+                cross_datacenter=any(self.table.nodes[i].datacenter != node.datacenter for i in node.reshard_from),
+                reshard=tuple(m.ReshardSource(n.shard, n.id, n.endpoint, n.placement) for n in shards),
+                placements=tuple(self._placements.get(d) for d in digests),
+            )
         return m.Assignment(
             version=node.version, source_id=src.id, source_endpoint=src.endpoint,
             source_partial=not src.complete, start_unit=node.progress, assign_no=node.assign_no,
             cross_datacenter=src.datacenter != node.datacenter, failed_source_gone=gone,
             in_flight=node.in_flight,
         )
+
+    # ------------------------------------------------------------------ resharded reads
+
+    def reshard_sources(self, reader: Node, *, room: bool = True) -> Optional[list[Node]]:
+        """The holder shards ``reader`` would read its version from by a resharded read: those
+        it needs of the best replica of another layout class of its model whose every shard is
+        published at that version with a placement (the same datacenter as the reader first,
+        then the least loaded, then registration order), or None. ``room``: only replicas whose
+        needed shards have fewer than ``readers_per_source_max`` reader replicas besides the
+        reader's own (:meth:`_replicas_reading`). Cost: the other
+        classes' nodes of that version's shard 0, and one cached plan per distinct layout pair."""
+        table = self.table
+        if not reader.placement:
+            return None
+        version, cap = reader.version, table.config.readers_per_source_max
+        best: Optional[tuple[tuple, list[Node]]] = None
+        for cls in table.classes.get(logical(reader.model), ()):
+            if cls == reader.model:
+                continue
+            mod = table.models[cls]
+            looked: set[str] = set()
+            for nid in sorted(table.groups.get((cls, version, 0), ())):
+                first = table.nodes[nid]
+                if first.host or first.replica_id in looked:
+                    continue
+                looked.add(first.replica_id)
+                shards = sorted(table.replica_nodes(cls, first.replica_id), key=lambda n: n.shard)
+                if len(shards) != mod.num_shards or not all(self._serves_reshard(n, reader) for n in shards):
+                    continue
+                needed = self._placements.reshard_shards(
+                    reader.placement, tuple(n.placement for n in shards), reader.shard)
+                if needed is None:
+                    continue
+                srcs = [shards[i] for i in needed]
+                busy = max(self._replicas_reading(s, reader.replica_id) for s in srcs)
+                if room and busy >= cap:
+                    continue
+                rank = (any(s.datacenter != reader.datacenter for s in srcs), busy, shards[0].order)
+                if best is None or rank < best[0]:
+                    best = (rank, srcs)
+        return None if best is None else best[1]
+
+    def _replicas_reading(self, src: Node, own: str) -> int:
+        """Reader replicas other than ``own`` among ``src``'s readers: a replica's shards count
+        once (each reads its own slice: together one copy of the holder's bytes at most, so the
+        shards of a TP=4 engine read from a trainer shard side by side)."""
+        nodes = self.table.nodes
+        return len({nodes[r].replica_id for r in src.readers if r in nodes} - {own})
+
+    @staticmethod
+    def _serves_reshard(n: Node, reader: Node) -> bool:
+        return (n.state is NodeState.PUBLISHED and n.version == reader.version and bool(n.placement)
+                and not n.unreachable and n.suspected_at is None and n.id not in reader.suspects)
+
+    def reshard(self, reader: Node, srcs: list[Node]) -> None:
+        """``reader`` reads its version from the holder shards ``srcs`` (another layout class):
+        each lists it among its readers; the caller delivers the assignment."""
+        reader.state = NodeState.READING
+        reader.source = srcs[0].id
+        reader.reshard_from = tuple(s.id for s in srcs)
+        reader.assign_no += 1
+        for s in srcs:
+            s.readers.add(reader.id)
+            self.table.index.mark(s)
+        self.table.index.mark(reader)
+        log.debug("model=%s version=%d reader=%s reshards from %s", reader.model, reader.version, reader.id,
+                  ", ".join(reader.reshard_from))
+
+    def _reshard_waiting(self, key: Key, g) -> None:
+        """Readers of ``key`` (a group with no complete holder of its own class) with no free
+        source of their class: the first in FIFO order that another class can fill gets a
+        resharded read (the others then pipeline from it). None can: the group waits for a
+        change at that version in another class."""
+        if g.free_all or not g.waiting:
+            return
+        for _, rid in list(g.waiting):
+            reader = self.table.nodes[rid]
+            if reader.awaiting_source is not None:
+                continue
+            srcs = self.reshard_sources(reader)
+            if srcs is None:
+                self._reshard_waits.setdefault((logical(key[0]), key[1]), set()).add(key)
+                return
+            self.reshard(reader, srcs)
+            self.table.deliver(reader.id, self.assignment(reader))
+            return
+
+    def _reshard_rooted(self, key: Key) -> bool:
+        """Whether a reader of ``key`` (no complete holder of its own class) can still finish: one
+        reads by a reshard already, or another class has a replica complete at the version."""
+        nodes = self.table.nodes
+        ids = self.table.groups.get(key, ())
+        if any(nodes[i].reshard_from for i in ids):
+            return True
+        probe = next((nodes[i] for i in sorted(ids) if nodes[i].placement), None)
+        return probe is not None and self.reshard_sources(probe, room=False) is not None
 
     def downstream(self, node: Node) -> set[str]:
         """Every node that reads from ``node``, directly or through others (never its source)."""
@@ -153,13 +283,24 @@ class Reading:
         """Assign the waiting readers of one group, FIFO. Cost: the readers assigned plus those
         looked at while some source is still free (none once every source is busy)."""
         table = self.table
+        waits = self._reshard_waits.get((logical(key[0]), key[1]))
+        if waits and any(k[0] != key[0] for k in waits):
+            # Something changed at this version in a layout class: readers of other classes
+            # waiting for a resharded read look again.
+            table.touched.update(k for k in waits if k[0] != key[0])
+            waits.intersection_update(k for k in waits if k[0] == key[0])
+            if not waits:
+                del self._reshard_waits[(logical(key[0]), key[1])]
         g = table.index.group(key)
         if g is None or (not g.waiting and not g.counts[NodeState.READING]):
             return
-        if not self._recovering() and not g.complete():
-            # Every chain of partial holders roots at a complete one; with none left, no
-            # reader of this group can finish.
-            lost = VersionLost(f"{key[0]} version {key[1]} shard {key[2]}: no holder is left")
+        if not g.complete():
+            self._reshard_waiting(key, g)
+            g = table.index.group(key)
+        if not self._recovering() and not g.complete() and not self._reshard_rooted(key):
+            # Every chain of partial holders roots at a complete one (or at a resharded read
+            # from another layout class); with none left, no reader of this group can finish.
+            lost = VersionLost(f"{shown(key[0])} version {key[1]} shard {key[2]}: no holder is left")
             for n in sorted((table.nodes[i] for i in table.groups.get(key, ())), key=lambda n: n.stamp):
                 if n.state in (NodeState.WAITING, NodeState.READING):
                     self.fail(n, lost)

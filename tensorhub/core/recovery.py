@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import msgspec
+
 from tensorhub.core import messages as m
 from tensorhub.core.reading import Reading
 from tensorhub.core.rounds import Rounds
@@ -87,8 +89,11 @@ class Recovery:
         has time to announce that edge before the holder may write its tensors."""
         reg, hold = req.register, req.holding
         fresh = reg.client_id not in self.table.nodes
+        cls = self._check(reg) if fresh else self.table.nodes[reg.client_id].model
+        # The rounds and the table know the layout class (an internal model name), the client
+        # its model: the same for a model of one layout class.
+        added, reg = reg, msgspec.structs.replace(reg, model=cls)
         if fresh:
-            self._check(reg)
             self.until = max(self.until, self._born + self.table.config.lease_timeout_s)
             self._window_closed = False
         if self._rounds.holds_back(reg, hold, now):
@@ -97,11 +102,11 @@ class Recovery:
             else:
                 self._seen(self.table.nodes[reg.client_id], now)
             raise ServerRecovering(
-                f"{reg.model} replica {reg.replica_id}: shard {reg.shard}'s unconfirmed completion of version "
+                f"{added.model} replica {reg.replica_id}: shard {reg.shard}'s unconfirmed completion of version "
                 f"{hold.published} waits for its siblings to re-announce; retry")
         self._rounds.release(reg.client_id)
         if fresh:
-            self._add(reg, now)
+            self._add(added, now, cls)
         node = self.table.nodes[reg.client_id]
         self._seen(node, now)
         node.heard_at = now
@@ -138,7 +143,10 @@ class Recovery:
             table.set_version(node, hold.reading_version, NodeState.WAITING, max(0, min(hold.reading_units, node.units)))
             self._reading.stamp(node)
             src = table.nodes.get(hold.reading_source)
-            if src is not None and src.version == hold.reading_version and src.state is not NodeState.IDLE:
+            if (src is not None and src.version == hold.reading_version and src.state is not NodeState.IDLE
+                    and src.model == node.model):
+                # (A source of another layout class served a resharded read: that read is
+                # assigned anew, with every holder shard it needs.)
                 self._reading.attach(node, src)
             elif hold.reading_source and hold.reading_source not in table.nodes:
                 # Its source has not announced yet: wait for it (it may bring the edge back). One
@@ -155,7 +163,7 @@ class Recovery:
             if reader is not None and reader.state is NodeState.WAITING and reader.awaiting_source == node.id:
                 reader.awaiting_source = None
                 self.table.index.mark(reader)
-                if reader.version == node.version:
+                if reader.version == node.version and reader.model == node.model:
                     self._reading.attach(reader, node)
 
     def tick(self, now: float) -> None:

@@ -127,22 +127,23 @@ class ReferenceCore:
             forget=self.retention.forget, forget_below=self.retention.forget_below,
             nodes_in=lambda model: self.members.nodes_in(model), recovering_until=lambda: self.recovery.until)
         """Commits, available versions and resolution (:mod:`tensorhub.core.versions`)."""
+        self.placements = Placements(self.table)
+        """Registered placements and layout classes (:mod:`tensorhub.core.placements`)."""
         self.reading = Reading(self.table, finish_drain=lambda n: self.holders.finish_drain(n),
                                seed_pending=self.crossdc.seed_pending,
-                               recovering=lambda: self.table.now < self.recovery.until)
+                               recovering=lambda: self.table.now < self.recovery.until,
+                               placements=self.placements)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
-        self.views = Views(self.table, available=self.versions.available,
+        self.views = Views(self.table, available=self.versions.available_all,
                            clients_of=lambda model: self.members.clients_of(model),
                            recovering=lambda: self.table.now < self.recovery.until)
         """Pushes of each model's newest version for local no-op answers (:mod:`tensorhub.core.views`)."""
-        self.rounds = Rounds(self.table, resolve=self.versions.resolve, available=self.versions.available,
+        self.rounds = Rounds(self.table, resolve=self.versions.resolve, available=self.versions.available_all,
                              stop_reading=self.reading.stop, describe=self._describe,
                              recovering_until=lambda: self.recovery.until)
         """Replicate rounds of sharded replicas as transactions (:mod:`tensorhub.core.rounds`)."""
         self.txns = self.rounds.txns
         """The round table (:class:`~tensorhub.core.rounds.RoundTable`), owned by :attr:`rounds`."""
-        self.placements = Placements(self.table)
-        """Registered placements, interned by digest, and each model's schema (:mod:`tensorhub.core.placements`)."""
         self.members = Members(
             self.table, placements=self.placements, replica_back=self.txns.returned, replica_gone=self.txns.departed,
             replica_changed=lambda model, rid, shards: self.crossdc.candidates.update(
@@ -404,23 +405,23 @@ class ReferenceCore:
         existing = self.nodes.get(req.client_id)
         if existing is not None:
             if self.members.registration_of(existing) == req:
-                return m.Registered(round_seq=self.rounds.rounds_done(req.model, req.replica_id, req.shard))
+                return m.Registered(round_seq=self.rounds.rounds_done(existing.model, req.replica_id, req.shard))
             raise InvalidState(f"client {req.client_id} is already registered with other parameters")
-        self.members.check(req)
+        cls = self.members.check(req)  # its layout class: the model's own record unless it opened another
         if req.num_shards > 1 and now < self.recovery.until:
-            if self.rounds.unheard_shards(req.model, req.replica_id, req.num_shards) - {req.shard}:
+            if self.rounds.unheard_shards(cls, req.replica_id, req.num_shards) - {req.shard}:
                 # After a restart the replica's rounds are known only from its shards'
                 # announcements: a fresh process waits for them to count on with its siblings.
                 raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
                                        f"are still re-announcing; retry")
-        self.members.add(req, now)
+        self.members.add(req, now, cls)
         self.views.joined(req.client_id)
-        mod = self.models[req.model]
+        mod = self.models[cls]
         if not req.stage_for and mod.committed:
             asked = mod.seed_asked.get(req.datacenter)
             if asked is None or asked[0] < mod.committed[-1]:
-                self.table.reseed.add((req.model, req.datacenter))  # perhaps a datacenter to seed
-        return m.Registered(round_seq=self.rounds.rounds_done(req.model, req.replica_id, req.shard))
+                self.table.reseed.add((cls, req.datacenter))  # perhaps a datacenter to seed
+        return m.Registered(round_seq=self.rounds.rounds_done(cls, req.replica_id, req.shard))
 
     # ------------------------------------------------------------------ the end of a request or tick
 

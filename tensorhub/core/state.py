@@ -100,6 +100,9 @@ class Node:
     version: int = -1
     progress: int = 0
     source: Optional[str] = None
+    reshard_from: tuple[str, ...] = ()
+    """A resharded read (its source is another layout class): the holder shards it reads from,
+    each listing it among its readers; ``source`` is the first of them."""
     readers: set[str] = dataclasses.field(default_factory=set)
     stamp: int = 0
     """FIFO position of a WAITING reader (kept across reassignments: no starvation)."""

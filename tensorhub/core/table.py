@@ -36,6 +36,9 @@ class Table:
         self.groups: dict[Key, set[str]] = {}
         self.index = Index(self.config.readers_per_source_max)
         """Waiting queues, free sources and counts per group (:mod:`tensorhub.core.index`)."""
+        self.classes: dict[str, list[str]] = {}
+        """model -> its layout classes' internal model names (:mod:`tensorhub.core.placements`),
+        in creation order; the first is usually ``model`` itself."""
         self.replicas: dict[tuple[str, str], set[str]] = {}
         """(model, replica) -> its clients (host copies excluded)."""
         self.hosts_of: dict[str, set[str]] = {}

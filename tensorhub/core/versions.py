@@ -16,6 +16,7 @@ import logging
 from typing import Callable, Iterable, Sequence, Union
 
 from tensorhub.core import messages as m
+from tensorhub.core.placements import logical, shown
 from tensorhub.core.state import COMPLETE, SERVABLE, VISIBLE_SOURCE, Node
 from tensorhub.core.table import Table
 from tensorhub.errors import BadVersionSpec, ServerRecovering, UnknownModel, VersionExpired, VersionNotFound
@@ -90,6 +91,15 @@ class Versions:
             if all(self._has_visible(model, v, i) for i in range(mod.num_shards)):
                 out.append(v)
         return out
+
+    def available_all(self, model: str) -> list[int]:
+        """:meth:`available` over every layout class of ``model``'s model (ascending): what a
+        version spec resolves against, since a reader of one class reads a version another
+        class holds by a resharded read (:mod:`tensorhub.core.placements`)."""
+        classes = self.table.classes.get(logical(model)) or [model]
+        if len(classes) == 1:
+            return self.available(classes[0])
+        return sorted(set().union(*(self.available(c) for c in classes)))
 
     def _has_visible(self, model: str, version: int, shard: int) -> bool:
         """A source now, or one about to publish a host copy (OFFLOADING): a reader resolving
@@ -171,7 +181,7 @@ class Versions:
                 raise ServerRecovering(f"{err} (holders are still re-announcing after a server restart)") from None
             raise
         if (recovering and not isinstance(spec, int)
-                and version == max(self.available(node.model))
+                and version == max(self.available_all(node.model))
                 and not any(table.nodes[i].state in VISIBLE_SOURCE and not table.nodes[i].host
                             for i in table.groups.get((node.model, version, node.shard), ()))):
             # The newest version known is held by host copies alone: those are retained older
@@ -184,14 +194,15 @@ class Versions:
         """:meth:`resolve` without the recovery window's waits (smart skipping applies)."""
         table = self.table
         mod = table.models[node.model]
-        avail = self.available(node.model)
+        avail = self.available_all(node.model)
         kind, k = parse_spec(spec)
         if kind == "latest" and k == 0 and table.config.smart_skipping and avail:
             skipped = self._smart_skip(node, avail)
             if skipped is not None:
                 node.in_flight = skipped[1]
                 return skipped[0]
-        others = self._nodes_in(node.model) - len(table.replicas.get((node.model, node.replica_id), ()))
-        if not mod.committed and not others:
-            raise UnknownModel(f"{node.model}: no other replica of this model is registered")
-        return resolve(spec, node.model, avail, mod.forgotten_below)
+        classes = table.classes.get(logical(node.model)) or [node.model]
+        others = sum(self._nodes_in(c) for c in classes) - len(table.replicas.get((node.model, node.replica_id), ()))
+        if not avail and not mod.committed and not others:
+            raise UnknownModel(f"{logical(node.model)}: no other replica of this model is registered")
+        return resolve(spec, shown(node.model), avail, mod.forgotten_below)

@@ -28,9 +28,10 @@ Rules (docs/design.md, "No-op updates answered locally"):
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 from tensorhub.core import messages as m
+from tensorhub.core.placements import logical
 from tensorhub.core.table import Table
 
 
@@ -68,7 +69,9 @@ class Views:
         if not self._settled_all:
             self._settled_all = True
             models = list(models) + list(self.table.models) + list(self.pushed)
-        for model in sorted(set(models)):
+        # A commit in one layout class is news to every class of the model (they resolve alike).
+        models = {c for mo in models for c in (self.table.classes.get(logical(mo)) or [mo])} | set(models)
+        for model in sorted(models):
             if model not in self.table.models:
                 self.pushed.pop(model, None)
                 continue

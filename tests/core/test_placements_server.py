@@ -167,8 +167,8 @@ BAD = [
     ("a global tensor's shape disagreeing with the model's (same local shapes)", "s/1", "s", 1,
      P.Placement.build([P.split(Q16, 0, 3, 4), P.split(K, 0, 1, 2), P.split(NORM, 0, 1, 2)], [Q16, K, NORM]),
      layout_of(rows(1)), "global tensor 'q': shape [16, 4] here, [8, 4] elsewhere"),
-    ("another placement of a shard (reversed ranks)", "s/0", "s", 0, rows(1), None,
-     "differs from the model's shard 0 placement"),
+    ("another placement of a shard in its replica's layout class", "half/1", "half", 1, rows(0), None,
+     "differs from shard 1's placement"),
     ("a placed shard in a replica without placements", "plain/1", "plain", 1, rows(1), None,
      "has a placement, its replica's other shards do not"),
     ("a shard without a placement in a placed replica", "half/1", "half", 1, None, layout_of(rows(1)),
@@ -278,7 +278,7 @@ def test_a_too_big_placement_is_refused_by_bounds_before_the_core_sees_it(monkey
     port = LocalPort(Config())
     seen = []
     real = port.core.placements.check
-    monkeypatch.setattr(port.core.placements, "check", lambda req: (seen.append(req.client_id), real(req)))
+    monkeypatch.setattr(port.core.placements, "check", lambda req, cls: (seen.append(req.client_id), real(req, cls)))
     many = P.Placement.build([P.whole(Q, name=f"q{i}") for i in range(bounds.PIECES_PER_GLOBAL_MAX + 1)], SCHEMA)
     reply = port.call(m.Register("big", "pol", "big", 0, 1, layout_of(many), b"big", placement=many))
     refused(reply, "OutOfBounds", f"more than {bounds.PIECES_PER_GLOBAL_MAX} pieces of global tensor 'q'")

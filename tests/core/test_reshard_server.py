@@ -1,0 +1,243 @@
+"""Resharded reads at the reference core (issue 24 stage 3b, docs/placements.md): layout classes
+and reshard assignments. Pure core, driven as tests/core/test_core.py drives it.
+
+The model of tests/core/test_placements_server.py: ``q`` [8, 4], ``k`` [4, 4], ``norm`` [4].
+The trainer (replica ``t``) holds it as 2 shards cut by rows. Rollouts hold it another way:
+
+- ``cols(rank)``: 2 shards cut by columns (q, k) with ``norm`` whole (a TP=2 engine's
+  row-parallel layers): other local shapes, so another layout class;
+- ``whole``: 1 shard holding everything (TP=1): another shard count, another class.
+
+A rollout replica of another class reads each of its shards by a *resharded read*: an
+``Assignment`` whose ``reshard`` names every shard of a trainer replica (with their placements)
+and whose reader is counted by the trainer shards it needs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub import placement as P
+from tensorhub.core import messages as m
+from tensorhub.core.placements import CLASS_SEP
+from tensorhub.core.reshard import plan_reshard
+from tensorhub.core.state import NodeState
+from tests.core.test_placements_server import K, NORM, Q, SCHEMA, World, layout_of, refused, rows
+
+
+def cols(rank: int, n: int = 2) -> P.Placement:
+    return P.Placement.build([P.split(Q, 1, rank, n), P.split(K, 1, rank, n), P.whole(NORM)], SCHEMA)
+
+
+WHOLE = P.whole_placement(SCHEMA)
+
+
+class RW(World):
+    def rollout(self, replica, placements, **kw):
+        n = len(placements)
+        out = []
+        for s, p in enumerate(placements):
+            cid = f"{replica}/{s}"
+            reply = self.send(m.Register(cid, "pol", replica, s, n, layout_of(p), cid.encode(), placement=p, **kw))
+            assert isinstance(reply, m.Registered), reply
+            out.append(cid)
+        return out
+
+    def published_trainer(self, replica="t", version=1):
+        ids = self.trainer(replica)
+        for cid in ids:
+            assert self.send(m.Publish(cid, version)) == m.Ok()
+        return ids
+
+    def node(self, cid):
+        return self.core.nodes[cid]
+
+
+def reshard_of(a: m.Assignment) -> list[str]:
+    assert isinstance(a, m.Assignment) and a.reshard, a
+    return [s.client_id for s in a.reshard]
+
+
+# --------------------------------------------------------------------------- layout classes
+
+
+def test_replicas_of_other_layouts_open_layout_classes_and_a_replica_stays_in_its_class():
+    w = RW()
+    w.trainer("t")
+    w.rollout("c", [cols(0), cols(1)])
+    w.rollout("d", [cols(0), cols(1)])
+    w.rollout("w", [WHOLE])
+    classes = w.core.table.classes["pol"]
+    assert classes == ["pol", f"pol{CLASS_SEP}1", f"pol{CLASS_SEP}2"]
+    assert [w.node(c).model for c in ("t/0", "c/0", "d/1", "w/0")] == classes[:2] + classes[1:]
+    # A shard of replica c with another placement than its class's shard 1: refused, as before.
+    w.register("c2/0", "c2", 0, cols(0), num_shards=2)
+    reply = w.register("c2/1", "c2", 1, cols(0), num_shards=2)
+    refused(reply, says="differs from shard 1's placement")
+    # Without a placement another shard count is refused as before (no class opens).
+    reply = w.send(m.Register("x/0", "pol", "x", 0, 3, layout_of(rows(0)), b"x"))
+    refused(reply, says="has 2 shards per replica, not 3")
+    # Status shows one model; its placements (every class's) with the first class.
+    view = [v for v in w.core.status("pol").models if v.model == "pol"]
+    assert len(view) == 1 and {u.digest for u in view[0].placements} == {
+        p.digest() for p in (rows(0), rows(1), cols(0), cols(1), WHOLE)}
+
+
+def test_a_class_is_forgotten_with_its_last_node_and_its_name_reused():
+    w = RW()
+    w.trainer("t")
+    w.rollout("w", [WHOLE])
+    assert w.send(m.Leave("w/0")) == m.Ok()
+    assert w.core.table.classes["pol"] == ["pol"]
+    w.rollout("w2", [WHOLE])
+    assert w.node("w2/0").model == f"pol{CLASS_SEP}1"
+
+
+# --------------------------------------------------------------------------- resharded reads
+
+
+def test_a_rollout_of_another_layout_reads_by_reshard_and_its_class_pipelines_from_it():
+    w = RW()
+    w.published_trainer()
+    c = w.rollout("c", [cols(0), cols(1)])
+    a0 = w.send(m.Replicate(c[0], "latest", seq=1))
+    a1 = w.send(m.Replicate(c[1], "latest", seq=1))
+    # Each column shard needs both trainer shards (q and k are cut by rows there).
+    for cid, a in ((c[0], a0), (c[1], a1)):
+        assert reshard_of(a) == ["t/0", "t/1"] and a.version == 1 and not a.cross_datacenter
+        assert {p.digest() for p in a.placements} == {rows(0).digest(), rows(1).digest()}
+        assert [s.placement for s in a.reshard] == [rows(0).digest(), rows(1).digest()]
+        needed = plan_reshard(w.core.placements.get(w.node(cid).placement), [rows(0), rows(1)],
+                              spread=w.node(cid).shard).shards
+        assert tuple(w.node(cid).reshard_from) == tuple(f"t/{i}" for i in needed)
+    assert w.node("t/0").readers == {c[0], c[1]} == w.node("t/1").readers
+    # A second replica of the class pipelines from the first, not from the trainer.
+    d = w.rollout("d", [cols(0), cols(1)])
+    b0 = w.send(m.Replicate(d[0], "latest", seq=1))
+    assert isinstance(b0, m.Assignment) and not b0.reshard and b0.source_id == c[0] and b0.source_partial
+    # The class commits version 1 once both of c's shards are done; the trainer's readers leave.
+    for cid in c:
+        assert w.send(m.ReplicateDone(cid, 1)) == m.Ok()
+    assert w.node("t/0").readers == set() and w.core.available(f"pol{CLASS_SEP}1") == [1]
+    assert w.core.nodes[c[0]].state is NodeState.PUBLISHED and w.node(c[0]).reshard_from == ()
+
+
+def test_a_one_shard_rollout_reads_from_the_two_shard_trainer_and_resolves_the_trainers_latest():
+    w = RW()
+    w.published_trainer("t", version=1)
+    w.published_trainer("u", version=2)
+    (x,) = w.rollout("w", [WHOLE])
+    a = w.send(m.Replicate(x, "latest", seq=1))
+    assert a.version == 2 and reshard_of(a) == ["u/0", "u/1"] and w.node(x).reshard_from == ("u/0", "u/1")
+    assert w.send(m.Progress(x, 1)) == m.Ok()
+    assert w.send(m.ReplicateDone(x, 2)) == m.Ok()
+    # Now a version exists in both classes: "latest" resolves across them.
+    assert w.core.versions.available_all("pol") == [1, 2] == w.core.versions.available_all(w.node(x).model)
+    assert w.core.available(w.node(x).model) == [2]
+
+
+def test_the_trainers_unpublish_drains_until_its_reshard_readers_are_done():
+    w = RW()
+    t = w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert not isinstance(w.send(m.Unpublish(t[0])), m.ErrorReply)
+    assert w.node(t[0]).state is NodeState.DRAINING and w.pop(t[0]) == []
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
+    # The drain ends: the trainer's class keeps its own retention (its last copy of version 1
+    # offloads to host memory; the rollout's copy is another layout's).
+    assert w.node(t[0]).state is NodeState.OFFLOADING
+    assert [type(e) for e in w.pop(t[0])] == [m.OffloadOrder]
+
+
+def test_a_failed_reshard_source_moves_the_read_to_another_replica_of_that_class():
+    w = RW()
+    w.published_trainer("t")
+    w.published_trainer("u")
+    (x,) = w.rollout("w", [WHOLE])
+    first = reshard_of(w.send(m.Replicate(x, "latest", seq=1)))
+    assert first == ["t/0", "t/1"]
+    reply = w.send(m.SourceFailed(x, "t/1", units_done=0))
+    events = [reply] + w.pop(x)
+    again = [e for e in events if isinstance(e, m.Assignment)]
+    assert again and reshard_of(again[-1]) == ["u/0", "u/1"], events
+    assert w.node("t/0").readers == set() == w.node("t/1").readers
+    assert w.node("u/0").readers == {x} == w.node("u/1").readers
+    # A SourceFailed naming a shard it no longer reads repeats the current assignment.
+    assert reshard_of(w.send(m.SourceFailed(x, "t/0", units_done=0))) == ["u/0", "u/1"]
+
+
+def test_a_reshard_reader_whose_trainer_leaves_fails_version_lost_when_no_class_holds_the_version():
+    w = RW()
+    t = w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert w.send(m.Leave(t[1], drop_last_copy=True)) == m.Ok()
+    failed = [e for e in w.pop(x) if isinstance(e, m.Failed)]
+    assert failed and failed[0].code == "VersionLost", w.events
+    assert w.node(x).state is NodeState.IDLE and w.node("t/0").readers == set()
+
+
+def test_readers_wait_for_room_on_the_trainer_and_start_when_it_frees():
+    w = RW(readers_per_source_max=1)
+    w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    (y,) = w.rollout("w2", [WHOLE])
+    assert reshard_of(w.send(m.Replicate(x, "latest", seq=1)))
+    # y's class is x's (one shard, the whole model): it pipelines from x once x has room; x is
+    # full (1 reader max) after y, so a third whole reader waits.
+    ay = w.send(m.Replicate(y, "latest", seq=1))
+    assert isinstance(ay, m.Assignment) and ay.source_id == x and not ay.reshard
+    c = w.rollout("c", [cols(0), cols(1)])
+    assert w.send(m.Replicate(c[0], "latest", seq=1)) == m.Waiting(version=1)  # the trainer is full
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()  # x leaves the trainer: c[0] starts
+    assert reshard_of([e for e in w.pop(c[0]) if isinstance(e, m.Assignment)][-1]) == ["t/0", "t/1"]
+
+
+def test_a_rollout_whose_layout_no_holder_can_fill_fails_typed():
+    """A placement naming a global tensor no trainer shard holds (``extra``): the trainer's
+    replica cannot fill it, so the read fails (VersionLost names the group) and nothing leaks."""
+    w = RW()
+    w.published_trainer()
+    extra = P.GlobalTensor("extra", "float32", (2,))
+    p = P.Placement.build([P.whole(Q), P.whole(K), P.whole(NORM), P.whole(extra)], P.Schema.of([Q, K, NORM, extra]))
+    (x,) = w.rollout("w", [p])
+    reply = w.send(m.Replicate(x, 1, seq=1))
+    events = [reply] + w.pop(x)
+    assert any(isinstance(e, m.Failed) and e.code == "VersionLost" for e in events), events
+    assert w.node("t/0").readers == set() == w.node("t/1").readers
+
+
+@pytest.mark.parametrize("kill", ["reader", "pipelined"])
+def test_a_stopped_reshard_reader_hands_its_pipelined_readers_a_reshard_of_their_own(kill):
+    w = RW()
+    w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    (y,) = w.rollout("w2", [WHOLE])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert w.send(m.Replicate(y, "latest", seq=1)).source_id == x
+    if kill == "reader":
+        w.send(m.Leave(x))
+        again = [e for e in w.pop(y) if isinstance(e, m.Assignment)]
+        assert again and reshard_of(again[-1]) == ["t/0", "t/1"]
+        assert w.node("t/0").readers == {y}
+    else:
+        assert w.send(m.ReplicateAbort(y)) == m.Ok()
+        assert w.node(x).readers == set() and w.node("t/0").readers == {x}
+
+
+def test_after_a_restart_an_announced_reshard_read_is_assigned_anew_as_a_reshard():
+    """A fresh server hears the trainer (published 1) and a whole-model rollout that was reading
+    version 1 by a reshard (its handle names one trainer shard as its source): the read is not
+    restored as a plain edge to that shard (whole units of another layout), but queued and given
+    a resharded read from both trainer shards, from its units done."""
+    w = RW()
+    for s in (0, 1):
+        reg = m.Register(f"t/{s}", "pol", "t", s, 2, layout_of(rows(s)), f"t/{s}".encode(), placement=rows(s))
+        assert w.send(m.Announce(reg, m.Holding(published=1, confirmed=True))) == m.Ok()
+    reg = m.Register("w/0", "pol", "w", 0, 1, layout_of(WHOLE), b"w/0", placement=WHOLE)
+    reply = w.send(m.Announce(reg, m.Holding(reading_version=1, reading_source="t/0", reading_units=1, txn_seq=1)))
+    assert reply == m.Ok()
+    a = [e for e in w.pop("w/0") if isinstance(e, m.Assignment)]
+    assert a and reshard_of(a[-1]) == ["t/0", "t/1"] and a[-1].start_unit == 1
+    assert w.node("w/0").reshard_from == ("t/0", "t/1")
