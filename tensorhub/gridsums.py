@@ -1,7 +1,8 @@
 """Cell checksums: one xxh3-64 per grid cell a handle holds, the same in every placement.
 
-Stage 2c of issue 24 (verification that survives resharding); not wired into the handle, the
-server or the transport yet. :mod:`tensorhub.core.grid` cuts every global tensor into cells so
+Stage 2c of issue 24 (verification that survives resharding): holders hash on the server's
+``HashCells`` and resharding readers check with it (:mod:`tensorhub.handle.reshard`,
+:mod:`tensorhub.core.cells`). :mod:`tensorhub.core.grid` cuts every global tensor into cells so
 that every box of every registered placement is whole cells. Here the bytes are hashed:
 
 1. A cell's checksum is xxh3-64 (an unsigned int in ``[0, 2**64)``, as

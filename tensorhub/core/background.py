@@ -34,6 +34,9 @@ class Kind(enum.Enum):
     """``MakeHostCopy``: the driver, if :func:`host_copy_wanted` says so."""
     SEED = "seed"
     """``SeedAhead``: the driver, if :func:`seed_decision` says so (a staging copy reads it)."""
+    CELLS = "cells"
+    """``HashCells``: the handle's resharding part hashes the cells a reader of another layout
+    checks (:mod:`tensorhub.handle.reshard`)."""
     MACHINE = "machine"
     """Everything else (``DropHostCopy``, ``Evicted``, ``Demoted``, ...): fed to the
     :class:`~tensorhub.core.handle.HandleMachine` as ``Noted``; the driver runs its commands."""
@@ -45,6 +48,8 @@ def kind_of(note: object) -> Kind:
         return Kind.HOST_COPY
     if isinstance(note, m.SeedAhead):
         return Kind.SEED
+    if isinstance(note, m.HashCells):
+        return Kind.CELLS
     return Kind.MACHINE
 
 

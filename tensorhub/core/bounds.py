@@ -31,6 +31,8 @@ The bounds (all inclusive):
 - an endpoint (one's own or a host copy's): at most ``ENDPOINT_BYTES_MAX`` bytes; a holding
   at most ``HOST_COPIES_MAX`` host copies;
 - a pulse: at most ``BEATS_MAX`` beats; unit counts in ``0..UNITS_MAX`` (-1 where "none");
+- cell checksums (``CellSums``): at most ``CELLS_MAX`` (a grid's own bound), each cell index
+  below it, a checksum of 64 bits; ``FindCells`` of at most ``SHARDS_MAX`` holders;
 - a whole encoded request: at most ``REQUEST_BYTES_MAX`` bytes;
 - a server that serves every model (``server_per_model`` off): at most ``MODELS_MAX`` models.
 """
@@ -42,6 +44,7 @@ from typing import Collection, Optional
 import msgspec
 
 from tensorhub.core import messages as m
+from tensorhub.core.grid import CELLS_MAX
 from tensorhub.errors import OutOfBounds, WrongModel
 from tensorhub.placement import Placement
 
@@ -286,3 +289,19 @@ def _fields(req: m.Request) -> None:
         case m.FindDelta():
             check_version("version", req.version)
             check_version("base", req.base)
+        case m.CellSums():
+            check_version("version", req.version)
+            check_name("grid", req.grid)
+            if len(req.cells) > CELLS_MAX:
+                raise OutOfBounds(f"{len(req.cells)} cell checksums, more than {CELLS_MAX}")
+            for c in req.cells:
+                check_name("global tensor", c.tensor)
+                check_int("cell", c.cell, 0, CELLS_MAX - 1)
+                check_int("checksum", c.checksum, 0, (1 << 64) - 1)
+        case m.FindCells():
+            check_version("version", req.version)
+            check_name("grid", req.grid)
+            if len(req.holders) > SHARDS_MAX:
+                raise OutOfBounds(f"cell checksums of {len(req.holders)} holders, more than {SHARDS_MAX}")
+            for h in req.holders:
+                _known_id("holder", h)

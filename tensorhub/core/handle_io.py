@@ -137,6 +137,8 @@ class Pulled:
     error: Optional[str] = None
     unreachable: bool = False
     not_terminal: bool = False
+    failed_source: str = ""
+    """The holder at fault when not the assignment's source: one shard of a resharded read's."""
 
 
 @dataclasses.dataclass(frozen=True)

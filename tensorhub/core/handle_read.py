@@ -123,7 +123,7 @@ class Read:
             # A late read may still land in the region: keep nothing, and do not tell the
             # server the source failed (it would hand the source back to its writer).
             return Fail("TransferError", f"{a.source_id}: reads could not be stopped: {ev.error}")
-        return m.SourceFailed(self.client_id, a.source_id, ev.progress, unreachable=ev.unreachable)
+        return m.SourceFailed(self.client_id, ev.failed_source or a.source_id, ev.progress, unreachable=ev.unreachable)
 
     def reassigned(self, a: m.Assignment, progress: int) -> Optional[Union[Sleep, Fail]]:
         """The server's next source after a failed pull (rule 5), the region at ``progress``:

@@ -258,6 +258,35 @@ class FindDelta(_Msg, frozen=True):
     base: int
 
 
+class CellSum(msgspec.Struct, frozen=True, array_like=True):
+    """One cell's checksum (:mod:`tensorhub.gridsums`): global tensor, cell index in its grid."""
+
+    tensor: str
+    cell: int
+    checksum: int
+
+
+class CellSums(_Msg, frozen=True):
+    """A holder's cell checksums of ``version`` over grid ``grid`` (the key of the placements a
+    :class:`HashCells` named: :func:`tensorhub.core.cells.grid_key`), the cells it holds. Accepted
+    only from a client asked for them that holds ``version`` whole now."""
+
+    client_id: str
+    version: int
+    grid: str
+    cells: tuple[CellSum, ...]
+
+
+class FindCells(_Msg, frozen=True):
+    """A resharding reader asks for the cell checksums of ``version`` over ``grid`` of the
+    holder shards it read (:class:`CellsAt`)."""
+
+    client_id: str
+    version: int
+    grid: str
+    holders: tuple[str, ...]
+
+
 class Leave(_Msg, frozen=True):
     """Leave the server. Refused with ``LastCopyHeld`` when this client serves the last live
     non-spot copy of a retained version and other clients of the model remain, unless
@@ -281,6 +310,7 @@ class Query(_Msg, frozen=True):
 Request = Union[
     Register, Announce, Heartbeat, Publish, Unpublish, Replicate, SourceFailed, Progress,
     ReplicateDone, ReplicateAbort, OffloadDone, HostCopy, Leave, Query, Swap, Pulse, OfferDelta, FindDelta,
+    CellSums, FindCells,
 ]
 
 
@@ -317,6 +347,16 @@ class DeltaAt(_Msg, frozen=True):
     endpoint: bytes
     nbytes: int
     capacity: int
+
+
+class CellsAt(_Msg, frozen=True):
+    """The answer to :class:`FindCells`: the cell checksums of the holders that sent theirs,
+    merged; ``missing``: holders asked that have not sent them yet (ask again); ``gone``: holders
+    that no longer hold the version whole (read those shards elsewhere)."""
+
+    cells: tuple[CellSum, ...] = ()
+    missing: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()
 
 
 class Registered(_Msg, frozen=True):
@@ -413,6 +453,17 @@ class MakeHostCopy(_Msg, frozen=True):
     holder then offloads when it leaves the version)."""
 
     version: int
+
+
+class HashCells(_Msg, frozen=True):
+    """Background: a reader of another layout reads ``version`` from this holder (a resharded
+    read): compute the cell checksums of the cells this holder holds over the grid of
+    ``placements`` (:func:`tensorhub.core.grid.grid_of`; ``grid`` is its key) and send them
+    (:class:`CellSums`) while it still holds ``version``. The reader checks what it read with them."""
+
+    version: int
+    grid: str
+    placements: tuple[Placement, ...]
 
 
 class Probe(_Msg, frozen=True):
@@ -532,7 +583,7 @@ class Status(_Msg, frozen=True):
 
 
 Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted,
-              Demoted, Newest]
+              Demoted, Newest, HashCells]
 
 
 class PulseReply(_Msg, frozen=True):
@@ -559,7 +610,8 @@ class PulseReply(_Msg, frozen=True):
         return f"PulseReply({shown})"
 
 
-Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply, DeltaAt]
+Reply = Union[Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, PulseReply, DeltaAt,
+              CellsAt]
 
 
 class Deliver(msgspec.Struct, frozen=True):
@@ -573,6 +625,7 @@ _REQ_DECODER = msgspec.msgpack.Decoder(Union[Request, Signed])
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
     DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, Newest, PulseReply, DeltaAt,
+    CellsAt, HashCells,
 ])
 _ENCODER = msgspec.msgpack.Encoder()
 

@@ -1,8 +1,9 @@
 """Placements at the reference core: checked, interned by digest, merged into a schema, covered.
 
 Stage 2b of issue 24 (docs/placements.md): a registration may carry a
-:class:`~tensorhub.placement.Placement` (``Register.placement``); the data path does not use it
-yet (it still moves whole shards between equal layouts). A part of
+:class:`~tensorhub.placement.Placement` (``Register.placement``); stage 3b: replicas of another
+layout form layout classes, between which bytes move by resharded reads
+(:mod:`tensorhub.core.reading`). A part of
 :class:`tensorhub.core.reference.ReferenceCore`, called by :class:`~tensorhub.core.members.Members`
 (registration, removal) and :class:`~tensorhub.core.holders.Holders` (publish).
 

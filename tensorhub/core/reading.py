@@ -60,13 +60,16 @@ class Reading:
 
     def __init__(self, table: Table, *, finish_drain: Callable[[Node], None],
                  seed_pending: Callable[[str, int], dict[str, str]], recovering: Callable[[], bool],
-                 placements: Placements) -> None:
+                 placements: Placements, ask_cells: Callable[[Node, list[Node]], None]) -> None:
         self.table = table
         self._finish_drain = finish_drain
         self._seed_pending = seed_pending
         self._recovering = recovering
         self._placements = placements
         """The interned placements and the reshard questions' cache (read only)."""
+        self._ask_cells = ask_cells
+        """Asks the holders of a resharded read for their cell checksums
+        (:meth:`tensorhub.core.cells.Cells.ask`)."""
         self._stamp = 0
         self._reshard_waits: dict[tuple[str, int], set[Key]] = {}
         """(model, version) -> groups of its layout classes whose waiting readers found no
@@ -178,11 +181,19 @@ class Reading:
         published at that version with a placement (the same datacenter as the reader first,
         then the least loaded, then registration order), or None. ``room``: only replicas whose
         needed shards have fewer than ``readers_per_source_max`` reader replicas besides the
-        reader's own (:meth:`_replicas_reading`). Cost: the other
-        classes' nodes of that version's shard 0, and one cached plan per distinct layout pair."""
-        table = self.table
+        reader's own (:meth:`_replicas_reading`) and are reachable; holders suspected of having
+        failed (reported by anyone, or by this reader) only when no other replica qualifies (the
+        scheduler's rule 1). Without ``room``: any replica that could fill the reader in time.
+        Cost: the other classes' nodes of that version's shard 0 (twice at most), and one cached
+        plan per distinct layout pair."""
         if not reader.placement:
             return None
+        if not room:
+            return self._best_reshard(reader, _IN_TIME)
+        return self._best_reshard(reader, _NOW) or self._best_reshard(reader, _SUSPECTS_TOO)
+
+    def _best_reshard(self, reader: Node, level: int) -> Optional[list[Node]]:
+        table = self.table
         version, cap = reader.version, table.config.readers_per_source_max
         best: Optional[tuple[tuple, list[Node]]] = None
         for cls in table.classes.get(logical(reader.model), ()):
@@ -196,7 +207,7 @@ class Reading:
                     continue
                 looked.add(first.replica_id)
                 shards = sorted(table.replica_nodes(cls, first.replica_id), key=lambda n: n.shard)
-                if len(shards) != mod.num_shards or not all(self._serves_reshard(n, reader) for n in shards):
+                if len(shards) != mod.num_shards or not all(_serves_reshard(n, reader, level) for n in shards):
                     continue
                 needed = self._placements.reshard_shards(
                     reader.placement, tuple(n.placement for n in shards), reader.shard)
@@ -204,7 +215,7 @@ class Reading:
                     continue
                 srcs = [shards[i] for i in needed]
                 busy = max(self._replicas_reading(s, reader.replica_id) for s in srcs)
-                if room and busy >= cap:
+                if level != _IN_TIME and busy >= cap:
                     continue
                 rank = (any(s.datacenter != reader.datacenter for s in srcs), busy, shards[0].order)
                 if best is None or rank < best[0]:
@@ -218,11 +229,6 @@ class Reading:
         nodes = self.table.nodes
         return len({nodes[r].replica_id for r in src.readers if r in nodes} - {own})
 
-    @staticmethod
-    def _serves_reshard(n: Node, reader: Node) -> bool:
-        return (n.state is NodeState.PUBLISHED and n.version == reader.version and bool(n.placement)
-                and not n.unreachable and n.suspected_at is None and n.id not in reader.suspects)
-
     def reshard(self, reader: Node, srcs: list[Node]) -> None:
         """``reader`` reads its version from the holder shards ``srcs`` (another layout class):
         each lists it among its readers; the caller delivers the assignment."""
@@ -234,6 +240,7 @@ class Reading:
             s.readers.add(reader.id)
             self.table.index.mark(s)
         self.table.index.mark(reader)
+        self._ask_cells(reader, srcs)
         log.debug("model=%s version=%d reader=%s reshards from %s", reader.model, reader.version, reader.id,
                   ", ".join(reader.reshard_from))
 
@@ -361,6 +368,22 @@ class Reading:
                 # An earlier reader found no source; this one may now be its source (a seeder
                 # staging copy that started after it asked): look again.
                 table.touched.add(key)
+
+
+_NOW, _SUSPECTS_TOO, _IN_TIME = 2, 1, 0
+"""How strictly :func:`_serves_reshard` judges a holder."""
+
+
+def _serves_reshard(n: Node, reader: Node, level: int) -> bool:
+    """Whether ``n`` may serve ``reader``'s resharded read: complete at its version with a
+    placement and, at ``_NOW``, neither unreachable nor suspected of having failed (by anyone,
+    or by this reader); at ``_SUSPECTS_TOO``, only reachable; at ``_IN_TIME``, as it may become
+    (a complete holder's group counts as rooted while its holder is suspected)."""
+    if n.state is not NodeState.PUBLISHED or n.version != reader.version or not n.placement:
+        return False
+    if level == _NOW:
+        return not (n.unreachable or n.suspected_at is not None or n.id in reader.suspects)
+    return level == _IN_TIME or not n.unreachable
 
 
 class _GroupPool:

@@ -64,6 +64,7 @@ from typing import Mapping, Optional
 
 from tensorhub.config import Config
 from tensorhub.core import messages as m
+from tensorhub.core.cells import Cells
 from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.deltas import Deltas
 from tensorhub.core.holders import Holders
@@ -129,10 +130,12 @@ class ReferenceCore:
         """Commits, available versions and resolution (:mod:`tensorhub.core.versions`)."""
         self.placements = Placements(self.table)
         """Registered placements and layout classes (:mod:`tensorhub.core.placements`)."""
+        self.cells = Cells(self.table, placement_of=self.placements.get)
+        """The cell checksums of resharded reads (:mod:`tensorhub.core.cells`)."""
         self.reading = Reading(self.table, finish_drain=lambda n: self.holders.finish_drain(n),
                                seed_pending=self.crossdc.seed_pending,
                                recovering=lambda: self.table.now < self.recovery.until,
-                               placements=self.placements)
+                               placements=self.placements, ask_cells=self.cells.ask)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
         self.views = Views(self.table, available=self.versions.available_all,
                            clients_of=lambda model: self.members.clients_of(model),
@@ -151,7 +154,7 @@ class ReferenceCore:
         """Registered clients and host copies, and the lease order (:mod:`tensorhub.core.members`)."""
         self.holders = Holders(
             self.table, reading=self.reading, retention=self.retention, add_host=self.members.add_host,
-            forget=self.members.forget, forget_empty_models=self.members.forget_empty_models,
+            forget=self._forget, forget_empty_models=self.members.forget_empty_models,
             maybe_commit=self.versions.maybe_commit, set_seed_asked=self.crossdc.set_seed_asked,
             recovering_until=lambda: self.recovery.until, describe=self._describe,
             check_covered=self.placements.check_covered)
@@ -262,6 +265,10 @@ class ReferenceCore:
                 return self.deltas.on_offer(self.nodes[req.client_id], req)
             case m.FindDelta():
                 return self.deltas.on_find(self.nodes[req.client_id], req)
+            case m.CellSums():
+                return self.cells.on_sums(self.nodes[req.client_id], req)
+            case m.FindCells():
+                return self.cells.on_find(self.nodes[req.client_id], req)
         raise TypeError(f"the reference core has no handler for {type(req).__name__}")
 
     def tick(self, now: float, grace_s: float = 0.0) -> list[m.Deliver]:
@@ -450,6 +457,11 @@ class ReferenceCore:
             table.removed = set()
 
     # ------------------------------------------------------------------ helpers
+
+    def _forget(self, node: Node) -> None:
+        """``node`` (IDLE by now) leaves the table, its registries and what it was asked to hash."""
+        self.members.forget(node)
+        self.cells.forget(node.id)
 
     def _describe(self, node: Node) -> str:
         v = f" version {node.version}" if node.version >= 0 else ""

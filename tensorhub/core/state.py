@@ -57,6 +57,8 @@ LEGAL: dict[str, frozenset[NodeState]] = {
     "Swap": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),  # published: only the same swap again (ReadRequests.on_Swap)
     "OfferDelta": frozenset({NodeState.PUBLISHED}),  # of the version it publishes (Deltas.on_offer)
     "FindDelta": frozenset(NodeState),
+    "CellSums": COMPLETE,  # of the version it holds whole (Cells.on_sums)
+    "FindCells": frozenset({NodeState.READING}),  # of the holders it reshards from (Cells.on_find)
 }
 
 

@@ -48,14 +48,16 @@ class Background:
     lock ``call_lock`` (only tried, or held by the caller: ``in_call``); ``stopped``, set once
     its threads stop; ``region()``, its transport region now (None before register); ``feed``,
     which feeds an event to the machine and returns its commands; ``set_region``, which carries
-    out a ``SetRegion``; ``host_copies``; ``seed_asked``, which starts a seed (the staging part).
+    out a ``SetRegion``; ``host_copies``; ``seed_asked``, which starts a seed (the staging part);
+    ``cells_asked``, which hashes cells for a reader of another layout (the resharding part).
     Owns ``_notes_lock`` and the newest note acknowledged; makes no thread."""
 
     def __init__(self, *, client_id: str, model: str, replica: str, shard: int, spot: bool, config: Config,
                  port: ServerPort, machine: hm.HandleMachine, mlock: threading.Lock, call_lock: threading.Lock,
                  stopped: threading.Event, region: Callable[[], Optional[tx.Region]],
                  feed: Callable[[hm.Event], list], set_region: Callable[[hm.SetRegion], None],
-                 host_copies: HostCopies, seed_asked: Callable[[int], None]) -> None:
+                 host_copies: HostCopies, seed_asked: Callable[[int], None],
+                 cells_asked: Callable[[m.HashCells], None]) -> None:
         self.client_id, self.model, self.replica, self.shard, self.spot = client_id, model, replica, shard, spot
         self._config = config
         self._port = port
@@ -68,6 +70,7 @@ class Background:
         self._set_region = set_region
         self._host_copies = host_copies
         self._seed_asked = seed_asked
+        self._cells_asked = cells_asked
         self._notes_lock = threading.RLock()
         """Taking and applying background notes vs. announcing: a drop fetched before an
         announcement is applied before it (the announcement then leaves the copy out)."""
@@ -137,6 +140,9 @@ class Background:
                 continue
             if kind is bg.Kind.SEED:
                 self._seed_asked(note.version)
+                continue
+            if kind is bg.Kind.CELLS:
+                self._cells_asked(note)
                 continue
             for cmd in self._feed(hm.Noted(note)):
                 if isinstance(cmd, hm.DropHost):

@@ -270,10 +270,11 @@ class Driver:
             log.error("model=%s version=%d shard=%d: %s", h.model, a.version, h.shard, err)
             return hm.Pulled(h._memory.region.progress, str(err), not_terminal=True)
         except (errors.TransferError, errors.ChecksumMismatch) as err:
+            failed = h.reads.failed_source(a)
             log.warning("model=%s version=%d shard=%d source %s failed at unit %d: %s",
-                        h.model, a.version, h.shard, a.source_id, h._memory.region.progress, err)
+                        h.model, a.version, h.shard, failed, h._memory.region.progress, err)
             return hm.Pulled(h._memory.region.progress, str(err) or type(err).__name__,
-                             unreachable=isinstance(err, errors.SourceUnreachable))
+                             unreachable=isinstance(err, errors.SourceUnreachable), failed_source=failed)
         self.finished_at = time.time()
         return hm.Pulled(h._memory.region.progress)
 

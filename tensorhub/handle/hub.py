@@ -42,6 +42,7 @@ from tensorhub.handle.memory import Memory
 from tensorhub.handle import registration
 from tensorhub.handle.reads import ReadSession, ReadStats
 from tensorhub.handle.registration import NamedTensors
+from tensorhub.handle.reshard import Resharding
 from tensorhub.handle.staging import Staging, Standing
 from tensorhub.handle.sources import Sources
 from tensorhub.layout import Layout, checksum_all
@@ -100,12 +101,20 @@ class Hub:
             take_notes=lambda: self._background.take_notes(),  # the part made next, which needs this one
             record=self._driver.record_host_copy, endpoint_of=self._driver.host_copy_endpoint)
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
+        self._reshard = Resharding(
+            client_id=self.client_id, shard=shard, config=self.config, port=port,
+            placement=lambda: self._machine.register_msg.placement if self._machine.register_msg else None,
+            published=lambda: self._machine.published,
+            held=lambda: (self._memory.tensors, self._memory.region), sources=self._sources)
+        """Resharded reads from holders of another layout, and hashing cells for readers of
+        another layout (a part with its own thread, :mod:`tensorhub.handle.reshard`)."""
         self._background = Background(
             client_id=self.client_id, model=model, replica=self.replica, shard=shard, spot=self.spot,
             config=self.config, port=port, machine=self._driver.machine, mlock=self._driver.lock,
             call_lock=self._lock, stopped=self._hb_stop, region=lambda: self._memory.region, feed=self._driver.feed,
             set_region=self._driver.set_region,
-            host_copies=self.host_copies, seed_asked=self._staging.seed_asked)
+            host_copies=self.host_copies, seed_asked=self._staging.seed_asked,
+            cells_asked=self._reshard.hash_asked)
         """The server's notes, the beat and re-announcing (a part with its own lock,
         :mod:`tensorhub.handle.background`)."""
         self._offers = (deltas.Offers(client_id=self.client_id, model=model, shard=shard, config=self.config,
@@ -181,9 +190,10 @@ class Hub:
         (:mod:`tensorhub.placement`, docs/placements.md), e.g. a vLLM rank's fused ``qkv_proj``.
         The server checks it (well formed, the tensors' names, dtypes and shapes, one schema per
         model; ``LayoutMismatch`` naming the tensor, nothing registered) and refuses a publish
-        whose replica's shards leave part of a global tensor uncovered. Reads do not use it yet:
-        they still copy whole shards between equal layouts (stage 2b of issue 24), so every replica
-        that gives one gives the same placement for a shard. Default: none, as before.
+        whose replica's shards leave part of a global tensor uncovered. Replicas of one layout copy
+        whole shards between each other; a replica of another layout (its own layout class)
+        receives exactly its slices by resharded reads, checked cell by cell, and the holders
+        hash the cells such readers ask for (docs/placements.md). Default: none, as before.
 
         A server too far behind sheds new clients (``Config.register_shed_s``): ``register``
         then pauses as the server asks and tries again, until ``request_timeout_s``
@@ -475,6 +485,7 @@ class Hub:
         self._hb_stop.set()
         pulse.leave(self)
         self.host_copies.stop()
+        self._reshard.stop()
 
 
     def _start_heartbeat(self) -> None:

@@ -213,6 +213,10 @@ class ReadSession:
         (then the source's control block is not read); ``should_stop``/``on_unit``: as for
         ``pull``. The handle's own pulls come here too (:class:`~tensorhub.handle.driver.Driver`)."""
         hub = self._hub
+        if a.reshard:
+            # From a holder replica of another layout: every needed shard's byte ranges, then
+            # every cell checked (tensorhub.handle.reshard); nothing to resume from.
+            return hub._reshard.pull(a, should_stop=should_stop, on_unit=on_unit)
         region, layout, config = hub._memory.region, hub._memory.layout, hub.config
         start = self.resume_point(a.version)
         ready = hub._delta_ready
@@ -259,6 +263,11 @@ class ReadSession:
     def unit_count(self) -> int:
         """Transfer units of the registered layout."""
         return self._hub._memory.layout.unit_count
+
+    def failed_source(self, a: m.Assignment) -> str:
+        """The holder a failed pull of ``a`` blames: one shard of a resharded read's holders, else
+        ``a``'s source."""
+        return (self._hub._reshard.take_failed() if a.reshard else "") or a.source_id
 
     def resume_point(self, version: int) -> int:
         """Units of ``version`` already in place here: a read after a failover refetches nothing."""

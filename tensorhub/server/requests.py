@@ -23,7 +23,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 
 TERMINAL = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed, m.Evicted)
-BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted, m.Demoted, m.Newest)
+BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted, m.Demoted, m.Newest, m.HashCells)
 
 
 EVICTED_MAILBOXES_MAX = 1024

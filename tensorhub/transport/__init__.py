@@ -8,9 +8,10 @@
 - :mod:`tensorhub.transport.reader`: the reader loop (one-sided reads of a possibly partial holder);
 - :mod:`tensorhub.transport.pacing`: how many reads the loop keeps posted and how long it sleeps;
 - :mod:`tensorhub.transport.ranges`: a resharding plan's runs read from one holder shard straight
-  into the reader's tensors (NIXL range reads, same-host range copies; not wired to the handle yet);
+  into the reader's tensors (NIXL range reads, same-host range copies);
 - :mod:`tensorhub.transport.reshard_read`: a reader shard's resharded read from every shard of a
-  holder replica (plan, range reads, cell checks, publish; not wired to the handle yet);
+  holder replica (plan, range reads, cell checks, publish; the handle drives it from the
+  server's reshard assignments: :mod:`tensorhub.handle.reshard`);
 - :mod:`tensorhub.transport.shm`: the same-host tier (a holder's memory mapped by a reader on its
   host), and :mod:`tensorhub.transport.cuda_ipc`, its CUDA IPC half for GPU tensors.
 

@@ -3,8 +3,9 @@ placement, shard by shard, checked cell by cell, then served as a holder of its 
 
 Stage 3a of issue 24 (docs/placements.md): the reader's side of a resharded read, with the
 transports that ship (:mod:`tensorhub.transport.ranges`) and the checksums that survive
-resharding (:mod:`tensorhub.gridsums`). The reference server does not hand out reshard
-assignments yet; the caller names the holder shards (tests and ``benchmarks/reshard.py`` do).
+resharding (:mod:`tensorhub.gridsums`). The handle drives it from the server's reshard
+assignments (:mod:`tensorhub.handle.reshard`); tests and ``benchmarks/reshard.py`` name the
+holder shards themselves.
 
     holder replica (placement H[0..n))          reader shard (placement R, its own tensors)
       shard 0 ---- runs of shard 0 ----\\

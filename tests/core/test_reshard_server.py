@@ -19,6 +19,7 @@ import pytest
 
 from tensorhub import placement as P
 from tensorhub.core import messages as m
+from tensorhub.core.cells import PER_HOLDER_MAX, grid_key
 from tensorhub.core.placements import CLASS_SEP
 from tensorhub.core.reshard import plan_reshard
 from tensorhub.core.state import NodeState
@@ -142,7 +143,8 @@ def test_the_trainers_unpublish_drains_until_its_reshard_readers_are_done():
     (x,) = w.rollout("w", [WHOLE])
     w.send(m.Replicate(x, "latest", seq=1))
     assert not isinstance(w.send(m.Unpublish(t[0])), m.ErrorReply)
-    assert w.node(t[0]).state is NodeState.DRAINING and w.pop(t[0]) == []
+    assert w.node(t[0]).state is NodeState.DRAINING
+    assert [type(e) for e in w.pop(t[0])] == [m.HashCells]  # asked at the assignment
     assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
     # The drain ends: the trainer's class keeps its own retention (its last copy of version 1
     # offloads to host memory; the rollout's copy is another layout's).
@@ -241,3 +243,81 @@ def test_after_a_restart_an_announced_reshard_read_is_assigned_anew_as_a_reshard
     a = [e for e in w.pop("w/0") if isinstance(e, m.Assignment)]
     assert a and reshard_of(a[-1]) == ["t/0", "t/1"] and a[-1].start_unit == 1
     assert w.node("w/0").reshard_from == ("t/0", "t/1")
+
+
+# --------------------------------------------------------------------------- cell checksums
+
+
+def sums(*cells):
+    return tuple(m.CellSum(t, c, x) for t, c, x in cells)
+
+
+def test_the_holders_of_a_reshard_are_asked_once_for_cell_checksums_and_the_reader_finds_them():
+    w = RW(readers_per_source_max=2)
+    t = w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    (y,) = w.rollout("w2", [WHOLE])  # x's class: pipelines from x
+    c = w.rollout("c", [cols(0), cols(1)])
+    w.send(m.Replicate(x, "latest", seq=1))
+    grid = grid_key([rows(0), rows(1), WHOLE])
+    for h in t:
+        (note,) = w.pop(h)
+        assert note == m.HashCells(version=1, grid=grid, placements=tuple(
+            sorted([rows(0), rows(1), WHOLE], key=lambda p: p.digest())))
+    w.send(m.Replicate(y, "latest", seq=1))
+    w.send(m.Replicate(c[0], "latest", seq=1))
+    w.send(m.Replicate(c[1], "latest", seq=1))
+    # y pipelines from x (no new question); c's grid is another: each trainer shard asked once
+    # more, for both of c's shards.
+    cgrid = grid_key([rows(0), rows(1), cols(0)])
+    assert [n.grid for n in w.pop(t[0])] == [cgrid, grid_key([rows(0), rows(1), cols(1)])]
+    # Before the holders answer: missing; the answers are kept and merged.
+    assert w.send(m.FindCells(x, 1, grid, tuple(t))) == m.CellsAt(missing=tuple(t))
+    assert w.send(m.CellSums(t[0], 1, grid, sums(("q", 0, 7), ("k", 0, 8)))) == m.Ok()
+    assert w.send(m.FindCells(x, 1, grid, tuple(t))) == m.CellsAt(cells=sums(("q", 0, 7), ("k", 0, 8)),
+                                                                   missing=(t[1],))
+    assert w.send(m.CellSums(t[1], 1, grid, sums(("q", 1, 9)))) == m.Ok()
+    assert w.send(m.FindCells(x, 1, grid, tuple(t))).cells == sums(("q", 0, 7), ("k", 0, 8), ("q", 1, 9))
+
+
+def test_cell_checksums_not_asked_or_of_another_version_are_refused_and_nothing_is_kept():
+    w = RW()
+    t = w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    (z,) = w.rollout("z", [WHOLE])
+    grid = grid_key([rows(0), rows(1), WHOLE])
+    # Not asked yet (no reshard): refused.
+    refused(w.send(m.CellSums(t[0], 1, grid, sums(("q", 0, 1)))), "InvalidState", "were not asked")
+    w.send(m.Replicate(x, "latest", seq=1))
+    refused(w.send(m.CellSums(t[0], 1, "another grid", sums(("q", 0, 1)))), "InvalidState", "were not asked")
+    refused(w.send(m.CellSums(t[0], 2, grid, sums(("q", 0, 1)))), "InvalidState", "were not asked")
+    # A reader asks only of the holders it reads from, only while reading.
+    refused(w.send(m.FindCells(x, 1, grid, ("w2-none",))), "InvalidState", "it reads version 1 from")
+    refused(w.send(m.FindCells(z, 1, grid, tuple(t))), "InvalidState")
+    assert w.core.cells.kept[t[0]] == {(1, grid): None}
+
+
+def test_a_holder_that_leaves_or_moves_on_is_gone_for_the_reader():
+    w = RW()
+    t = w.published_trainer()
+    w.published_trainer("u")
+    (x,) = w.rollout("w", [WHOLE])
+    w.send(m.Replicate(x, "latest", seq=1))
+    grid = grid_key([rows(0), rows(1), WHOLE])
+    assert w.send(m.CellSums(t[0], 1, grid, sums(("q", 0, 1)))) == m.Ok()
+    # t/1 leaves while x reads from it: x is re-planned onto u.
+    assert w.send(m.Leave(t[1], drop_last_copy=True)) == m.Ok()
+    assert w.core.cells.kept.get(t[1]) is None
+    assert w.node(x).reshard_from == ("u/0", "u/1")
+    refused(w.send(m.FindCells(x, 1, grid, tuple(t))), "InvalidState")  # no longer its holders
+    assert w.send(m.FindCells(x, 1, grid, ("u/0", "u/1"))) == m.CellsAt(missing=("u/0", "u/1"))
+
+
+def test_what_the_server_keeps_of_cell_checksums_is_bounded_per_holder():
+    w = RW(readers_per_source_max=PER_HOLDER_MAX + 3)
+    t = w.published_trainer()
+    for i in range(PER_HOLDER_MAX + 2):
+        part = P.concat("q", [(Q, P.Box((0, 0), (i + 1, 4)))])  # rows [0, i+1) of q: another grid each
+        ids = w.rollout(f"r{i}", [P.Placement.build([part], SCHEMA)])
+        w.send(m.Replicate(ids[0], "latest", seq=1))
+    assert len(w.core.cells.kept[t[0]]) == PER_HOLDER_MAX

@@ -3,7 +3,8 @@ an in-process server (LocalPort): what the handle checks before it registers any
 server then knows, and the coverage refusal at publish.
 
     trainer, 2 shards, rows split:   shard 0 = w[0:8], b[0:8]    shard 1 = w[8:16], b[8:16]
-    reader replica, same placement:  reads whole shards (the data path does not reshard yet)
+    reader replica, same placement:  reads whole shards (another layout reshards:
+                                     tests/handle/test_reshard_handle.py)
 """
 
 from __future__ import annotations

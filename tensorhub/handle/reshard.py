@@ -1,0 +1,192 @@
+"""A handle's side of resharded reads (``hub._reshard``): reading from holders of another
+layout, and hashing cells for readers of another layout (issue 24; docs/placements.md).
+
+As a reader (:meth:`Resharding.pull`): an ``Assignment`` with ``reshard`` names every shard of a
+holder replica of another layout class and their placements. The handle plans the byte ranges
+from its own placement (:class:`~tensorhub.transport.reshard_read.ReshardRead`, ``spread`` = its
+shard, as the server planned), reads each needed holder shard's runs straight into its
+registered tensors (the same-host tier when the holder lives on this host, else NIXL), asks
+the server for the holders' cell checksums (``FindCells``: the holders hash while the bytes
+move), checks every cell, and only then publishes its own unit checksums and progress: readers
+of its own layout then pipeline from it as from any holder. Rules:
+
+- A holder shard whose read fails, whose cells differ, or that no longer holds the version is
+  *the* failed source (:meth:`Resharding.take_failed`, what the handle's ``SourceFailed``
+  names): the server plans the read again without it.
+- Nothing is advertised before every cell is checked: the region says the version with progress
+  0 while the bytes land, then the version complete (a failure leaves progress 0).
+- Waiting for checksums is bounded by ``source_stall_timeout_s`` (``SourceStalled`` naming the
+  holder that did not answer).
+
+As a holder (:meth:`Resharding.hash_asked`, the server's ``HashCells``): the cells of the grid
+of the placements named, for the tensors this handle publishes at that version, hashed in place
+on this part's one worker thread (off the pulse and the user's calls) and sent with
+``CellSums``, only if the handle still publishes that version once they are hashed (its
+tensors could not change meanwhile: it cannot unpublish while a reader reads from it). Asked
+while it publishes another version, or without a placement: ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import msgspec
+
+from tensorhub import errors, gridsums
+from tensorhub.config import Config
+from tensorhub.core import messages as m
+from tensorhub.core.cells import grid_key
+from tensorhub.core.grid import grid_of
+from tensorhub.placement import Placement
+from tensorhub.ports import ServerPort
+from tensorhub.transport.reshard_read import ReshardRead
+
+log = logging.getLogger("tensorhub.client")
+"""The handle's log (one name for all its parts, kept for users' log filters)."""
+
+_FIND_POLL_S = (0.002, 0.05)
+"""First and longest pause between ``FindCells`` while holders are still hashing."""
+
+
+class Resharding:
+    """A handle's resharded reads and cell hashing (see the module docstring). What it needs of
+    its handle is passed in: ``client_id``, ``shard``, ``config``, the server ``port``;
+    ``placement()`` (the registered placement, None without one); ``published()`` (the version
+    the handle publishes now, None if none); ``held()`` -> (its tensors in layout order, its
+    region); ``sources``, the handle's open sources (:class:`~tensorhub.handle.sources.Sources`).
+    Owns its worker thread (started at the first ``HashCells``, stopped by :meth:`stop`) and the
+    failed source of the last pull."""
+
+    def __init__(self, *, client_id: str, shard: int, config: Config, port: ServerPort,
+                 placement: Callable[[], Optional[Placement]], published: Callable[[], Optional[int]],
+                 held: Callable[[], tuple], sources) -> None:
+        self.client_id, self.shard, self._config, self._port = client_id, shard, config, port
+        self._placement, self._published, self._held, self._sources = placement, published, held, sources
+        self._lock = threading.Lock()
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._stopped = False
+        self._failed: str = ""
+        self.bytes_read = 0
+        """Bytes the last resharded pull moved."""
+
+    # ------------------------------------------------------------------ reader
+
+    def pull(self, a: m.Assignment, should_stop: Optional[Callable[[], bool]] = None,
+             on_unit: Optional[Callable[[int], None]] = None) -> int:
+        """Carry out the resharded read ``a`` into the registered region: read, check every
+        cell, publish the unit checksums. Returns the bytes moved; raises ``TransferError`` or
+        ``ChecksumMismatch`` with :meth:`take_failed` naming the holder at fault."""
+        self._failed = ""
+        own = self._placement()
+        tensors, region = self._held()
+        if own is None:
+            raise errors.TransferError("a resharded read needs this handle's placement (register(placement=))")
+        by_digest = {p.digest(): p for p in a.placements}
+        try:
+            holders = [by_digest[s.placement] for s in a.reshard]
+        except KeyError as e:
+            raise errors.TransferError(f"the assignment lacks holder placement {e}") from None
+        if [s.shard for s in a.reshard] != list(range(len(a.reshard))):
+            raise errors.TransferError("the assignment does not name every holder shard in order")
+        rd = ReshardRead(region, own, holders, version=a.version, config=self._config, spread=self.shard)
+        placements = list(by_digest.values()) + [own]
+        grid = grid_of(placements)
+        key = grid_key(placements)
+        region.set_progress(0)
+        region.set_version(a.version)
+        for shard in rd.shards:
+            if should_stop is not None and should_stop():
+                return rd.bytes_read
+            holder = a.reshard[shard]
+            sub = msgspec.structs.replace(a, source_id=holder.client_id, source_endpoint=holder.endpoint,
+                                          reshard=(), placements=())
+            try:
+                source = self._sources.same_host(sub) or self._sources.nixl(sub)
+                rd.read(shard, source)
+            except (errors.TransferError, errors.ChecksumMismatch):
+                self._sources.drop(sub)
+                self._failed = holder.client_id
+                raise
+        ids = tuple(a.reshard[s].client_id for s in rd.shards)
+        expected = self._find_cells(a.version, key, ids)
+        bad = rd.verify(grid, expected)
+        if bad:
+            self._failed = a.reshard[bad[0].shard].client_id
+            first = bad[0].cells[0]
+            raise errors.ChecksumMismatch(
+                f"version {a.version}: {sum(len(b.cells) for b in bad)} cells differ from holder "
+                f"{self._failed}'s checksums; first: {first.local} <- {first.tensor} {first.box}")
+        rd.publish()
+        self.bytes_read = rd.bytes_read
+        if on_unit is not None:
+            on_unit(region.progress - 1)
+        return rd.bytes_read
+
+    def take_failed(self) -> str:
+        """The holder the last failed pull blames ("" if none), once."""
+        failed, self._failed = self._failed, ""
+        return failed
+
+    def _find_cells(self, version: int, grid: str, holders: tuple[str, ...]) -> dict:
+        """The holders' cell checksums, merged, once all have sent them."""
+        deadline = time.monotonic() + self._config.source_stall_timeout_s
+        pause = _FIND_POLL_S[0]
+        while True:
+            reply = self._port.call(m.FindCells(self.client_id, version, grid, holders))
+            if isinstance(reply, m.ErrorReply):
+                raise errors.TransferError(f"cell checksums of version {version}: {reply.code}: {reply.message}")
+            if reply.gone:
+                self._failed = reply.gone[0]
+                raise errors.TransferError(f"holder {reply.gone[0]} no longer holds version {version}")
+            if not reply.missing:
+                return {(c.tensor, c.cell): c.checksum for c in reply.cells}
+            if time.monotonic() > deadline:
+                self._failed = reply.missing[0]
+                raise errors.SourceStalled(f"holder {reply.missing[0]} sent no cell checksums of version {version} "
+                                           f"in {self._config.source_stall_timeout_s}s")
+            time.sleep(pause)
+            pause = min(pause * 2, _FIND_POLL_S[1])
+
+    # ------------------------------------------------------------------ holder
+
+    def hash_asked(self, note: m.HashCells) -> None:
+        """The server's ``HashCells``: hash on the worker thread and send (see the module docstring)."""
+        with self._lock:
+            if self._stopped:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorhub-cells")
+            self._pool.submit(self._hash, note)
+
+    def _hash(self, note: m.HashCells) -> None:
+        own = self._placement()
+        if own is None or self._published() != note.version:
+            return
+        try:
+            grid = grid_of(note.placements)
+            if grid_key(note.placements) != note.grid or own not in note.placements:
+                log.warning("%s: HashCells of version %d names a grid it is not part of; ignored",
+                            self.client_id, note.version)
+                return
+            tensors, _ = self._held()
+            sums = gridsums.cell_checksums(dict(zip(own.names, tensors)), own, grid)
+            if self._published() != note.version:
+                return  # it moved on while hashing: the sums may be of other bytes
+            cells = tuple(m.CellSum(t, c, x) for (t, c), x in sorted(sums.items()))
+            reply = self._port.call(m.CellSums(self.client_id, note.version, note.grid, cells))
+            if isinstance(reply, m.ErrorReply):
+                log.info("%s: cell checksums of version %d not taken: %s", self.client_id, note.version, reply.message)
+        except (errors.TensorHubError, ValueError) as e:
+            log.warning("%s: hashing cells of version %d failed: %s", self.client_id, note.version, e)
+
+    def stop(self) -> None:
+        """No more hashing; waits for the one in progress."""
+        with self._lock:
+            self._stopped = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
