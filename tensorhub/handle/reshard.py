@@ -7,14 +7,16 @@ from its own placement (:class:`~tensorhub.transport.reshard_read.ReshardRead`, 
 shard, as the server planned), reads each needed holder shard's runs straight into its
 registered tensors (the same-host tier when the holder lives on this host, else NIXL), asks
 the server for the holders' cell checksums (``FindCells``: the holders hash while the bytes
-move), checks every cell, and only then publishes its own unit checksums and progress: readers
-of its own layout then pipeline from it as from any holder. Rules:
+move), checks every cell, and advertises its own units as they are checked: readers of its own
+layout pipeline from it as from any partial holder. Rules:
 
 - A holder shard whose read fails, whose cells differ, or that no longer holds the version is
   *the* failed source (:meth:`Resharding.take_failed`, what the handle's ``SourceFailed``
   names): the server plans the read again without it.
-- Nothing is advertised before every cell is checked: the region says the version with progress
-  0 while the bytes land, then the version complete (a failure leaves progress 0).
+- Only checked bytes are advertised: the region says the version with progress 0 when the read
+  starts; the reader's tensors are read in batches, each batch's cells checked on a second
+  thread while the next is read (:meth:`ReshardRead.run`), and each batch checked clean extends
+  the prefix of units advertised with their checksums. A bad batch stops the prefix there.
 - Waiting for checksums is bounded by ``source_stall_timeout_s`` (``SourceStalled`` naming the
   holder that did not answer).
 
@@ -96,35 +98,36 @@ class Resharding:
         placements = list(by_digest.values()) + [own]
         grid = grid_of(placements)
         key = grid_key(placements)
-        region.set_progress(0)
-        region.set_version(a.version)
+        ids = tuple(a.reshard[s].client_id for s in rd.shards)
+        sources, subs = {}, {}
         for shard in rd.shards:
-            if should_stop is not None and should_stop():
-                return rd.bytes_read
             holder = a.reshard[shard]
-            sub = msgspec.structs.replace(a, source_id=holder.client_id, source_endpoint=holder.endpoint,
-                                          reshard=(), placements=())
+            subs[shard] = msgspec.structs.replace(a, source_id=holder.client_id, source_endpoint=holder.endpoint,
+                                                  reshard=(), placements=())
             try:
-                source = self._sources.same_host(sub) or self._sources.nixl(sub)
-                rd.read(shard, source)
-            except (errors.TransferError, errors.ChecksumMismatch):
-                self._sources.drop(sub)
+                sources[shard] = self._sources.same_host(subs[shard]) or self._sources.nixl(subs[shard])
+            except errors.TransferError:
                 self._failed = holder.client_id
                 raise
-        ids = tuple(a.reshard[s].client_id for s in rd.shards)
-        expected = self._find_cells(a.version, key, ids)
-        bad = rd.verify(grid, expected)
-        if bad:
-            self._failed = a.reshard[bad[0].shard].client_id
-            first = bad[0].cells[0]
-            raise errors.ChecksumMismatch(
-                f"version {a.version}: {sum(len(b.cells) for b in bad)} cells differ from holder "
-                f"{self._failed}'s checksums; first: {first.local} <- {first.tensor} {first.box}")
+        # Reads start at once; the holders' checksums are fetched on the hashing thread before
+        # the first batch is checked (the holders hash meanwhile); each batch checked clean
+        # extends the prefix this region advertises, so readers of its layout follow it.
+        try:
+            moved = rd.run(sources, grid, lambda: self._find_cells(a.version, key, ids), advertise=True)
+        except errors.ChecksumMismatch:
+            bad = rd.verify(grid, self._find_cells(a.version, key, ids))
+            self._failed = a.reshard[bad[0].shard].client_id if bad else a.reshard[rd.shards[0]].client_id
+            raise
+        except (errors.TransferError, errors.ReadsNotTerminal):
+            if rd.failed_shard is not None:
+                self._sources.drop(subs[rd.failed_shard])
+                self._failed = a.reshard[rd.failed_shard].client_id
+            raise
         rd.publish()
-        self.bytes_read = rd.bytes_read
+        self.bytes_read = moved
         if on_unit is not None:
             on_unit(region.progress - 1)
-        return rd.bytes_read
+        return moved
 
     def take_failed(self) -> str:
         """The holder the last failed pull blames ("" if none), once."""

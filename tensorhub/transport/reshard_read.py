@@ -57,7 +57,7 @@ from __future__ import annotations
 import bisect
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 from tensorhub.config import Config
 from tensorhub.core import messages as m
@@ -96,6 +96,8 @@ class ReshardRead:
         self.version = int(version)
         self.config = config
         self.plan: ReshardPlan = plan_reshard(reader, self.holders, spread=spread).require_complete()
+        self.failed_shard: Optional[int] = None
+        """The holder shard whose read made :meth:`run` raise (None: none)."""
         self.done: set[int] = set()
         self.bytes_read = 0
         self._unit_shards = _unit_writers(region, self.plan)
@@ -139,19 +141,29 @@ class ReshardRead:
         self.done.add(shard)
         return n
 
-    def run(self, sources: Mapping[int, Any], grid: Grid, expected: Mapping[CellKey, int], *,
-            batch_bytes: int = 64 << 20, strided: Optional[str] = None) -> int:
+    def run(self, sources: Mapping[int, Any], grid: Grid,
+            expected: Union[Mapping[CellKey, int], Callable[[], Mapping[CellKey, int]]], *,
+            batch_bytes: int = 64 << 20, strided: Optional[str] = None, advertise: bool = False) -> int:
         """Rules 2 to 4 in one call, the hashing overlapped with the reads (rule 6): the
         reader's tensors in layout order, in batches of about ``batch_bytes``; each batch's runs
         read from every holder shard writing into it (``sources[shard]``), then its cells
         checked and the checksums of the units it completes computed on a second thread while
         the next batch is read. Returns the bytes moved. Raises as :meth:`read` (the shards
-        whose runs all landed are done; read the others with :meth:`read`) or, once every read
-        ended, ``ChecksumMismatch`` as :meth:`check`. :meth:`publish` then uses the unit
-        checksums computed here."""
+        whose runs all landed are done; read the others with :meth:`read`; :attr:`failed_shard`
+        names the one whose read failed) or, once every read ended, ``ChecksumMismatch`` as
+        :meth:`check`, or what ``expected`` raised. :meth:`publish` then uses the unit checksums
+        computed here.
+
+        ``expected`` may be a function that returns the checksums: it is called once, on the
+        hashing thread, before the first batch is checked, so the reads start before the holders'
+        checksums are known (a holder hashing on demand). ``advertise``: the region says the
+        version with progress 0 from the start, then, as batches are checked clean in order, the
+        units they complete with their checksums (rule 3's prefix, verified): readers of the
+        reader's own placement pipeline from it while it reads. A bad batch stops the prefix."""
         lacking = [s for s in self.shards if s not in sources]
         if lacking:
             raise InvalidState(f"no source for holder shards {lacking}")
+        self.failed_shard = None
         lay = self.region.layout
         batches = _batches(lay.metas, batch_bytes)
         last_batch = {i: b for b, names in enumerate(batches) for i in (lay.index_of(n) for n in names)}
@@ -160,13 +172,32 @@ class ReshardRead:
         tensors = dict(zip(lay.names, self.region.tensors))
         sums = [0] * lay.unit_count
         checksums = self.config.checksums
+        known: list[Any] = []  # the checksums, or what fetching them raised (raised for every batch)
+        shown = [0, True]  # units advertised, and whether every batch so far was clean
+        if advertise:
+            self.region.set_progress(0)
+            self.region.set_version(self.version)
 
         def hash_batch(b: int, names: frozenset[str]) -> list[CellMismatch]:
-            bad = verify_cells(tensors, self.reader, grid, expected, names)
+            if not known:
+                try:
+                    known.append(expected() if callable(expected) else expected)
+                except BaseException as e:  # noqa: BLE001 - raised by every batch's future
+                    known.append(e)
+            if isinstance(known[0], BaseException):
+                raise known[0]
+            bad = verify_cells(tensors, self.reader, grid, known[0], names)
             if checksums:
                 for u, ub in enumerate(unit_batch):
                     if ub == b:
                         sums[u] = checksum_unit(self.region.tensors, lay.units[u])
+            shown[1] = shown[1] and not bad
+            if advertise and shown[1]:
+                end = bisect.bisect_right(unit_batch, b)  # unit_batch never decreases
+                if checksums:
+                    self.region.set_checksums(sums[shown[0]:end], start=shown[0])
+                self.region.set_progress(end)
+                shown[0] = end
             return bad
 
         self._unit_sums = None
@@ -177,7 +208,11 @@ class ReshardRead:
                 runs = [r for n in lay.names if n in names for r in self.plan.runs_for(n)]
                 for shard in sorted({r.holder_shard for r in runs}):
                     mine = [r for r in runs if r.holder_shard == shard]
-                    moved += self._move(shard, sources[shard], mine, strided)
+                    try:
+                        moved += self._move(shard, sources[shard], mine, strided)
+                    except BaseException:
+                        self.failed_shard = shard
+                        raise
                     left[shard] -= len(mine)
                     if not left[shard]:
                         self.done.add(shard)

@@ -151,16 +151,16 @@ def test_bytes_damaged_in_transit_fail_the_shard_and_the_read_succeeds_again(por
     holder (SourceFailed), the server plans again, the second read is clean."""
     trainer = open_replica(port, cfg, "trainer", [rows(0), rows(1)], version=2)
     tp1 = open_replica(port, cfg, "tp1", [WHOLE])
-    real = reshard_read.ReshardRead.read
+    real = reshard_read.ReshardRead._move
     damaged = []
 
-    def read(self, shard, source, **kw):
-        n = real(self, shard, source, **kw)
+    def move(self, shard, source, runs, strided):
+        n = real(self, shard, source, runs, strided)
         if not damaged and shard == 1:
             damaged.append(shard)
             self.region.tensors[0][12, 3] += 1.0  # a byte of w that trainer shard 1 wrote
         return n
-    monkeypatch.setattr(reshard_read.ReshardRead, "read", read)
+    monkeypatch.setattr(reshard_read.ReshardRead, "_move", move)
     try:
         (st,) = replicate_all(tp1)
         assert damaged == [1] and st.failovers == 1 and st.version == 2

@@ -272,6 +272,49 @@ def test_run_names_a_corrupt_shard_after_every_read_ended_and_a_failover_recompu
         region.close()
 
 
+def test_run_advertises_the_checked_prefix_fetches_the_checksums_once_and_stops_at_a_bad_batch(agents):
+    """``advertise``: the region says the version at progress 0 from the start and each batch
+    checked clean extends the advertised prefix, with the units' checksums; the checksums come
+    from a function called once (on the hashing thread). A corrupt byte in the last tensor stops
+    the prefix before that tensor's units; the prefix advertised is the truth's."""
+    case = "rows -> fused qkv TP=2"
+    holders, rp, region, truth, grid, sums = _world(agents, case)
+    flat = _bytes(holders[1].tensors[-1])
+    old = flat[-1].copy()
+    flat[-1] ^= 0x01
+    sources = {i: open_source(h.region.endpoint(), agent=agents[0][1]) for i, h in enumerate(holders)}
+    calls, seen = [], []
+    real = ReshardRead._move
+
+    def move(self, shard, source, runs, strided):
+        seen.append((self.region.version, self.region.progress))
+        return real(self, shard, source, runs, strided)
+
+    def fetch():
+        calls.append(region.progress)
+        return sums
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        ReshardRead._move = move
+        with pytest.raises(ChecksumMismatch):
+            rd.run(sources, grid, fetch, batch_bytes=16 << 10, advertise=True)
+        assert calls == [0] and seen[0] == (VERSION, 0)
+        progress = region.progress
+        last = region.layout.index_of(rp.tensors[-1].name)
+        first_unit_of_last = next(u for u, unit in enumerate(region.layout.units)
+                                  if any(p.tensor_index == last for p in unit))
+        assert 0 < progress <= first_unit_of_last, (progress, first_unit_of_last)
+        assert region.checksums()[:progress] == checksum_all(truth, region.layout)[:progress]
+        assert all(_unit_bytes_equal(region, truth, region.layout.units[u]) for u in range(progress))
+        assert [p for _, p in seen] == sorted(p for _, p in seen)  # never goes back
+    finally:
+        ReshardRead._move = real
+        flat[-1] = old
+        for s in sources.values():
+            s.close()
+        region.close()
+
+
 def test_run_with_a_source_missing_or_moved_on_leaves_that_shard_not_done(agents):
     from tensorhub.errors import TransferError
     holders, rp, region, _, grid, sums = _world(agents, "rows -> columns")
