@@ -271,10 +271,7 @@ class Placements:
         return hit or None
 
     def view(self, model: str) -> tuple[m.PlacementUse, ...]:
-        """The model's distinct placements and their clients, by digest (every layout class's,
-        shown with its first class)."""
-        if logical(model) != model:
-            return ()
+        """The model's distinct placements (every layout class's) and their clients, by digest."""
         mp = self.models.get(model)
         return () if mp is None else tuple(m.PlacementUse(d, c) for d, c in sorted(mp.uses.items()))
 

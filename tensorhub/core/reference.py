@@ -69,7 +69,7 @@ from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.deltas import Deltas
 from tensorhub.core.holders import Holders
 from tensorhub.core.members import Members
-from tensorhub.core.placements import Placements
+from tensorhub.core.placements import Placements, logical, shown
 from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reading import Reading
 from tensorhub.core.recovery import Recovery
@@ -382,11 +382,14 @@ class ReferenceCore:
 
     def status(self, model: str = "", layouts: bool = False) -> m.Status:
         """The table as :class:`~tensorhub.core.messages.Status`: every model, or ``model`` only;
-        ``layouts``: with each model's known shard layouts."""
+        ``layouts``: with each model's known shard layouts. A model's first layout class is shown
+        under the model's name, each other one as ``<model> (layout class <n>)``."""
         views = []
         for name in sorted(self.models):
-            if model and name != model:
+            base = logical(name)
+            if model and base != model:
                 continue
+            first = (self.table.classes.get(base) or [name])[0] == name
             mod = self.models[name]
             holders = tuple(
                 m.HolderView(
@@ -399,10 +402,10 @@ class ReferenceCore:
                 if n.model == name
             )
             views.append(m.ModelView(
-                model=name, num_shards=mod.num_shards, available=tuple(self.available(name)),
+                model=base if first else shown(name), num_shards=mod.num_shards, available=tuple(self.available(name)),
                 committed=tuple(self.retained(name)), holders=holders,
                 layouts=tuple(m.ShardLayout(i, mod.layouts[i]) for i in sorted(mod.layouts)) if layouts else (),
-                placements=self.placements.view(name),
+                placements=self.placements.view(base) if first else (),
             ))
         return m.Status(models=tuple(views))
 

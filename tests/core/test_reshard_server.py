@@ -78,9 +78,12 @@ def test_replicas_of_other_layouts_open_layout_classes_and_a_replica_stays_in_it
     # Without a placement another shard count is refused as before (no class opens).
     reply = w.send(m.Register("x/0", "pol", "x", 0, 3, layout_of(rows(0)), b"x"))
     refused(reply, says="has 2 shards per replica, not 3")
-    # Status shows one model; its placements (every class's) with the first class.
-    view = [v for v in w.core.status("pol").models if v.model == "pol"]
-    assert len(view) == 1 and {u.digest for u in view[0].placements} == {
+    # Status shows the first class under the model's name with every class's placements, the
+    # others named as classes (a Query for the model finds them all).
+    views = w.core.status("pol").models
+    assert [v.model for v in views] == ["pol", "pol (layout class 1)", "pol (layout class 2)"]
+    assert [v.num_shards for v in views] == [2, 2, 1] and views[1].placements == ()
+    assert {u.digest for u in views[0].placements} == {
         p.digest() for p in (rows(0), rows(1), cols(0), cols(1), WHOLE)}
 
 
