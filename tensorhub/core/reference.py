@@ -121,7 +121,9 @@ class ReferenceCore:
             drain=lambda n: self.holders.drain(n), finish_drain=lambda n: self.holders.finish_drain(n),
             complete_unpublish=lambda n: self.holders.complete_unpublish(n), describe=self._describe,
             keeps_dc_copy=self.crossdc.keeps_dc_copy, recovering_until=lambda: self.recovery.until,
-            clients_in=lambda model: self.members.clients_in(model))
+            clients_in=lambda model: sum(self.members.clients_in(c) for c in self.table.classes.get(logical(model))
+                                         or [model]),
+            fills=lambda r, h, s: self.placements.reshard_shards(r, h, s) is not None)
         """Host copies and retention (:mod:`tensorhub.core.retention`)."""
         self.versions = Versions(
             self.table, seed_remote=self.crossdc.seed_remote, smart_skip=self.crossdc.smart_skip,

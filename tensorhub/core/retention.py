@@ -20,7 +20,12 @@ A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it
   vouched for by held pulses only probes them (``Probe`` answers their pulse; the next pulse is
   the proof) and waits up to ``2.5 * heartbeat_interval_s`` before it skips the offload; no
   proof, it offloads (``awaits_proof``). Offloading in doubt costs a host copy; skipping it
-  in error loses the version.
+  in error loses the version;
+- across layout classes (:mod:`tensorhub.core.placements`): a holder's version also counts as
+  held elsewhere when a replica of another class of its model holds it whole (every shard
+  complete, non-spot, heard from lately) and could fill this holder's placement by a resharded
+  read (``held_in_other_layout``): a trainer whose rollouts hold the version in their own layout
+  does not copy it to host memory at every step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import logging
 from typing import Callable, Iterator
 
 from tensorhub.core import messages as m
+from tensorhub.core.placements import logical
 from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, NodeState
 from tensorhub.core.table import Table
 from tensorhub.errors import InvalidState
@@ -54,13 +60,17 @@ class Retention:
                  drain: Callable[[Node], None], finish_drain: Callable[[Node], None],
                  complete_unpublish: Callable[[Node], None], describe: Callable[[Node], str],
                  keeps_dc_copy: Callable[[Node], bool], recovering_until: Callable[[], float],
-                 clients_in: Callable[[str], int]) -> None:
+                 clients_in: Callable[[str], int],
+                 fills: Callable[[str, tuple[str, ...], int], object] = lambda r, h, s: None) -> None:
         self.table = table
         self.probing: dict[str, set[str]] = {}
         """Client -> drained holders waiting for its process's proof of life (``Probe``)."""
         self._add_host_copy, self._drain, self._finish_drain = add_host_copy, drain, finish_drain
         self._complete_unpublish, self._describe, self._keeps_dc_copy = complete_unpublish, describe, keeps_dc_copy
         self._recovering_until, self._clients_in = recovering_until, clients_in
+        self._fills = fills
+        """(reader placement, holder placements by shard, spread) -> whether such a holder
+        replica can fill such a reader (:meth:`tensorhub.core.placements.Placements.reshard_shards`)."""
 
     def ask_host_copy(self, node: Node) -> None:
         """The first non-spot reader to hold a retained version copies it to host memory in the
@@ -180,7 +190,33 @@ class Retention:
             return False
         if self._keeps_dc_copy(node):
             return True
-        return not any(self.heard_lately(o) for o in self._other_copies(node))
+        return not (any(self.heard_lately(o) for o in self._other_copies(node)) or self.held_in_other_layout(node))
+
+    def held_in_other_layout(self, node: Node, attended: bool = False) -> bool:
+        """A replica of another layout class of ``node``'s model holds ``node``'s version whole
+        (every shard complete, non-spot, heard from lately; ``attended``: a held pulse counts)
+        and could fill ``node``'s placement by a resharded read. Cost: the other classes' nodes
+        of that version's shard 0 and their replicas."""
+        if not node.placement or node.host:
+            return False
+        table = self.table
+        base = logical(node.model)
+        for cls in table.classes.get(base, ()):
+            if cls == node.model:
+                continue
+            looked: set[str] = set()
+            for oid in sorted(table.groups.get((cls, node.version, 0), ())):
+                first = table.nodes[oid]
+                if first.host or first.replica_id in looked:
+                    continue
+                looked.add(first.replica_id)
+                shards = sorted(table.replica_nodes(cls, first.replica_id), key=lambda n: n.shard)
+                if (len(shards) == table.models[cls].num_shards
+                        and all(n.version == node.version and n.state in COMPLETE and not n.spot and n.placement
+                                and self.heard_lately(n, attended) for n in shards)
+                        and self._fills(node.placement, tuple(n.placement for n in shards), node.shard)):
+                    return True
+        return False
 
     def _other_copies(self, node: Node) -> Iterator[Node]:
         """The visible non-spot copies of ``node``'s version and shard other than ``node`` (in
@@ -249,7 +285,8 @@ class Retention:
                 continue
             # A held pulse counts here: a leave cannot wait for a probe, and refusing it whenever
             # the other holders are idle would keep every close() open.
-            if not self.other_live_copy(n, owner=node.id, attended=True):
+            if not (self.other_live_copy(n, owner=node.id, attended=True)
+                    or (n is node and self.held_in_other_layout(n, attended=True))):
                 held.add(n.version)
         return sorted(held)
 

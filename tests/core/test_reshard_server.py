@@ -149,10 +149,22 @@ def test_the_trainers_unpublish_drains_until_its_reshard_readers_are_done():
     assert w.node(t[0]).state is NodeState.DRAINING
     assert [type(e) for e in w.pop(t[0])] == [m.HashCells]  # asked at the assignment
     assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
-    # The drain ends: the trainer's class keeps its own retention (its last copy of version 1
-    # offloads to host memory; the rollout's copy is another layout's).
+    # The drain ends without an offload: the rollout holds version 1 whole, in a layout that can
+    # fill the trainer's shard again (a resharded read), so the trainer's copy is not the last.
+    assert w.node(t[0]).state is NodeState.IDLE
+    assert [type(e) for e in w.pop(t[0])] == [m.UnpublishDone]
+
+
+def test_a_trainer_offloads_when_no_other_layout_holds_its_shard_whole():
+    """The same drain, but the rollout holds only q (it cannot fill the trainer's shard): the
+    trainer's last copy of version 1 is copied to host memory first, as without layouts."""
+    w = RW()
+    t = w.published_trainer()
+    (x,) = w.rollout("q", [P.Placement.build([P.whole(Q)], SCHEMA)])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
+    assert isinstance(w.send(m.Unpublish(t[0])), m.OffloadOrder)
     assert w.node(t[0]).state is NodeState.OFFLOADING
-    assert [type(e) for e in w.pop(t[0])] == [m.OffloadOrder]
 
 
 def test_a_failed_reshard_source_moves_the_read_to_another_replica_of_that_class():
@@ -324,3 +336,18 @@ def test_what_the_server_keeps_of_cell_checksums_is_bounded_per_holder():
         ids = w.rollout(f"r{i}", [P.Placement.build([part], SCHEMA)])
         w.send(m.Replicate(ids[0], "latest", seq=1))
     assert len(w.core.cells.kept[t[0]]) == PER_HOLDER_MAX
+
+
+@pytest.mark.parametrize("rollout", ["whole", "q only"])
+def test_a_trainer_may_leave_when_another_layout_holds_its_version_whole(rollout):
+    w = RW()
+    t = w.published_trainer()
+    p = WHOLE if rollout == "whole" else P.Placement.build([P.whole(Q)], SCHEMA)
+    (x,) = w.rollout("r", [p])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
+    reply = w.send(m.Leave(t[0]))
+    if rollout == "whole":
+        assert reply == m.Ok()
+    else:
+        refused(reply, "LastCopyHeld")
