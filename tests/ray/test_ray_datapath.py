@@ -200,3 +200,49 @@ def test_cross_datacenter_one_seeder_then_local_pipeline_with_exact_bytes(ray_cl
     trainer_id = ray.get(trainer.ping.remote())
     assert sum(s["sources"][0] == trainer_id for s in stats) == 1
     ray.get([a.close.remote() for a in (trainer, *bs)])
+
+
+def test_a_replica_of_another_layout_reshards_through_the_server_actor(ray_cluster, model_name):
+    """Issue 24 on the real server: the trainer (2 shards cut by rows, in the driver) publishes;
+    a TP=2 column-split replica (a Ray task per rank, another process) updates to it by resharded
+    reads. The holders' cell checksums are asked by the server actor (HashCells on their held
+    pulses) and every byte is checked."""
+    import torch
+
+    import tensorhub
+    from tensorhub import placement as P
+
+    ray = ray_cluster
+    schema = P.Schema.of([P.GlobalTensor("w", "float32", (64, 32)), P.GlobalTensor("b", "float32", (64,))])
+    g = schema.by_name()
+    full = {"w": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32), "b": torch.arange(64.0) - 7}
+    cfg = dict(CFG, checksums=True)
+    trainer = []
+    for k in range(2):
+        p = P.Placement.build([P.split(g["w"], 0, k, 2), P.split(g["b"], 0, k, 2)], schema)
+        hub = tensorhub.open(model_name, replica="trainer", shard=k, num_shards=2, config=tensorhub.Config(**cfg))
+        hub.register([("w", full["w"][32 * k:32 * (k + 1)].clone()), ("b", full["b"][32 * k:32 * (k + 1)].clone())],
+                     placement=p)
+        hub.publish(5)
+        trainer.append(hub)
+
+    @ray.remote(num_cpus=0)
+    def rank(model: str, k: int) -> tuple[int, bool, list[str]]:
+        p = P.Placement.build([P.split(g["w"], 1, k, 2), P.whole(g["b"])], schema)
+        hub = tensorhub.open(model, replica="tp2", shard=k, num_shards=2, config=tensorhub.Config(**cfg))
+        named = [("w", torch.zeros(64, 16)), ("b", torch.zeros(64))]
+        hub.register(named, placement=p)
+        try:
+            st = hub.update("latest", round=1)
+            ok = torch.equal(named[0][1], full["w"][:, 16 * k:16 * (k + 1)]) and torch.equal(named[1][1], full["b"])
+            return st.version, ok, list(st.sources)
+        finally:
+            hub.close(drop_last_copy=True)
+
+    try:
+        outs = ray.get([rank.remote(model_name, k) for k in range(2)], timeout=120)
+        assert [o[:2] for o in outs] == [(5, True), (5, True)]
+        assert all(o[2] and o[2][0].startswith(f"{model_name}/trainer/") for o in outs)
+    finally:
+        for hub in trainer:
+            hub.close(drop_last_copy=True)
