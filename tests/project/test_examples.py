@@ -73,6 +73,19 @@ def test_rl_loop_reward_improves_with_weights_moved_by_tensorhub():
 
 
 @pytest.mark.ray
+def test_reshard_example_gives_every_engine_rank_exactly_its_slice():
+    """examples/reshard.py: a 2-shard row-split trainer, a TP=2 engine with vLLM's fused layout and
+    a TP=1 engine, each rank a Ray actor: every step every rank holds its slice of that step,
+    each TP=2 rank received half the model's bytes (its slice; the norm both), TP=1 all of it."""
+    p = _run([sys.executable, str(EXAMPLES / "reshard.py"), "--steps", "2", "--address", "local"], timeout_s=240)
+    out = _last_json(p.stdout)
+    assert out["steps"] == 2 and out["all_exact"], out
+    norm = 256 * 4
+    assert out["tp2_rank_bytes"] == [(out["model_bytes"] - norm) // 2 + norm] * 2, out
+    assert out["tp1_bytes"] == out["model_bytes"], out
+
+
+@pytest.mark.ray
 def test_attach_existing_actor_gets_the_trainers_weights_directly_and_through_the_graph_mixin():
     """A foreign actor class (two lines in __init__ + update) and a GraphMember group (compiled
     graph path) compute with exactly the trainer's weights after versions 1 and 2."""
