@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core import scheduler
+from tensorhub.core.other_layouts import OtherLayouts
 from tensorhub.core.placements import Placements, logical, shown
 from tensorhub.core.state import VISIBLE_SOURCE, Node, NodeState
 from tensorhub.core.table import Key, Table
@@ -60,13 +61,16 @@ class Reading:
 
     def __init__(self, table: Table, *, finish_drain: Callable[[Node], None],
                  seed_pending: Callable[[str, int], dict[str, str]], recovering: Callable[[], bool],
-                 placements: Placements, ask_cells: Callable[[Node, list[Node]], None]) -> None:
+                 placements: Placements, others: OtherLayouts,
+                 ask_cells: Callable[[Node, list[Node]], None]) -> None:
         self.table = table
         self._finish_drain = finish_drain
         self._seed_pending = seed_pending
         self._recovering = recovering
         self._placements = placements
-        """The interned placements and the reshard questions' cache (read only)."""
+        """The interned placements (read only)."""
+        self._others = others
+        """Which replicas of other layout classes can fill a reader (read only)."""
         self._ask_cells = ask_cells
         """Asks the holders of a resharded read for their cell checksums
         (:meth:`tensorhub.core.cells.Cells.ask`)."""
@@ -175,60 +179,6 @@ class Reading:
 
     # ------------------------------------------------------------------ resharded reads
 
-    def reshard_sources(self, reader: Node, *, room: bool = True) -> Optional[list[Node]]:
-        """The holder shards ``reader`` would read its version from by a resharded read: those
-        it needs of the best replica of another layout class of its model whose every shard is
-        published at that version with a placement (the same datacenter as the reader first,
-        then the least loaded, then registration order), or None. ``room``: only replicas whose
-        needed shards have fewer than ``readers_per_source_max`` reader replicas besides the
-        reader's own (:meth:`_replicas_reading`) and are reachable; holders suspected of having
-        failed (reported by anyone, or by this reader) only when no other replica qualifies (the
-        scheduler's rule 1). Without ``room``: any replica that could fill the reader in time.
-        Cost: the other classes' nodes of that version's shard 0 (twice at most), and one cached
-        plan per distinct layout pair."""
-        if not reader.placement:
-            return None
-        if not room:
-            return self._best_reshard(reader, _IN_TIME)
-        return self._best_reshard(reader, _NOW) or self._best_reshard(reader, _SUSPECTS_TOO)
-
-    def _best_reshard(self, reader: Node, level: int) -> Optional[list[Node]]:
-        table = self.table
-        version, cap = reader.version, table.config.readers_per_source_max
-        best: Optional[tuple[tuple, list[Node]]] = None
-        for cls in table.classes.get(logical(reader.model), ()):
-            if cls == reader.model:
-                continue
-            mod = table.models[cls]
-            looked: set[str] = set()
-            for nid in sorted(table.groups.get((cls, version, 0), ())):
-                first = table.nodes[nid]
-                if first.host or first.replica_id in looked:
-                    continue
-                looked.add(first.replica_id)
-                shards = sorted(table.replica_nodes(cls, first.replica_id), key=lambda n: n.shard)
-                if len(shards) != mod.num_shards or not all(_serves_reshard(n, reader, level) for n in shards):
-                    continue
-                needed = self._placements.reshard_shards(
-                    reader.placement, tuple(n.placement for n in shards), reader.shard)
-                if needed is None:
-                    continue
-                srcs = [shards[i] for i in needed]
-                busy = max(self._replicas_reading(s, reader.replica_id) for s in srcs)
-                if level != _IN_TIME and busy >= cap:
-                    continue
-                rank = (any(s.datacenter != reader.datacenter for s in srcs), busy, shards[0].order)
-                if best is None or rank < best[0]:
-                    best = (rank, srcs)
-        return None if best is None else best[1]
-
-    def _replicas_reading(self, src: Node, own: str) -> int:
-        """Reader replicas other than ``own`` among ``src``'s readers: a replica's shards count
-        once (each reads its own slice: together one copy of the holder's bytes at most, so the
-        shards of a TP=4 engine read from a trainer shard side by side)."""
-        nodes = self.table.nodes
-        return len({nodes[r].replica_id for r in src.readers if r in nodes} - {own})
-
     def reshard(self, reader: Node, srcs: list[Node]) -> None:
         """``reader`` reads its version from the holder shards ``srcs`` (another layout class):
         each lists it among its readers; the caller delivers the assignment."""
@@ -255,7 +205,7 @@ class Reading:
             reader = self.table.nodes[rid]
             if reader.awaiting_source is not None:
                 continue
-            srcs = self.reshard_sources(reader)
+            srcs = self._others.sources(reader)
             if srcs is None:
                 self._reshard_waits.setdefault((logical(key[0]), key[1]), set()).add(key)
                 return
@@ -271,7 +221,7 @@ class Reading:
         if any(nodes[i].reshard_from for i in ids):
             return True
         probe = next((nodes[i] for i in sorted(ids) if nodes[i].placement), None)
-        return probe is not None and self.reshard_sources(probe, room=False) is not None
+        return probe is not None and self._others.sources(probe, room=False) is not None
 
     def downstream(self, node: Node) -> set[str]:
         """Every node that reads from ``node``, directly or through others (never its source)."""
@@ -368,22 +318,6 @@ class Reading:
                 # An earlier reader found no source; this one may now be its source (a seeder
                 # staging copy that started after it asked): look again.
                 table.touched.add(key)
-
-
-_NOW, _SUSPECTS_TOO, _IN_TIME = 2, 1, 0
-"""How strictly :func:`_serves_reshard` judges a holder."""
-
-
-def _serves_reshard(n: Node, reader: Node, level: int) -> bool:
-    """Whether ``n`` may serve ``reader``'s resharded read: complete at its version with a
-    placement and, at ``_NOW``, neither unreachable nor suspected of having failed (by anyone,
-    or by this reader); at ``_SUSPECTS_TOO``, only reachable; at ``_IN_TIME``, as it may become
-    (a complete holder's group counts as rooted while its holder is suspected)."""
-    if n.state is not NodeState.PUBLISHED or n.version != reader.version or not n.placement:
-        return False
-    if level == _NOW:
-        return not (n.unreachable or n.suspected_at is not None or n.id in reader.suspects)
-    return level == _IN_TIME or not n.unreachable
 
 
 class _GroupPool:

@@ -69,6 +69,7 @@ from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.deltas import Deltas
 from tensorhub.core.holders import Holders
 from tensorhub.core.members import Members
+from tensorhub.core.other_layouts import OtherLayouts
 from tensorhub.core.placements import Placements, logical, shown
 from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reading import Reading
@@ -116,6 +117,10 @@ class ReferenceCore:
         """Offers of seeds as deltas (:mod:`tensorhub.core.deltas`)."""
         # members, holders and recovery are built below: what the parts above act through of them
         # is looked up when called (so a core given another class of part reaches every call).
+        self.placements = Placements(self.table)
+        """Registered placements and layout classes (:mod:`tensorhub.core.placements`)."""
+        self.other_layouts = OtherLayouts(self.table, self.placements.reshard_shards)
+        """Which replicas of other layout classes can fill a node (:mod:`tensorhub.core.other_layouts`)."""
         self.retention = Retention(
             self.table, add_host_copy=lambda owner, v, endpoint: self.holders.add_host_copy(owner, v, endpoint),
             drain=lambda n: self.holders.drain(n), finish_drain=lambda n: self.holders.finish_drain(n),
@@ -123,21 +128,19 @@ class ReferenceCore:
             keeps_dc_copy=self.crossdc.keeps_dc_copy, recovering_until=lambda: self.recovery.until,
             clients_in=lambda model: sum(self.members.clients_in(c) for c in self.table.classes.get(logical(model))
                                          or [model]),
-            fills=lambda r, h, s: self.placements.reshard_shards(r, h, s) is not None)
+            others=self.other_layouts)
         """Host copies and retention (:mod:`tensorhub.core.retention`)."""
         self.versions = Versions(
             self.table, seed_remote=self.crossdc.seed_remote, smart_skip=self.crossdc.smart_skip,
             forget=self.retention.forget, forget_below=self.retention.forget_below,
             nodes_in=lambda model: self.members.nodes_in(model), recovering_until=lambda: self.recovery.until)
         """Commits, available versions and resolution (:mod:`tensorhub.core.versions`)."""
-        self.placements = Placements(self.table)
-        """Registered placements and layout classes (:mod:`tensorhub.core.placements`)."""
         self.cells = Cells(self.table, placement_of=self.placements.get)
         """The cell checksums of resharded reads (:mod:`tensorhub.core.cells`)."""
         self.reading = Reading(self.table, finish_drain=lambda n: self.holders.finish_drain(n),
                                seed_pending=self.crossdc.seed_pending,
                                recovering=lambda: self.table.now < self.recovery.until,
-                               placements=self.placements, ask_cells=self.cells.ask)
+                               placements=self.placements, others=self.other_layouts, ask_cells=self.cells.ask)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
         self.views = Views(self.table, available=self.versions.available_all,
                            clients_of=lambda model: self.members.clients_of(model),

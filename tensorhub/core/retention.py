@@ -35,7 +35,7 @@ import logging
 from typing import Callable, Iterator
 
 from tensorhub.core import messages as m
-from tensorhub.core.placements import logical
+from tensorhub.core.other_layouts import OtherLayouts
 from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, NodeState
 from tensorhub.core.table import Table
 from tensorhub.errors import InvalidState
@@ -60,17 +60,15 @@ class Retention:
                  drain: Callable[[Node], None], finish_drain: Callable[[Node], None],
                  complete_unpublish: Callable[[Node], None], describe: Callable[[Node], str],
                  keeps_dc_copy: Callable[[Node], bool], recovering_until: Callable[[], float],
-                 clients_in: Callable[[str], int],
-                 fills: Callable[[str, tuple[str, ...], int], object] = lambda r, h, s: None) -> None:
+                 clients_in: Callable[[str], int], others: OtherLayouts) -> None:
         self.table = table
         self.probing: dict[str, set[str]] = {}
         """Client -> drained holders waiting for its process's proof of life (``Probe``)."""
         self._add_host_copy, self._drain, self._finish_drain = add_host_copy, drain, finish_drain
         self._complete_unpublish, self._describe, self._keeps_dc_copy = complete_unpublish, describe, keeps_dc_copy
         self._recovering_until, self._clients_in = recovering_until, clients_in
-        self._fills = fills
-        """(reader placement, holder placements by shard, spread) -> whether such a holder
-        replica can fill such a reader (:meth:`tensorhub.core.placements.Placements.reshard_shards`)."""
+        self._others = others
+        """Which replicas of other layout classes can fill a holder (read only)."""
 
     def ask_host_copy(self, node: Node) -> None:
         """The first non-spot reader to hold a retained version copies it to host memory in the
@@ -195,28 +193,8 @@ class Retention:
     def held_in_other_layout(self, node: Node, attended: bool = False) -> bool:
         """A replica of another layout class of ``node``'s model holds ``node``'s version whole
         (every shard complete, non-spot, heard from lately; ``attended``: a held pulse counts)
-        and could fill ``node``'s placement by a resharded read. Cost: the other classes' nodes
-        of that version's shard 0 and their replicas."""
-        if not node.placement or node.host:
-            return False
-        table = self.table
-        base = logical(node.model)
-        for cls in table.classes.get(base, ()):
-            if cls == node.model:
-                continue
-            looked: set[str] = set()
-            for oid in sorted(table.groups.get((cls, node.version, 0), ())):
-                first = table.nodes[oid]
-                if first.host or first.replica_id in looked:
-                    continue
-                looked.add(first.replica_id)
-                shards = sorted(table.replica_nodes(cls, first.replica_id), key=lambda n: n.shard)
-                if (len(shards) == table.models[cls].num_shards
-                        and all(n.version == node.version and n.state in COMPLETE and not n.spot and n.placement
-                                and self.heard_lately(n, attended) for n in shards)
-                        and self._fills(node.placement, tuple(n.placement for n in shards), node.shard)):
-                    return True
-        return False
+        and could fill ``node``'s placement by a resharded read."""
+        return self._others.holds(node, lambda n: not n.spot and self.heard_lately(n, attended))
 
     def _other_copies(self, node: Node) -> Iterator[Node]:
         """The visible non-spot copies of ``node``'s version and shard other than ``node`` (in
