@@ -131,7 +131,9 @@ class Placements:
     def class_of(self, req: m.Register) -> str:
         """The layout class (an internal model name, :func:`class_name`) ``req`` registers in: its
         replica's if a shard of it is registered; else the first class it fits (its shard count,
-        its shard's layout and placement); else, with a placement, a new class (the first free
+        its shard's layout, known there, and placement: a class that has not seen this shard yet
+        cannot tell whether it fits its replicas' other shards, so two replicas of one layout may
+        open two classes when their shards interleave); else, with a placement, a new class (the first free
         name); without one, the first class, whose checks then refuse it as before. Changes
         nothing."""
         classes = self.table.classes.get(req.model, ())
@@ -145,8 +147,12 @@ class Placements:
         for c in classes:
             mod = self.table.models[c]
             known = mod.layouts.get(req.shard)
-            if mod.num_shards != req.num_shards or (known is not None and (known.fingerprint, known.unit_count)
-                                                    != (req.layout.fingerprint, req.layout.unit_count)):
+            # A class that does not know this shard's layout yet cannot tell whether the shard
+            # fits its replicas' other shards (two layouts of one shard count register their
+            # shards interleaved, after a server restart in any order): only its own replica's
+            # shards join it so (above).
+            if mod.num_shards != req.num_shards or known is None or (known.fingerprint, known.unit_count) \
+                    != (req.layout.fingerprint, req.layout.unit_count):
                 continue
             if mp is None or mp.shard_digest.get((c, req.shard), digest) == digest:
                 return c

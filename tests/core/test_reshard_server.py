@@ -351,3 +351,19 @@ def test_a_trainer_may_leave_when_another_layout_holds_its_version_whole(rollout
         assert reply == m.Ok()
     else:
         refused(reply, "LastCopyHeld")
+
+
+def test_interleaved_shards_of_two_layouts_do_not_share_a_class():
+    """Found by the simulator (``simulate --workload mixed --seed 17``): after a server restart
+    the trainer's shard 0 announced, then a TP=2 rollout's shard 1, then the trainer's shard 1.
+    The rollout's shard 1 joined the trainer's class (its shard 1 was not known there yet), and
+    both replicas were refused for good (``LayoutMismatch`` on every announcement, the reads hung).
+    A shard whose layout the class does not know yet joins it only as a shard of one of its
+    replicas; another replica's opens (or finds) a class of its own."""
+    w = RW()
+    w.reg("t/0", "t", 0, rows(0))
+    w.reg("c/1", "c", 1, cols(1), num_shards=2)
+    w.reg("t/1", "t", 1, rows(1))
+    w.reg("c/0", "c", 0, cols(0), num_shards=2)
+    assert w.node("t/0").model == w.node("t/1").model == "pol"
+    assert w.node("c/0").model == w.node("c/1").model == f"pol{CLASS_SEP}1"
