@@ -241,14 +241,17 @@ class Reading:
         looked at while some source is still free (none once every source is busy)."""
         table = self.table
         waits = self._reshard_waits.get((logical(key[0]), key[1]))
-        if waits and any(k[0] != key[0] for k in waits):
+        g = table.index.group(key)
+        stuck = g is not None and bool(g.waiting) and not g.complete()
+        if waits and any(k[0] != key[0] for k in waits) and not stuck:
             # Something changed at this version in a layout class: readers of other classes
-            # waiting for a resharded read look again.
+            # waiting for a resharded read look again. Not from a group that waits itself with
+            # no complete holder: nothing another class could read from is there, and two such
+            # groups would wake each other without end (only the groups woken here wait so).
             table.touched.update(k for k in waits if k[0] != key[0])
             waits.intersection_update(k for k in waits if k[0] == key[0])
             if not waits:
                 del self._reshard_waits[(logical(key[0]), key[1])]
-        g = table.index.group(key)
         if g is None or (not g.waiting and not g.counts[NodeState.READING]):
             return
         if not g.complete():

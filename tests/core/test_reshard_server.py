@@ -367,3 +367,36 @@ def test_interleaved_shards_of_two_layouts_do_not_share_a_class():
     w.reg("c/0", "c", 0, cols(0), num_shards=2)
     assert w.node("t/0").model == w.node("t/1").model == "pol"
     assert w.node("c/0").model == w.node("c/1").model == f"pol{CLASS_SEP}1"
+
+
+def test_two_classes_waiting_for_room_at_one_version_do_not_wake_each_other_forever():
+    """Found by the simulator (``simulate --workload mixed --seed 42``): readers of two layout
+    classes waited at one version for room on the trainer; each class's pump woke the other's
+    waiting group, which woke it back: the server's step never ended. A class that waits (no
+    complete holder of its own) wakes no other class; one that changes (a holder completes or
+    leaves, room frees) does, so the waiters still start when the trainer frees.
+
+        trainer t (full: x reshards) ->  x;   c (2 cols) and d (4 rows) wait
+    """
+    import signal
+
+    def stuck(*_):
+        raise AssertionError("the core's step did not end")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(10)
+    try:
+        w = RW(readers_per_source_max=1)
+        w.published_trainer()
+        (x,) = w.rollout("w", [WHOLE])
+        assert reshard_of(w.send(m.Replicate(x, "latest", seq=1)))
+        c = w.rollout("c", [cols(0), cols(1)])
+        assert w.send(m.Replicate(c[0], "latest", seq=1)) == m.Waiting(version=1)
+        d = w.rollout("d", [rows(s, 4) for s in range(4)])
+        assert w.send(m.Replicate(d[0], "latest", seq=1)) == m.Waiting(version=1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()  # room on the trainer: one of them starts
+    started = [e for cid in (c[0], d[0]) for e in w.pop(cid) if isinstance(e, m.Assignment)]
+    assert started and reshard_of(started[0])
