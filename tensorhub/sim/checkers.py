@@ -13,6 +13,9 @@ would), every physical memory write of a client, every finished operation, and t
                    source-failed, by the source's eviction, leave or failure, and by a server
                    restart. (Revoked reads may see junk; the reader's checksum catches it.)
                    A write of the same version to a different unit is pipelining, not a violation.
+                   A resharded read (``Assignment.reshard``) is live on every holder shard it
+                   needs (the checker's own plan), each read on the holder's unit it copies,
+                   until revoked as above (one of its holders leaving revokes it whole).
 (c) ``txn``        all shards of a replica that finished one replicate round got one version.
 (d) ``hang``       every operation ends (ok or a typed error) within ``bound_s`` after
                    max(its start, the end of the last fault); none is open at the end.
@@ -24,7 +27,11 @@ would), every physical memory write of a client, every finished operation, and t
                    still holds whole (every shard's memory or host copy, non-spot) must be
                    available.
 (f) ``bytes``      a replica that finished a round (all shards ok), and every replica at the
-                   end, holds exactly the units the trainer wrote for that version.
+                   end, holds exactly the units the trainer wrote for that version. In the
+                   ``mixed`` workload (:mod:`tensorhub.sim.mixed`) a unit's tag names its layout,
+                   and a replica with a placement is checked per global range too: every box of
+                   every global tensor its placement holds was written at that version by the
+                   trainer (the union of the trainer shards' boxes, whatever their layout).
 (g) ``cross_dc``   without faults, one cross-datacenter copy per (version, shard, dc): no
                    reader crosses while its datacenter already has a usable (complete, or
                    partial and at least as far) copy of that shard.
@@ -50,6 +57,11 @@ would), every physical memory write of a client, every finished operation, and t
 (t) ``fresh``      a no-op update answered locally names the newest version its handle was told
                    of, and one that was the model's newest readable within
                    ``noop_staleness_s`` (:mod:`tensorhub.sim.freshness`).
+(u) ``reshard``    a resharded read's assignment lists every shard of one holder replica in
+                   shard order with their placements, covers the reader (a plan with no gaps),
+                   names as its source the first holder shard the reader needs, and every needed
+                   shard holds the version whole when assigned (a holder whose process died,
+                   which the server cannot know yet, excepted).
 (j)-(n)            need the core's table before and after a step: :mod:`tensorhub.sim.observer`.
 """
 
@@ -58,7 +70,9 @@ from __future__ import annotations
 from typing import Optional
 
 from tensorhub.core import messages as m
+from tensorhub.core.placements import logical, shown
 from tensorhub.core.state import NodeState
+from tensorhub.placement import _subtract_all
 from tensorhub.sim.freshness import NoopFreshnessChecker
 from tensorhub.sim.known import KNOWN_OPEN
 from tensorhub.sim.observer import CoreObserver
@@ -71,13 +85,19 @@ class Checker:
     def __init__(self, world) -> None:
         self.world = world
         self.violations: list[tuple[str, float, str]] = []
-        self.assign: dict[str, tuple[int, int, str]] = {}  # reader -> (epoch, assign_no, source)
+        self.assign: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+        """reader -> (epoch, assign_no, the sources it may read): one, or a resharded read's
+        needed holder shards (by the checker's own plan)."""
         self.open_ops: dict[int, object] = {}
         self.completed = 0
         self.failed: dict[str, int] = {}
         self.loss_at: Optional[float] = None
         self.seen_committed: set[int] = set()
+        self.seen_committed_classes: dict[str, set[int]] = {}
+        """The same, per layout class other than the model's first (the mixed workload)."""
         self.trainer_versions: set[tuple[int, int]] = set()
+        self.global_written: dict[tuple[str, int], list] = {}
+        """(global tensor, version) -> the boxes of it the trainer wrote at that version (mixed)."""
         self.cross_extra: list[str] = []
         self.source_failed_versions: set[int] = set()
         self.bound_s = 0.0
@@ -123,9 +143,11 @@ class Checker:
             self.asks[cid] = self.asks.get(cid, 0) + 1
         if isinstance(req, (m.Publish, m.ReplicateDone, m.Announce)) and isinstance(reply, m.Ok):
             # Every commit, as it happens (a status sample could miss one lost soon after).
-            mod = self.world.server.core.models.get(self.world.params.model)
-            if mod is not None:
-                self.seen_committed.update(mod.committed)
+            core = self.world.server.core
+            for cls in core.table.classes.get(self.world.params.model) or (self.world.params.model,):
+                mod = core.models.get(cls)
+                if mod is not None:
+                    self.committed_in(cls).update(mod.committed)
         if req is not None and not isinstance(reply, m.ErrorReply):
             if isinstance(req, (m.ReplicateDone, m.ReplicateAbort, m.Replicate, m.SourceFailed, m.Leave)):
                 self.assign.pop(cid, None)
@@ -154,7 +176,8 @@ class Checker:
             self.check_retention("unpublish")
 
     def _assigned(self, cid: str, a: m.Assignment, epoch: int, fresh: set) -> None:
-        self.assign[cid] = (epoch, a.assign_no, a.source_id)
+        sources = self._check_reshard(cid, a) if a.reshard else (a.source_id,)
+        self.assign[cid] = (epoch, a.assign_no, sources)
         if "#host" in a.source_id:
             # (h): a host copy the server hands out must exist: its owner frees one only when the
             # server dropped it (or with its process).
@@ -180,12 +203,57 @@ class Checker:
                                         f"datacenters while {local} held it in {reader.dc}")
 
     def _revoke_source(self, cid: str) -> None:
+        """``cid`` no longer serves: every read of it is revoked (a resharded read's reads from
+        its other holders too: the server detaches the reader from all of them)."""
         prefix = cid + "#host"
-        for reader in [r for r, (_, _, s) in self.assign.items() if s == cid or s.startswith(prefix)]:
+        for reader in [r for r, (_, _, ss) in self.assign.items()
+                       if any(s == cid or s.startswith(prefix) for s in ss)]:
             del self.assign[reader]
 
     def live(self, rd) -> bool:
-        return rd.epoch == self.world.server.epoch and self.assign.get(rd.reader) == (rd.epoch, rd.assign_no, rd.source)
+        got = self.assign.get(rd.reader)
+        return (rd.epoch == self.world.server.epoch and got is not None and got[:2] == (rd.epoch, rd.assign_no)
+                and rd.source in got[2])
+
+    def _check_reshard(self, cid: str, a: m.Assignment) -> tuple[str, ...]:
+        """(u) a resharded read's assignment lists every shard of one holder replica (shard
+        order, their placements), names as its source the first shard the reader needs, and
+        every needed shard holds the version whole when assigned (its memory; a holder whose
+        process is dead, which the server cannot know yet, excepted). Returns the needed
+        holders' client ids: the sources of (b) for this read."""
+        w = self.world
+        listed = [s.client_id for s in a.reshard]
+        reader = w.clients.get(cid)
+        holders = [w.clients.get(x) for x in listed]
+        by_digest = {p.digest(): p for p in a.placements}
+        shards = [s.shard for s in a.reshard]
+        replicas = {h.replica_id for h in holders if h is not None}
+        if (shards != list(range(len(shards))) or len(replicas) > 1
+                or any(h is not None and h.num_shards != len(shards) for h in holders)):
+            self.violate("reshard", f"{cid} assigned version {a.version} by a resharded read from {listed} "
+                                    f"(shards {shards}): not every shard of one replica, in order")
+            return tuple(listed)
+        placements = tuple(by_digest.get(s.placement) for s in a.reshard)
+        if reader is None or reader.placement is None or any(p is None for p in placements):
+            self.violate("reshard", f"{cid} assigned a resharded read without its placements")
+            return tuple(listed)
+        deps = w.mixed.deps(reader.placement, placements, reader.shard)
+        if not deps.complete:
+            self.violate("reshard", f"{cid} assigned version {a.version} from {listed}, which do not hold all it needs")
+            return tuple(listed)
+        needed = tuple(listed[s] for s in deps.shards)
+        if a.source_id != needed[0]:
+            self.violate("reshard", f"{cid}'s resharded read names source {a.source_id}, not its first needed "
+                                    f"holder {needed[0]}")
+        for s in deps.shards:
+            h = holders[s]
+            if h is None or not h.alive:
+                continue
+            if h.region_version != a.version or h.region_progress < h.units or h.mem != h.want(a.version):
+                self.violate("reshard", f"{cid} assigned version {a.version} by a resharded read from {listed}, "
+                                        f"but needed shard {h.cid} holds {h.region_progress}/{h.units} units of "
+                                        f"version {h.region_version}")
+        return needed
 
     # ------------------------------------------------------------------ physical memory
 
@@ -225,10 +293,11 @@ class Checker:
             if not (unit is None or rd.unit == unit or rd.version != version):
                 continue
             reader = w.clients.get(rd.reader)
-            if reader is None or not reader.alive or reader.reading is None or reader.reading.inflight.get(rd.unit) is not rd:
+            if reader is None or not reader.alive or reader.reading is None or not reader.reading.owns(rd):
                 continue
             node = core.nodes.get(rd.reader) if core is not None else None
-            attached = node is not None and node.source == rd.source and node.state is NodeState.READING
+            attached = (node is not None and (node.source == rd.source or rd.source in node.reshard_from)
+                        and node.state is NodeState.READING)
             in_window = w.sim.now < self.restarted_at + w.config.lease_timeout_s and (
                 node is None or node.awaiting_source == rd.source or attached)
             if attached or in_window:
@@ -255,29 +324,58 @@ class Checker:
         waiting = {n.id for n in core.nodes.values()
                    if n.host and n.state is NodeState.DRAINING and any(r in core.nodes for r in n.readers)}
         for c in w.clients_alive():
+            past = self._forgotten_below(core, c, mod.forgotten_below)
             for v in sorted(c.host_copies):
                 if v < past and f"{c.cid}#host{v}" not in waiting:
                     self.violate("host_leak", f"{c.cid} still keeps a host copy of version {v}, past retention "
                                               f"(versions below {past} are forgotten)")
         for n in core.nodes.values():
+            past = core.models[n.model].forgotten_below
             if n.host and 0 <= n.version < past and n.id not in waiting:
                 self.violate("host_leak", f"the server lists host copy {n.id} of version {n.version} past retention "
                                           f"(versions below {past} are forgotten)")
 
-    def trainer_wrote(self, shard: int, version: int) -> None:
-        self.trainer_versions.add((shard, version))
+    @staticmethod
+    def _forgotten_below(core, c, default: int) -> int:
+        """Retention's floor in ``c``'s layout class (the class its node, or a sibling's, is in)."""
+        node = core.nodes.get(c.cid)
+        if node is None and c.driver is not None:
+            node = next((core.nodes[x.cid] for x in c.driver.members if x.cid in core.nodes), None)
+        return default if node is None else core.models[node.model].forgotten_below
+
+    def trainer_wrote(self, client, version: int) -> None:
+        self.trainer_versions.add((client.tag_shard, version))
+        if client.placement is not None:
+            for lp in client.placement.tensors:
+                for piece in lp.pieces:
+                    self.global_written.setdefault((piece.tensor, version), []).append(piece.box)
 
     def check_memory(self, client, version: int, kind: str) -> bool:
-        want = [(version, client.shard, k) for k in range(client.units)]
+        want = client.want(version)
         if client.mem != want:
             bad = [k for k in range(client.units) if client.mem[k] != want[k]]
             self.violate(kind, f"{client.cid} holds version {version} but units {bad[:4]} are "
                                f"{[client.mem[k] for k in bad[:4]]}",
                          known=KNOWN_OPEN["split_effect"] if self.split else "")
             return False
+        if client.placement is not None:
+            return self._check_global(client, version)
         if (client.shard, version) not in self.trainer_versions:
             self.violate("bytes", f"{client.cid} holds version {version} that no trainer wrote")
             return False
+        return True
+
+    def _check_global(self, client, version: int) -> bool:
+        """(f) per global range: every box of every global tensor ``client``'s placement holds
+        was written at ``version`` by the trainer (the union of its shards' boxes, whatever its
+        layout): a replica of another layout holds no byte the trainer did not write."""
+        for lp in client.placement.tensors:
+            for piece in lp.pieces:
+                rest = _subtract_all([piece.box], self.global_written.get((piece.tensor, version), ()))
+                if rest:
+                    self.violate("bytes", f"{client.cid} holds version {version} of {piece.tensor} {rest[0]} "
+                                          f"(in its {lp.name}), which no trainer wrote at that version")
+                    return False
         return True
 
     def on_replicated(self, client, version: int) -> None:
@@ -336,40 +434,64 @@ class Checker:
 
     # ------------------------------------------------------------------ state checks
 
+    def committed_in(self, cls: str) -> set[int]:
+        """The versions the checker saw committed in layout class ``cls`` (the model itself
+        outside the mixed workload)."""
+        if cls == self.world.params.model:
+            return self.seen_committed
+        return self.seen_committed_classes.setdefault(cls, set())
+
+    def class_views(self) -> list:
+        """The model's view per layout class (:mod:`tensorhub.core.placements`): retention is a
+        class's (its own rounds, commits and retained versions). One view outside ``mixed``."""
+        w = self.world
+        if w.mixed is None:
+            st = w.server.status(w.params.model)
+            return list(st.models[:1]) if st is not None else []
+        st = w.server.status()
+        return [] if st is None else [v for v in st.models if logical(v.model) == w.params.model]
+
     def check_retention(self, where: str) -> None:
         if self.loss_at is not None:
             return
-        st = self.world.server.status(self.world.params.model)
-        if st is None or not st.models:
-            return
-        mv = st.models[0]
-        # The checker keeps its own record of committed versions: the server drops a version
-        # it believes lost, and that must not hide a retention bug.
-        self.seen_committed.update(mv.committed)
-        if any(h.state in ("draining", "offloading") for h in mv.holders):
-            return
-        expected = sorted(self.seen_committed)[-self.world.config.versions_retained:]
-        missing = sorted(set(expected) - set(mv.available))
-        if missing:
-            self.violate("retention", f"at {where}: retained versions {missing} are not available "
-                                      f"(newest committed {expected}, available {list(mv.available)})")
+        for mv in self.class_views():
+            # The checker keeps its own record of committed versions: the server drops a version
+            # it believes lost, and that must not hide a retention bug.
+            seen = self.committed_in(mv.model)
+            seen.update(mv.committed)
+            if any(h.state in ("draining", "offloading") for h in mv.holders):
+                continue
+            expected = sorted(seen)[-self.world.config.versions_retained:]
+            missing = sorted(set(expected) - set(mv.available))
+            if missing:
+                self.violate("retention", f"at {where}: retained versions {missing} of {shown(mv.model)} are not "
+                                          f"available (newest committed {expected}, available {list(mv.available)})"
+                             if self.world.mixed is not None else
+                             f"at {where}: retained versions {missing} are not available "
+                             f"(newest committed {expected}, available {list(mv.available)})")
 
     def check_retention_truth(self) -> None:
         """(e) after faults: the server must list every retained version that live non-spot
         memory still holds whole (one replica's shards, GPU copy or host copy)."""
+        for mv in self.class_views():
+            self._retention_truth(mv)
+
+    def _retention_truth(self, mv) -> None:
         w = self.world
-        st = w.server.status(w.params.model)
-        if st is None or not st.models or not self.seen_committed:
+        seen = self.committed_in(mv.model)
+        if not seen:
             return
-        mv = st.models[0]
         if any(h.state in ("draining", "offloading") for h in mv.holders):
             return
-        self.seen_committed.update(mv.committed)
-        expected = sorted(self.seen_committed)[-w.config.versions_retained:]
+        seen.update(mv.committed)
+        expected = sorted(seen)[-w.config.versions_retained:]
+        ids = {h.client_id for h in mv.holders}
         for v in sorted(set(expected) - set(mv.available)):
             holders, unoffered = [], True
             for d in w.drivers():
                 members = [c for c in d.members if c.alive and not c.spot]
+                if w.mixed is not None and not any(c.cid in ids for c in members):
+                    continue  # a replica of another layout class (or unknown to the server)
                 if len(members) == d.num_shards and all(self._holds(c, v) for c in members):
                     holders.append(d.replica_id)
                     unoffered = unoffered and any((c.cid, v) in self.unoffered for c in members)
@@ -380,7 +502,7 @@ class Checker:
 
     @staticmethod
     def _holds(c, v: int) -> bool:
-        want = [(v, c.shard, k) for k in range(c.units)]
+        want = c.want(v)
         return (c.published == v and c.mem == want) or c.host_copies.get(v) == want
 
     def final(self, quiesced: bool) -> None:

@@ -28,14 +28,14 @@ import time
 
 from tensorhub.sim.faults import FAULT_KINDS
 from tensorhub.sim.observer import PATHS
-from tensorhub.sim.scenario import WORKLOADS, run_scenario
+from tensorhub.sim.scenario import FORCED_ONLY, WORKLOADS, run_scenario
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=100, help="number of seeded scenarios to run")
     parser.add_argument("--start", type=int, default=0, help="first seed")
     parser.add_argument("--seed", type=int, default=None, help="replay exactly this seed")
-    parser.add_argument("--workload", choices=WORKLOADS, default=None, help="force one workload")
+    parser.add_argument("--workload", choices=WORKLOADS + FORCED_ONLY, default=None, help="force one workload")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--verbose-trace", action="store_true", help="print every trace line (stderr)")
     parser.add_argument("--whatif", choices=("paper", "paper-small"), default=None,

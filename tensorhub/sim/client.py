@@ -115,17 +115,22 @@ def _next_pulse(world, sent: float, reply, pulse) -> None:
 
 class SimClient:
     def __init__(self, world, cid: str, *, replica_id: str, shard: int, num_shards: int,
-                 host: str, dc: str, spot: bool, role: str) -> None:
+                 host: str, dc: str, spot: bool, role: str, layout: str = "") -> None:
         self.world = world
         self.cid = cid
         self.replica_id, self.shard, self.num_shards = replica_id, shard, num_shards
         self.host, self.dc, self.spot, self.role = host, dc, spot, role
         p, cfg = world.params, world.config
-        self.units = p.units
+        self.layout_name = layout
+        """The ``mixed`` workload's layout of this replica (:mod:`tensorhub.sim.mixed`); "": none."""
+        self.placement = world.mixed.placement(layout, shard) if layout else None
+        self.tag_shard = world.mixed.tag_shard(layout, shard) if layout else shard
+        """What this shard's memory tags name besides version and unit (its layout's, when it has one)."""
+        self.units = world.mixed.unit_count(layout, shard) if layout else p.units
         self.unit_bytes = p.unit_bytes
         self.machine = hm.HandleMachine(cid, request_timeout_s=cfg.request_timeout_s,
                                         reconnects_max=cfg.reconnects_max, failovers_max=cfg.failovers_max,
-                                        unit_count=p.units, noop_staleness_s=cfg.noop_staleness_s)
+                                        unit_count=self.units, noop_staleness_s=cfg.noop_staleness_s)
         self.mem: list = [None] * self.units
         self.endpoint = cid.encode()
         """What names :attr:`mem` to readers (a region's endpoint); a double buffer's swap
@@ -173,11 +178,16 @@ class SimClient:
 
     def registration(self) -> m.Register:
         w = self.world
+        layout = w.mixed.layout_info(self.layout_name, self.shard) if self.layout_name else w.layout(self.shard)
         return m.Register(
             client_id=self.cid, model=w.params.model, replica_id=self.replica_id, shard=self.shard,
-            num_shards=self.num_shards, layout=w.layout(self.shard), endpoint=self.endpoint,
-            datacenter=self.dc, spot=self.spot, machine=self.host,
+            num_shards=self.num_shards, layout=layout, endpoint=self.endpoint,
+            datacenter=self.dc, spot=self.spot, machine=self.host, placement=self.placement,
         )
+
+    def want(self, version: int) -> list:
+        """The tags of this shard's memory holding ``version`` whole."""
+        return version_tags(version, self.tag_shard, self.units)
 
     def serves(self) -> list[str]:
         return [self.cid] + [f"{self.cid}#host{v}" for v in sorted(self.host_copies)]
@@ -233,9 +243,9 @@ class SimClient:
 
     def write_version(self, version: int) -> None:
         self.world.checker.on_write(self.cid, None, version)
-        self.mem = version_tags(version, self.shard, self.units)
+        self.mem = version_tags(version, self.tag_shard, self.units)
         self.mem_wtime = [self.world.sim.now] * self.units
-        self.world.checker.trainer_wrote(self.shard, version)
+        self.world.checker.trainer_wrote(self, version)
 
     def retire(self) -> None:
         """The process exits after a clean leave: its memory is freed."""
@@ -423,7 +433,7 @@ class SimClient:
             self.world.checker.observer.path("checksums_off")
             return 0
         keep = 0
-        while keep < units and self.mem[keep] == (version, self.shard, keep):
+        while keep < units and self.mem[keep] == (version, self.tag_shard, keep):
             keep += 1
         return keep
 

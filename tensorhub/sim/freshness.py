@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tensorhub.core.placements import logical
+
 
 class NoopFreshnessChecker:
     def __init__(self, world, violate: Callable[[str, str], None]) -> None:
@@ -29,9 +31,13 @@ class NoopFreshnessChecker:
 
     def observe(self, core, now: float) -> None:
         """The server's table after a request, tick or removal at ``now``."""
+        newest_of: dict[str, int] = {}
         for model in sorted(core.models):
+            # A model's layout classes are one model to a reader (specs resolve over all of them).
             avail = core.available(model)
-            newest = avail[-1] if avail else -1
+            name = logical(model)
+            newest_of[name] = max(newest_of.get(name, -1), avail[-1] if avail else -1)
+        for model, newest in newest_of.items():
             hist = self.history.setdefault(model, [])
             if not hist or hist[-1][1] != newest:
                 hist.append((now, newest))

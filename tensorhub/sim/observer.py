@@ -204,9 +204,9 @@ class CoreObserver:
         by_replica: dict[str, set[int]] = {}
         num: dict[str, int] = {}
         for c in w.clients.values():
-            want = [(v, c.shard, k) for k in range(c.units)]
+            want = c.want(v)
             if c.mem == want or (c.alive and c.host_copies.get(v) == want):
-                by_replica.setdefault(c.replica_id, set()).add(c.shard)
+                by_replica.setdefault(c.replica_id, set()).add(c.tag_shard)
                 num[c.replica_id] = c.num_shards
         for _, shard, held, _, replica, shards in self.crashes.values():
             if v in held:  # a crashed holder the server may not know about yet
@@ -216,18 +216,18 @@ class CoreObserver:
         if not whole:
             self.checker.violate("atomic", f"version {v} committed while no replica holds every shard of it "
                                            f"(shards held per replica: "
-                                           f"{ {r: sorted(s) for r, s in sorted(by_replica.items())} })",
+                                           f"{ {r: sorted(s, key=str) for r, s in sorted(by_replica.items())} })",
                                  known=KNOWN_OPEN["split_effect"] if self.checker.split else "")
 
     # ------------------------------------------------------------------ (n)
 
     def note_crash(self, c) -> None:
-        held = {v for v, copy in c.host_copies.items() if copy == [(v, c.shard, k) for k in range(c.units)]}
+        held = {v for v, copy in c.host_copies.items() if copy == c.want(v)}
         if c.mem and c.mem[0] is not None and c.mem[0][0] not in ("dirty", "freed", "torn"):
             v = c.mem[0][0]
-            if c.mem == [(v, c.shard, k) for k in range(c.units)]:
+            if c.mem == c.want(v):
                 held.add(v)
-        self.crashes[c.cid] = (self.world.sim.now, c.shard, held, c.spot, c.replica_id, c.num_shards)
+        self.crashes[c.cid] = (self.world.sim.now, c.tag_shard, held, c.spot, c.replica_id, c.num_shards)
 
     def _check_released(self, core, req, reply, pre: dict, retained: list[int]) -> None:
         released = []
@@ -245,21 +245,40 @@ class CoreObserver:
 
     def _live_copy(self, releaser: str, v: int, shard: int, leaving: bool) -> bool:
         w = self.world
+        # A copy of the releaser's own layout (a layout class's shard; in the mixed workload
+        # the tags name it): its shard number alone in the others.
+        rel = w.clients.get(releaser.split("#", 1)[0])
+        if rel is not None:
+            shard = rel.tag_shard
         want = None
         for c in w.clients.values():
-            if c.shard != shard or c.spot or not c.alive:
+            if c.tag_shard != shard or c.spot or not c.alive:
                 continue
             if want is None:
-                want = [(v, shard, k) for k in range(c.units)]
+                want = c.want(v)
             if c.cid != releaser and c.mem == want:
                 return True
             if (c.cid != releaser or not leaving) and c.host_copies.get(v) == want:
                 return True
+        if w.mixed is not None and self._whole_elsewhere(v, shard):
+            return True
         # The server's liveness rule (heard from within 2.5 heartbeats), plus the longest a message
         # sent before the crash may have taken to arrive.
         allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
         return any(sh == shard and v in held and not spot and w.sim.now - t <= allow_s
                    for t, sh, held, spot, _, _ in self.crashes.values())
+
+
+    def _whole_elsewhere(self, v: int, tag_shard) -> bool:
+        """The mixed workload: a live non-spot replica of another layout holds ``v`` whole, in
+        memory or host copies (it holds every byte of the model: a resharded read, or its own
+        class's reads, bring the version back)."""
+        for d in self.world.drivers():
+            members = [c for c in d.members if c.alive and not c.spot]
+            if (len(members) == d.num_shards and all(c.tag_shard != tag_shard for c in members)
+                    and all(c.mem == c.want(v) or c.host_copies.get(v) == c.want(v) for c in members)):
+                return True
+        return False
 
 
 def _known_last_copy(checker) -> str:

@@ -24,8 +24,13 @@ from tensorhub.sim.server import CoreFactory, SimServer
 from tensorhub.sim.deltas import SimDeltas
 from tensorhub.sim.seeding import SeedingClient
 from tensorhub.sim.workloads import RolloutDriver, SpotChurn, TrainerDriver
+from tensorhub.sim.mixed import ROLLOUT_LAYOUTS, SHARDS, TRAINER_LAYOUTS, MixedModel
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
+"""The workloads a seed picks from when none is forced."""
+FORCED_ONLY = ("mixed",)
+"""Workloads run only when forced (``--workload mixed``): adding them to the seeds' pick would
+change what every existing seed runs (and its digest)."""
 GiB = 1 << 30
 CHECKSUMS_OFF_SHARE = 0.15
 """Of the seeds, about this share run without checksums (readers check by seqlock instead)."""
@@ -129,6 +134,13 @@ class World:
         rng = self.sim.rng("scenario")
         self.params = params or make_params(rng, workload)
         self.config = config or make_config(rng)
+        self.mixed = None
+        """The ``mixed`` workload's layouts (:mod:`tensorhub.sim.mixed`); None in the others."""
+        if self.params.workload == "mixed":
+            self.mixed = _mixed_model(self.sim.rng("mixed"))
+            if params is None:
+                self.params = dataclasses.replace(self.params, num_shards=SHARDS[self.mixed.trainer],
+                                                  units=self.mixed.units_max())
         # Variants draw from a stream of their own: the other draws of a seed stay as they were.
         var = self.sim.rng("variants")
         self.default_rounds = var.random() < 0.3
@@ -262,7 +274,7 @@ class World:
         n = len(self.trainers)
         hosts = [self.add_host("dc0") for _ in range(old.num_shards)]
         new = TrainerDriver(self, f"trainer-{n}", hosts, "dc0", False, self.sim.rng(f"trainer-{n}"),
-                            max_versions=old.max_versions)
+                            max_versions=old.max_versions, layout=old.layout)
         new.version = old.version  # the job resumes from its checkpoint: versions go on
         self.trainers.append(new)
         self.sim.after(self.params.restart_delay_s, new.start)
@@ -296,7 +308,7 @@ class World:
                 rd.dead = True
                 self.net.unregister(rd)
         for x in self.clients_alive():
-            if x.reading is not None and x.reading.source in keys:
+            if x.reading is not None and any(s in keys for s in x.reading.sources):
                 x.source_died()
         if self.death_report_s is not None and report:
             self.sim.after(self.death_report_s, self.server.declare_dead, c.cid)
@@ -362,7 +374,7 @@ def build_workload(w: World, rng: random.Random) -> None:
                 w.net.add_dc_link(a, b, p.dc_bw, p.dc_latency_s)
     trainer_hosts = [w.add_host("dc0") for _ in range(S)]
     w.trainers.append(TrainerDriver(w, "trainer", trainer_hosts, "dc0", False, w.sim.rng("trainer"),
-                                    max_versions=p.max_versions))
+                                    max_versions=p.max_versions, layout=w.mixed.trainer if w.mixed else ""))
 
     # Across datacenters rollouts act on SeedAhead (offload seeding: a staging copy in their
     # process), as the real handle does.
@@ -394,11 +406,40 @@ def build_workload(w: World, rng: random.Random) -> None:
         for dc in w.dcs:
             for i in range(rng.randint(2, 3)):
                 rollout(f"r{dc}-{i}", [w.add_host(dc) for _ in range(S)], dc)
+    elif wl == "mixed":
+        _build_mixed(w, rng)
     elif wl == "sharded":
         for i in range(rng.randint(1, max(1, min(3, (p.max_clients - S) // S)))):
             rollout(f"r{i}", [w.add_host("dc0") for _ in range(S)], "dc0")
     else:
-        raise ValueError(f"unknown workload {wl!r}; known: {', '.join(WORKLOADS)}")
+        raise ValueError(f"unknown workload {wl!r}; known: {', '.join(WORKLOADS + FORCED_ONLY)}")
+
+
+def _mixed_model(rng: random.Random) -> MixedModel:
+    """A trainer layout and one to three rollout layouts, at least one not the trainer's."""
+    trainer = TRAINER_LAYOUTS[rng.randrange(len(TRAINER_LAYOUTS))]
+    others = [lay for lay in ROLLOUT_LAYOUTS if lay != trainer]
+    rng.shuffle(others)
+    rollouts = others[:rng.randint(1, 2)]
+    if rng.random() < 0.4:
+        rollouts.append(trainer)  # a rollout of the trainer's layout: plain reads in its class
+    return MixedModel(trainer, tuple(rollouts))
+
+
+def _build_mixed(w: World, rng: random.Random) -> None:
+    """``mixed``: rollout replicas of the chosen layouts (one or two each, within ``max_clients``),
+    their placements putting them in layout classes apart from the trainer's."""
+    p, mm = w.params, w.mixed
+    used = p.num_shards
+    for lay in mm.rollouts:
+        for i in range(rng.randint(1, 2)):
+            n = SHARDS[lay]
+            if used + n > p.max_clients:
+                break
+            used += n
+            name = f"r{lay}-{i}"
+            w.rollouts.append(RolloutDriver(w, name, [w.add_host("dc0") for _ in range(n)], "dc0", False,
+                                            w.sim.rng(name), layout=lay))
 
 
 def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Optional[CoreFactory] = None,

@@ -63,6 +63,15 @@ class Pulling:
         """Contiguous verified units of ``version``."""
         return self.st.prefix
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Whose memory the pull reads (one source; a resharded pull's: every needed holder)."""
+        return (self.source,)
+
+    def owns(self, rd) -> bool:
+        """``rd`` is one of this pull's posted reads still in flight."""
+        return self.inflight.get(rd.unit) is rd
+
 
 class SimTransport:
     def __init__(self, client) -> None:
@@ -71,12 +80,31 @@ class SimTransport:
         self.units = client.units
         self.unit_bytes = client.unit_bytes
         self.current: Optional[Pulling] = None
+        self._reshard = None
+        """The resharded pulls' part (:mod:`tensorhub.sim.reshard_pull`), made at the first."""
+
+    def _resharding(self):
+        """The resharded pulls' part when the pull in progress is one, else None."""
+        from tensorhub.sim.reshard_pull import ReshardPull, ReshardPulling
+
+        if not isinstance(self.current, ReshardPulling):
+            return None
+        if self._reshard is None:
+            self._reshard = ReshardPull(self)
+        return self._reshard
 
     # ------------------------------------------------------------------ the interface
 
     def pull(self, a: m.Assignment, start: int, token: int) -> None:
         """Read ``a.version`` from unit ``start`` on; answers ``client._answer(token, Pulled)``."""
         c, w = self.client, self.world
+        if a.reshard:
+            from tensorhub.sim.reshard_pull import ReshardPull
+
+            if self._reshard is None:
+                self._reshard = ReshardPull(self)
+            self._reshard.pull(a, start, token)
+            return
         if start == 0:
             c.region_version, c.region_progress = a.version, 0
         first = c.region_progress if c.region_version == a.version else 0
@@ -101,6 +129,10 @@ class SimTransport:
         rs = self.current
         if rs is None or rs.failing:
             return None
+        rp = self._resharding()
+        if rp is not None:
+            rs.ends_at = rp.stop(rs)
+            return rs
         rs.failing = True
         rs.ends_at = self._cancel_reads(rs)
         self._forget_source(rs)
@@ -115,6 +147,10 @@ class SimTransport:
 
     def died(self) -> None:
         """The process crashed: its posted reads deliver nothing."""
+        rp = self._resharding()
+        if rp is not None:
+            rp.died(self.current)
+            self.current = None
         if self.current is not None:
             for rd in self.current.inflight.values():
                 rd.dead = True
@@ -126,6 +162,10 @@ class SimTransport:
         rs = self.current
         if not self.client.alive or rs is None or rs.failing:
             return
+        rp = self._resharding()
+        if rp is not None:
+            rp.poke(rs, source_cid)
+            return
         if rs.source == source_cid or rs.source.startswith(source_cid + "#"):
             self._issue(rs)
 
@@ -134,6 +174,10 @@ class SimTransport:
         transport's detection delay."""
         rs = self.current
         if rs is None or rs.failing:
+            return
+        rp = self._resharding()
+        if rp is not None:
+            rp.source_died(rs)
             return
         for rd in rs.inflight.values():
             rd.dead = True
@@ -232,7 +276,7 @@ class SimTransport:
             # The seqlock: a control read of the source, its bytes already in place.
             w.sim.after(w.net.ctrl_latency_s, self._seqlock, rs)
             return
-        if tag != (rs.version, c.shard, rd.unit):
+        if tag != (rs.version, c.tag_shard, rd.unit):
             w.stats_bad_units += 1
             self._failed(rs, "checksum mismatch")
             return

@@ -33,8 +33,10 @@ class ReplicaDriver:
     role = "replica"
 
     def __init__(self, world, replica_id: str, hosts: list[str], dc: str, spot: bool, rng: random.Random,
-                 client_cls: type = SimClient) -> None:
+                 client_cls: type = SimClient, layout: str = "") -> None:
         self.world = world
+        self.layout = layout
+        """The ``mixed`` workload's layout of this replica's shards ("": none, no placement)."""
         self.client_cls = client_cls
         """The class of the members (:class:`tensorhub.sim.seeding.SeedingClient` across datacenters)."""
         self.replica_id = replica_id
@@ -55,9 +57,10 @@ class ReplicaDriver:
 
     def _spawn(self, i: int) -> SimClient:
         suffix = f".{self.gen}" if self.gen else ""
+        extra = {"layout": self.layout} if self.layout else {}
         c = self.world.add_client(
             f"{self.replica_id}/s{i}{suffix}", cls=self.client_cls, replica_id=self.replica_id, shard=i,
-            num_shards=self.num_shards, host=self.hosts[i], dc=self.dc, spot=self.spot, role=self.role,
+            num_shards=self.num_shards, host=self.hosts[i], dc=self.dc, spot=self.spot, role=self.role, **extra,
         )
         c.driver, c.index = self, i
         if self.world.shared_processes and self.num_shards > 1:
