@@ -1,0 +1,108 @@
+"""The ``mixed`` workload (:mod:`tensorhub.sim.mixed`): layout classes and resharded reads under
+the simulator's faults, and the planted resharding bugs its checkers must catch.
+
+    trainer (rows, 2 or 4 shards) -> rollouts of other layouts (whole; TP=2; rows of 4 or 2)
+                                     by resharded reads; their classes pipeline from them
+
+Each planted bug monkeypatches the shipped core (:class:`tensorhub.core.reading.Reading`) and
+runs a pinned seed that reaches it; the same seed runs clean of that kind on the shipped code.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tensorhub.core.reading import Reading
+from tensorhub.core.state import NodeState
+from tensorhub.sim import run_scenario
+from tensorhub.sim.scenario import World
+
+pytestmark = pytest.mark.sim
+
+
+def test_mixed_runs_clean_and_reads_by_reshard():
+    """A few seeds of the workload: no violation, and rollouts of other layouts read by
+    resharded reads (the trace names the assignments' reshard sources)."""
+    resharded = 0
+    for seed in range(4):
+        res = run_scenario(seed, "mixed", keep_trace=True)
+        assert res.ok, res.violations
+        resharded += sum("reshard=(ReshardSource(" in line for line in res.lines)
+    assert resharded > 0
+
+
+def test_mixed_is_run_only_when_forced():
+    """A seed's random pick never lands on ``mixed``: every other workload's seeds stay as they were."""
+    assert {World(s).params.workload for s in range(40)} <= {"colocated", "standalone", "elastic", "crossdc", "sharded"}
+
+
+# ---------------------------------------------------------------------------- the bugs
+
+
+def reshard_counts_first_holder_only(mp):
+    """A resharded reader is listed among the readers of its first needed holder shard only: the
+    others' drains end (and their writers write) while it still reads from them."""
+    def bad(self, reader, srcs):
+        reader.state = NodeState.READING
+        reader.source = srcs[0].id
+        reader.reshard_from = tuple(s.id for s in srcs)
+        reader.assign_no += 1
+        srcs[0].readers.add(reader.id)
+        self.table.index.mark(srcs[0])
+        self.table.index.mark(reader)
+    mp.setattr(Reading, "reshard", bad)
+
+
+def leave_first_source_only(mp):
+    """A resharded reader that stops reading leaves its first source only: the others keep it
+    among their readers and their drains wait for it."""
+    orig = Reading._leave_sources
+
+    def bad(self, node, gone):
+        if len(node.reshard_from) > 1:
+            node.reshard_from = node.reshard_from[:1]
+        orig(self, node, gone)
+    mp.setattr(Reading, "_leave_sources", bad)
+
+
+def reshard_from_partial_holders(mp):
+    """A replica still receiving the version (its shards READING) is taken as a reshard source."""
+    def bad(n, reader):
+        return (n.state in (NodeState.PUBLISHED, NodeState.READING) and n.version == reader.version
+                and bool(n.placement) and not n.unreachable and n.suspected_at is None and n.id not in reader.suspects)
+    mp.setattr(Reading, "_serves_reshard", staticmethod(bad))
+
+
+def assignment_lists_needed_shards_only(mp):
+    """A resharded read's assignment lists only the holder shards the reader needs, not the
+    whole replica (the reader then plans over the wrong shards)."""
+    orig = Reading.assignment
+
+    def bad(self, node):
+        a = orig(self, node)
+        if a.reshard:
+            a = msgspec.structs.replace(a, reshard=tuple(s for s in a.reshard if s.client_id in node.reshard_from))
+        return a
+    mp.setattr(Reading, "assignment", bad)
+
+
+# (bug, checker kind, seeds of the mixed workload): the first seed of 0, 1, 2, ... that catches it.
+CASES = [
+    (reshard_counts_first_holder_only, "mutate", [2]),  # trainer/s1 writes under rwhole-0/s0's read
+    (leave_first_source_only, "hang", [2]),  # the trainer's unpublish never finishes
+    (reshard_from_partial_holders, "reshard", [1]),  # a rows4 replica holding 1/5 units
+    (assignment_lists_needed_shards_only, "reshard", [1]),  # 2 shards of a 4-shard trainer listed
+]
+
+
+def _kinds(seeds) -> set[str]:
+    return {kind for s in seeds for kind, _, _ in run_scenario(s, "mixed").violations}
+
+
+@pytest.mark.parametrize("plant, kind, seeds", CASES, ids=[c[0].__name__ for c in CASES])
+def test_planted_resharding_bug_is_caught_on_its_seed(monkeypatch, plant, kind, seeds):
+    assert kind not in _kinds(seeds), "the shipped code must run clean of this kind on these seeds"
+    with monkeypatch.context() as mp:
+        plant(mp)
+        assert kind in _kinds(seeds)
