@@ -31,7 +31,7 @@ from typing import Optional
 
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
-from tensorhub.sim.transport import TORN
+from tensorhub.sim.tags import TORN
 
 
 class ReshardPulling:

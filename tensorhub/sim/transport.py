@@ -32,7 +32,10 @@ from tensorhub.core import messages as m
 from tensorhub.errors import SourceStalled, TransferError
 from tensorhub.transport.readstate import ReadState
 
-TORN = ("torn",)
+from tensorhub.sim.reshard_pull import ReshardPull, ReshardPulling
+from tensorhub.sim.tags import TORN
+
+__all__ = ["TORN", "Pulling", "SimTransport"]
 
 
 class Pulling:
@@ -85,8 +88,6 @@ class SimTransport:
 
     def _resharding(self):
         """The resharded pulls' part when the pull in progress is one, else None."""
-        from tensorhub.sim.reshard_pull import ReshardPull, ReshardPulling
-
         if not isinstance(self.current, ReshardPulling):
             return None
         if self._reshard is None:
@@ -99,8 +100,6 @@ class SimTransport:
         """Read ``a.version`` from unit ``start`` on; answers ``client._answer(token, Pulled)``."""
         c, w = self.client, self.world
         if a.reshard:
-            from tensorhub.sim.reshard_pull import ReshardPull
-
             if self._reshard is None:
                 self._reshard = ReshardPull(self)
             self._reshard.pull(a, start, token)
