@@ -10,6 +10,9 @@ so that the same seed provably gives the same run.
                                   mailboxes, long polls) in virtual time
 - :mod:`tensorhub.sim.client`    a shard handle: a driver of the shipped HandleMachine
 - :mod:`tensorhub.sim.transport` what a pull does in the simulated world (reads, cancel, stall)
+- :mod:`tensorhub.sim.reshard_pull` a resharded pull (``Assignment.reshard``): the holder units
+                                  its own units need, from every needed holder shard
+- :mod:`tensorhub.sim.mixed`     the ``mixed`` workload's layouts, placements and reshard plans
 - :mod:`tensorhub.sim.workloads` trainers, rollout fleets, spot churn
 - :mod:`tensorhub.sim.faults`    named fault kinds and their bounded knobs
 - :mod:`tensorhub.sim.checkers`  invariants (observers only)
