@@ -27,10 +27,9 @@ at unit and range granularity (:mod:`tensorhub.sim.mixed`):
 
 from __future__ import annotations
 
-from typing import Optional
-
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.sim.mixed import UNIT_BYTES
 from tensorhub.sim.tags import TORN
 
 
@@ -174,7 +173,7 @@ class ReshardPull:
             if src.region_progress <= hu:
                 src.waiters[c.cid] = True  # a partial holder: it pushes its progress to us
                 continue
-            nbytes = rs.deps.nbytes[(hs, hu)] * w.params.unit_bytes // _unit_real_bytes()
+            nbytes = rs.deps.nbytes[(hs, hu)] * w.params.unit_bytes // UNIT_BYTES
             end = w.net.reserve(src.host, c.host, max(1, nbytes))
             rd = w.net.post(c.cid, cid, rs.version, hu, end, w.server.epoch, rs.assign_no)
             rd.pull_epoch = rs.epoch
@@ -313,9 +312,3 @@ class ReshardPull:
         self.t.current = None
         self.client.region_progress = ev.progress
         self.client._answer(rs.token, ev)
-
-
-def _unit_real_bytes() -> int:
-    from tensorhub.sim.mixed import UNIT_BYTES
-
-    return UNIT_BYTES
