@@ -147,7 +147,7 @@ class Checker:
             for cls in core.table.classes.get(self.world.params.model) or (self.world.params.model,):
                 mod = core.models.get(cls)
                 if mod is not None:
-                    self.committed_in(cls).update(mod.committed)
+                    self.committed_in(shown(cls)).update(mod.committed)
         if req is not None and not isinstance(reply, m.ErrorReply):
             if isinstance(req, (m.ReplicateDone, m.ReplicateAbort, m.Replicate, m.SourceFailed, m.Leave)):
                 self.assign.pop(cid, None)
@@ -435,8 +435,9 @@ class Checker:
     # ------------------------------------------------------------------ state checks
 
     def committed_in(self, cls: str) -> set[int]:
-        """The versions the checker saw committed in layout class ``cls`` (the model itself
-        outside the mixed workload)."""
+        """The versions the checker saw committed in layout class ``cls`` (as the server's status
+        names it, :func:`~tensorhub.core.placements.shown`; the model itself outside the mixed
+        workload)."""
         if cls == self.world.params.model:
             return self.seen_committed
         return self.seen_committed_classes.setdefault(cls, set())
@@ -448,11 +449,14 @@ class Checker:
         if w.mixed is None:
             st = w.server.status(w.params.model)
             return list(st.models[:1]) if st is not None else []
-        st = w.server.status()
-        return [] if st is None else [v for v in st.models if logical(v.model) == w.params.model]
+        st = w.server.status(w.params.model)  # the first class under the model's name, the others
+        return [] if st is None else list(st.models)  # as "<model> (layout class n)"
 
     def check_retention(self, where: str) -> None:
         if self.loss_at is not None:
+            return
+        if self.world.mixed is not None:
+            self._check_retention_across(where)
             return
         for mv in self.class_views():
             # The checker keeps its own record of committed versions: the server drops a version
@@ -464,11 +468,26 @@ class Checker:
             expected = sorted(seen)[-self.world.config.versions_retained:]
             missing = sorted(set(expected) - set(mv.available))
             if missing:
-                self.violate("retention", f"at {where}: retained versions {missing} of {shown(mv.model)} are not "
-                                          f"available (newest committed {expected}, available {list(mv.available)})"
-                             if self.world.mixed is not None else
-                             f"at {where}: retained versions {missing} are not available "
-                             f"(newest committed {expected}, available {list(mv.available)})")
+                self.violate("retention", f"at {where}: retained versions {missing} are not available "
+                                          f"(newest committed {expected}, available {list(mv.available)})")
+
+    def _check_retention_across(self, where: str) -> None:
+        """(e) with layout classes: the model's newest retained versions (committed in any class)
+        are each available in some class, whenever no holder of any class drains or offloads. A
+        class does not keep a version another layout holds whole (the core's retention counts
+        copies across classes), so one class alone may well lack it."""
+        views = self.class_views()
+        if any(h.state in ("draining", "offloading") for mv in views for h in mv.holders):
+            return
+        for mv in views:
+            self.committed_in(mv.model).update(mv.committed)
+        seen = self.seen_committed.union(*self.seen_committed_classes.values())
+        expected = sorted(seen)[-self.world.config.versions_retained:]
+        available = set().union(*(mv.available for mv in views)) if views else set()
+        missing = sorted(set(expected) - available)
+        if missing:
+            self.violate("retention", f"at {where}: retained versions {missing} are available in no layout class "
+                                      f"(newest committed {expected}, available {sorted(available)})")
 
     def check_retention_truth(self) -> None:
         """(e) after faults: the server must list every retained version that live non-spot
@@ -572,6 +591,13 @@ class GhostCopyChecker:
         if version not in core.retained(node.model) or f"{holder}#host{version}" in core.nodes:
             return
         others = [core.nodes[i] for i in sorted(core.groups.get((node.model, version, node.shard), ()))]
+        # Another layout class's copies count too (the core's retention counts a replica of
+        # another layout that holds the version whole): every shard of theirs, any one alive
+        # proves enough for this checker (it does not plan whether that layout fills the shard).
+        for cls in core.table.classes.get(logical(node.model), ()):
+            if cls != node.model:
+                for s in range(core.models[cls].num_shards):
+                    others += [core.nodes[i] for i in sorted(core.groups.get((cls, version, s), ()))]
         owners = sorted({o.owner if o.host else o.id for o in others
                          if o.id != holder and o.owner != holder and o.state.value == "published" and not o.spot})
         if not owners:

@@ -260,23 +260,33 @@ class CoreObserver:
                 return True
             if (c.cid != releaser or not leaving) and c.host_copies.get(v) == want:
                 return True
-        if w.mixed is not None and self._whole_elsewhere(v, shard):
-            return True
         # The server's liveness rule (heard from within 2.5 heartbeats), plus the longest a message
         # sent before the crash may have taken to arrive.
         allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
+        if w.mixed is not None and self._whole_elsewhere(v, shard, allow_s):
+            return True
         return any(sh == shard and v in held and not spot and w.sim.now - t <= allow_s
                    for t, sh, held, spot, _, _ in self.crashes.values())
 
 
-    def _whole_elsewhere(self, v: int, tag_shard) -> bool:
-        """The mixed workload: a live non-spot replica of another layout holds ``v`` whole, in
-        memory or host copies (it holds every byte of the model: a resharded read, or its own
-        class's reads, bring the version back)."""
+    def _whole_elsewhere(self, v: int, tag_shard, allow_s: float) -> bool:
+        """The mixed workload: a non-spot replica of another layout holds ``v`` whole, in memory
+        or host copies (it holds every byte of the model: a resharded read, or its own class's
+        reads, bring the version back), each of its shards alive or crashed so recently (within
+        ``allow_s``, holding ``v``) that the server cannot know yet: the blind spot the same
+        layout's copies are allowed."""
+        now = self.world.sim.now
+
+        def holds(c) -> bool:
+            if c.alive:
+                return c.mem == c.want(v) or c.host_copies.get(v) == c.want(v)
+            crash = self.crashes.get(c.cid)
+            return crash is not None and v in crash[2] and now - crash[0] <= allow_s
+
         for d in self.world.drivers():
-            members = [c for c in d.members if c.alive and not c.spot]
+            members = [c for c in d.members if not c.spot]
             if (len(members) == d.num_shards and all(c.tag_shard != tag_shard for c in members)
-                    and all(c.mem == c.want(v) or c.host_copies.get(v) == c.want(v) for c in members)):
+                    and all(holds(c) for c in members)):
                 return True
         return False
 

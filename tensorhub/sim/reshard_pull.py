@@ -304,7 +304,7 @@ class ReshardPull:
         self._forget_sources(rs)
         self.world.sim.trace(f"reshard pull {self.client.cid} v{rs.version} failed on {source}: {error}")
         self.world.sim.at(end, self._ended, rs,
-                          hm.Pulled(rs.progress, error, unreachable=unreachable, source=source))
+                          hm.Pulled(rs.progress, error, unreachable=unreachable, failed_source=source or ""))
 
     def _ended(self, rs: ReshardPulling, ev: hm.Pulled) -> None:
         if rs is not self.t.current:

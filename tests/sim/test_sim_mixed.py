@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from tensorhub.core import other_layouts
 from tensorhub.core.reading import Reading
 from tensorhub.core.state import NodeState
 from tensorhub.sim import run_scenario
@@ -82,10 +83,10 @@ def leave_first_source_only(mp):
 
 def reshard_from_partial_holders(mp):
     """A replica still receiving the version (its shards READING) is taken as a reshard source."""
-    def bad(n, reader):
-        return (n.state in (NodeState.PUBLISHED, NodeState.READING) and n.version == reader.version
-                and bool(n.placement) and not n.unreachable and n.suspected_at is None and n.id not in reader.suspects)
-    mp.setattr(Reading, "_serves_reshard", staticmethod(bad))
+    def bad(n, reader, level):
+        return (n.state in (NodeState.PUBLISHED, NodeState.READING)
+                and not n.unreachable and n.suspected_at is None and n.id not in reader.suspects)
+    mp.setattr(other_layouts, "serves", bad)
 
 
 def assignment_lists_needed_shards_only(mp):
