@@ -109,6 +109,19 @@ class Config:
     """When a version is committed, the server asks one replica of each other datacenter to
     receive it into a staging copy in the background (``SeedAhead`` -> ``Hub.prefetch``): the
     one cross-datacenter copy starts at once and no engine blocks on it."""
+    prefetch_in_datacenter: bool = True
+    """With ``offload_seeding``: as soon as a remote datacenter's seed is partial there (the asked
+    seeder's staging copy holds a prefix of every shard), the server tells every other replica
+    registered in that datacenter to prefetch the version too (``PrefetchAhead``): their staging
+    copies read it behind the seed, inside the datacenter (never across), so every engine's
+    ``update()`` there is a local copy, or a swap with a double buffer, instead of a read over
+    the datacenter's network. Memory: one shard-sized host staging buffer per handle of a
+    remote datacenter (the same bound as :meth:`~tensorhub.Hub.prefetch`; none where the user
+    registered a double buffer: the prefetch lands there), allocated at its first prefetch and
+    kept until ``close()``; no handle in the trainer's datacenter is asked. On by default since
+    offload seeding may ask any of a datacenter's replicas to seed, so each may already hold
+    that buffer; False where host memory is short (those updates read the seed over the
+    datacenter's network at update time)."""
     seed_wait_s: float = 5.0
     """How long a datacenter's readers wait for the asked seeder to start its copy (they then
     read it there) before the first of them crosses itself."""

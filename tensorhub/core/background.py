@@ -1,10 +1,11 @@
 """A handle's background rules, pure: what it does with what the server sends between calls.
 
 The server's pulse replies and notes carry events no user call asked for: make a host copy of a
-retained version ahead (``MakeHostCopy``), seed a version into this datacenter (``SeedAhead``),
-drop a host copy (``DropHostCopy``), eviction, demotion, and "I do not know this handle" (after a
-server restart or a lost lease). What to do with each is decided here, once, and both drivers
-apply the decision: :class:`tensorhub.Hub` (threads, NIXL, the port) and the simulator's clients
+retained version ahead (``MakeHostCopy``), seed a version into this datacenter (``SeedAhead``)
+or prefetch one that is arriving there (``PrefetchAhead``), drop a host copy (``DropHostCopy``),
+eviction, demotion, and "I do not know this handle" (after a server restart or a lost lease).
+What to do with each is decided here, once, and both drivers apply the decision:
+:class:`tensorhub.Hub` (threads, NIXL, the port) and the simulator's clients
 (:mod:`tensorhub.sim.client`, :mod:`tensorhub.sim.seeding`), so the rule the simulator checks is
 the rule that ships. The drivers keep only what is theirs to do: start a thread or schedule an
 event, copy bytes, send the request.
@@ -33,7 +34,8 @@ class Kind(enum.Enum):
     HOST_COPY = "host_copy"
     """``MakeHostCopy``: the driver, if :func:`host_copy_wanted` says so."""
     SEED = "seed"
-    """``SeedAhead``: the driver, if :func:`seed_decision` says so (a staging copy reads it)."""
+    """``SeedAhead`` or ``PrefetchAhead``: the driver, if :func:`seed_decision` says so (a
+    staging copy reads it; :func:`seed_across` says whether a delta may stand in for it)."""
     CELLS = "cells"
     """``HashCells``: the handle's resharding part hashes the cells a reader of another layout
     checks (:mod:`tensorhub.handle.reshard`)."""
@@ -46,11 +48,20 @@ def kind_of(note: object) -> Kind:
     """Who handles ``note`` (one of the server's background events)."""
     if isinstance(note, m.MakeHostCopy):
         return Kind.HOST_COPY
-    if isinstance(note, m.SeedAhead):
+    if isinstance(note, (m.SeedAhead, m.PrefetchAhead)):
         return Kind.SEED
     if isinstance(note, m.HashCells):
         return Kind.CELLS
     return Kind.MACHINE
+
+
+def seed_across(note: m.SeedAhead | m.PrefetchAhead) -> bool:
+    """Whether the staging read ``note`` asks for crosses the slow link: a ``SeedAhead`` does
+    (the datacenter's one copy; with ``seed_deltas`` a delta may stand in for it); a
+    ``PrefetchAhead`` reads behind that seed inside the datacenter (the full version, never a
+    delta). Both are otherwise the same prefetch, decided by :func:`seed_decision`."""
+    assert isinstance(note, (m.SeedAhead, m.PrefetchAhead)), note  # kind_of(note) is Kind.SEED
+    return isinstance(note, m.SeedAhead)
 
 
 def seed_round(version: int) -> int:
@@ -99,10 +110,11 @@ class SeedView:
 
 
 def seed_decision(version: int, view: SeedView) -> Optional[str]:
-    """``None``: seed ``version`` into the staging copy now (offload seeding, ``SeedAhead``);
-    else why not. A handle that cannot seed (a staging copy, unregistered, closed), already has
-    the version or newer (published, staged, a seed started), or whose staging copy's rounds are
-    past this seed's round (a user's ``prefetch()`` counted ahead; :func:`seed_round`) skips."""
+    """``None``: seed ``version`` into the staging copy now (offload seeding, ``SeedAhead``, or
+    its datacenter's prefetch, ``PrefetchAhead``: the same rule); else why not. A handle that
+    cannot seed (a staging copy, unregistered, closed), already has the version or newer
+    (published, staged, a seed started), or whose staging copy's rounds are past this seed's
+    round (a user's ``prefetch()`` counted ahead; :func:`seed_round`) skips."""
     if view.staging:
         return "a staging copy does not seed"
     if not view.registered or view.closed:

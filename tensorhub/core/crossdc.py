@@ -10,6 +10,11 @@ datacenter copy kept: :meth:`CrossDatacenter.keeps_dc_copy`) retention acts on.
   staging copy (``SeedAhead``), so that exactly one copy crosses the slow link and the seeder's
   own ``update()`` is a local copy. A datacenter's readers wait for that seed (:meth:`CrossDatacenter.seed_pending`)
   for up to ``seed_wait_s`` before one of them crosses itself.
+- **Prefetch inside the datacenter** (:meth:`CrossDatacenter.prefetch_in_datacenters`,
+  ``prefetch_in_datacenter``): once the seed is partial there (every shard has a holder in the
+  datacenter), the datacenter's other replicas are asked to prefetch it too (``PrefetchAhead``):
+  their staging copies pipeline behind the seed (the scheduler's rule 3 keeps them inside), so
+  every engine's ``update()`` there is a local copy or a swap. Once per (datacenter, version).
 - **Smart skipping** (:meth:`CrossDatacenter.smart_skip`): while a newer version is on its way into the reader's
   datacenter, ``"latest"`` answers the newest version already complete there instead of queueing
   behind the slow link.
@@ -143,6 +148,41 @@ class CrossDatacenter:
             log.info("model=%s version=%d: replica %s seeds datacenter %s", model, v, nodes[0].replica_id, dc)
             for n in sorted(nodes, key=lambda n: n.shard):
                 self.table.deliver(n.id, m.SeedAhead(version=v))
+
+    def prefetch_in_datacenters(self, models: set[str]) -> None:
+        """``prefetch_in_datacenter``: in every datacenter where the seed asked of a replica
+        (``seed_asked``, a seeder named) has reached every shard -- each has a candidate source
+        there, complete or partial (PUBLISHED or READING) -- every *other* whole replica
+        registered there (:class:`SeedCandidates`; never a staging copy, a host copy or the
+        seeder) gets ``PrefetchAhead(version)``, once per (datacenter, version)
+        (``ModelRecord.prefetch_told``; soft state: a restarted server may tell again, and a
+        handle that has the version ignores it). Their staging
+        copies then read inside the datacenter behind the seed (the scheduler's rule 3: a
+        candidate there, busy or not, means no crossing), so no second copy crosses.
+
+        Called at the end of every request and tick for the models it touched. Cost per model:
+        O(asked datacenters x shards) through the index, plus the replicas told when a seed
+        first reaches a datacenter (each needs its note anyway)."""
+        config = self.table.config
+        if not (config.offload_seeding and config.prefetch_in_datacenter):
+            return
+        for model in sorted(models):
+            mod = self.table.models.get(model)
+            if mod is None or not mod.seed_asked:
+                continue
+            for dc, (v, rid, _) in sorted(mod.seed_asked.items()):
+                if not rid or mod.prefetch_told.get(dc, -1) >= v or v < mod.forgotten_below:
+                    continue
+                if not all(self.table.group((model, v, s)).cands_dc.get(dc) for s in range(mod.num_shards)):
+                    continue  # not every shard has a holder here yet: a prefetch would cross
+                mod.prefetch_told[dc] = v
+                others = [r for _, _, r in self.candidates.datacenters(model).get(dc, ()) if r != rid]
+                if others:
+                    log.info("model=%s version=%d: the seed is in datacenter %s: %d replicas there prefetch it",
+                             model, v, dc, len(others))
+                for other in others:
+                    for n in sorted(self.table.replica_nodes(model, other), key=lambda n: n.shard):
+                        self.table.deliver(n.id, m.PrefetchAhead(version=v))
 
     def set_seed_asked(self, mod: ModelRecord, dc: str, entry: Optional[tuple[int, str, float]]) -> None:
         """Replace (or drop) ``dc``'s seed entry. Readers of the old entry's version there may

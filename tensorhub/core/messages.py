@@ -483,6 +483,19 @@ class SeedAhead(_Msg, frozen=True):
     version: int
 
 
+class PrefetchAhead(_Msg, frozen=True):
+    """Background (offload seeding, ``Config.prefetch_in_datacenter``): ``version`` is arriving
+    in this client's datacenter -- every shard of it has a holder there, the asked seeder's
+    staging copy at least, a partial one -- so receive it into a staging copy now, from there
+    (:meth:`tensorhub.Hub.prefetch`; the scheduler keeps the read inside the datacenter, behind
+    the seed), and the next ``update()`` is a local copy or a swap. Sent once per version to
+    every other whole replica registered in a datacenter that a ``SeedAhead`` seeds. Never a
+    delta (those are for the slow link). A client may ignore it (its update then reads the
+    seed inside the datacenter, as before)."""
+
+    version: int
+
+
 class Newest(_Msg, frozen=True):
     """Background: the model's newest readable version is now ``version`` (-1: none): a commit
     made a newer one readable, or the newest was withdrawn (lost, past retention, its last
@@ -582,8 +595,8 @@ class Status(_Msg, frozen=True):
     models: tuple[ModelView, ...]
 
 
-Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted,
-              Demoted, Newest, HashCells]
+Event = Union[Assignment, UnpublishDone, OffloadOrder, DropHostCopy, MakeHostCopy, SeedAhead, PrefetchAhead, Probe,
+              Failed, Evicted, Demoted, Newest, HashCells]
 
 
 class PulseReply(_Msg, frozen=True):
@@ -624,7 +637,7 @@ class Deliver(msgspec.Struct, frozen=True):
 _REQ_DECODER = msgspec.msgpack.Decoder(Union[Request, Signed])
 _ANY_DECODER = msgspec.msgpack.Decoder(Union[
     Ok, Registered, ErrorReply, Assignment, NoChange, Waiting, UnpublishDone, Status, OffloadOrder,
-    DropHostCopy, MakeHostCopy, SeedAhead, Probe, Failed, Evicted, Demoted, Newest, PulseReply, DeltaAt,
+    DropHostCopy, MakeHostCopy, SeedAhead, PrefetchAhead, Probe, Failed, Evicted, Demoted, Newest, PulseReply, DeltaAt,
     CellsAt, HashCells,
 ])
 _ENCODER = msgspec.msgpack.Encoder()

@@ -442,7 +442,8 @@ class ReferenceCore:
 
     def _settle(self, model: Optional[str] = None) -> None:
         """Assign waiting readers of every touched group, FIFO; fail readers of lost versions;
-        push a changed newest version of every touched model (and ``model``, the request's)."""
+        tell a datacenter's replicas to prefetch a seed that reached it; push a changed newest
+        version of every touched model (and ``model``, the request's)."""
         table = self.table
         if table.reseed:  # first: a new seed entry may release readers waiting for an old one
             todo, table.reseed = sorted(table.reseed), set()
@@ -456,7 +457,9 @@ class ReferenceCore:
             for key in keys:
                 self.reading.pump(key)
         self.versions.drop_lost(seen)
-        self.views.settle({k[0] for k in seen} | ({model} if model is not None else set()))
+        models = {k[0] for k in seen} | ({model} if model is not None else set())
+        self.crossdc.prefetch_in_datacenters(models)  # a seed that reached a datacenter: the others follow
+        self.views.settle(models)
         if table.removed:
             # A removed client gets nothing from this request but its eviction (one pass
             # here, not one per removal: a death wave of k clients filters once, not k times).

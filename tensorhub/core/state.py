@@ -164,3 +164,6 @@ class ModelRecord:
         self.seed_asked: dict[str, tuple[int, str, float]] = {}
         """Offload seeding: per datacenter, (version, replica, when) last asked to seed it;
         replica "" once the datacenter has (or reads) that version."""
+        self.prefetch_told: dict[str, int] = {}
+        """``prefetch_in_datacenter``: per datacenter, the newest version its replicas were told
+        to prefetch (``PrefetchAhead``), so that each seed is announced there once."""

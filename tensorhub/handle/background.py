@@ -1,7 +1,8 @@
 """A handle's side of the server's background work (``hub._background``).
 
 The server sends each handle *notes*: host copies to make ahead or past retention
-(``MakeHostCopy``), versions to seed into its datacenter (``SeedAhead``), host copies to drop
+(``MakeHostCopy``), versions to seed into its datacenter (``SeedAhead``) or to prefetch there
+(``PrefetchAhead``), host copies to drop
 and demotions. They come with the pulse's reply (:mod:`tensorhub.handle.pulse`), or are fetched
 after a call (:meth:`Background.take_notes`). :class:`Background` carries them out, builds the
 handle's beat, and announces the handle again to a server that forgot it. Which note means what,
@@ -48,7 +49,8 @@ class Background:
     lock ``call_lock`` (only tried, or held by the caller: ``in_call``); ``stopped``, set once
     its threads stop; ``region()``, its transport region now (None before register); ``feed``,
     which feeds an event to the machine and returns its commands; ``set_region``, which carries
-    out a ``SetRegion``; ``host_copies``; ``seed_asked``, which starts a seed (the staging part);
+    out a ``SetRegion``; ``host_copies``; ``seed_asked``, which starts a seed or a prefetch inside
+    the datacenter (the staging part; :func:`tensorhub.core.background.seed_across` says which);
     ``cells_asked``, which hashes cells for a reader of another layout (the resharding part).
     Owns ``_notes_lock`` and the newest note acknowledged; makes no thread."""
 
@@ -56,7 +58,7 @@ class Background:
                  port: ServerPort, machine: hm.HandleMachine, mlock: threading.Lock, call_lock: threading.Lock,
                  stopped: threading.Event, region: Callable[[], Optional[tx.Region]],
                  feed: Callable[[hm.Event], list], set_region: Callable[[hm.SetRegion], None],
-                 host_copies: HostCopies, seed_asked: Callable[[int], None],
+                 host_copies: HostCopies, seed_asked: Callable[[int, bool], None],
                  cells_asked: Callable[[m.HashCells], None]) -> None:
         self.client_id, self.model, self.replica, self.shard, self.spot = client_id, model, replica, shard, spot
         self._config = config
@@ -139,7 +141,7 @@ class Background:
                 self._host_copy_asked(note.version, in_call)
                 continue
             if kind is bg.Kind.SEED:
-                self._seed_asked(note.version)
+                self._seed_asked(note.version, bg.seed_across(note))
                 continue
             if kind is bg.Kind.CELLS:
                 self._cells_asked(note)

@@ -2,7 +2,8 @@
 
 :meth:`Hub.prefetch <tensorhub.handle.hub.Hub.prefetch>` and the server's ``SeedAhead`` receive
 a version into a *staging copy*: a second :class:`~tensorhub.handle.hub.Hub` of the same process
-(replica ``<replica>~prefetch``), a holder of its own, registered on the first prefetch. The next
+(replica ``<replica>~prefetch``), a holder of its own, registered on the first prefetch; so does a
+``PrefetchAhead`` (the datacenter's seed has arrived there: read it from there, ahead). The next
 ``update`` of that version then copies it locally; with a double buffer it takes over the staging
 copy's memory instead (``Swap``: the server exchanges the two holders' endpoints).
 
@@ -165,10 +166,12 @@ class Staging:
     # ------------------------------------------------------------------ prefetch
 
     def prefetch(self, spec: m.VersionSpec, round_no: Optional[int], buffer,
-                 seed: Optional[int] = None) -> "concurrent.futures.Future[ReadStats]":
+                 seed: Optional[int] = None, across: bool = True) -> "concurrent.futures.Future[ReadStats]":
         """Start a prefetch job (:meth:`Hub.prefetch <tensorhub.handle.hub.Hub.prefetch>`: the
-        contract). ``seed``: the version a SeedAhead asked for (skipped if a newer seed is asked
-        before this one starts); its round is :func:`tensorhub.core.background.seed_round`."""
+        contract). ``seed``: the version a SeedAhead or PrefetchAhead asked for (skipped if a
+        newer seed is asked before this one starts); its round is
+        :func:`tensorhub.core.background.seed_round`. ``across``: the seed crosses the slow
+        link (a delta may stand in for it); False for a prefetch inside the datacenter."""
         if seed is not None:
             round_no = bg.seed_round(seed)
         owner = self._owner
@@ -192,12 +195,14 @@ class Staging:
                 first_buffer = buffer
             else:
                 first_buffer = None
-            return self._executor.submit(self._job, spec, round_no, first_buffer, seed)
+            return self._executor.submit(self._job, spec, round_no, first_buffer, seed, across)
 
-    def seed_asked(self, version: int) -> None:
-        """Offload seeding (``SeedAhead``): this replica was chosen to bring ``version`` into its
-        datacenter; receive it into the staging copy in the background, unless the handle is
-        not in a state to (closed, not registered, a staging copy itself) or already has it.
+    def seed_asked(self, version: int, across: bool = True) -> None:
+        """Offload seeding: this replica was chosen to bring ``version`` into its datacenter
+        (``SeedAhead``, ``across``), or the seed has reached its datacenter and it takes it from
+        there ahead of its update (``PrefetchAhead``, not ``across``: no delta); receive it into
+        the staging copy in the background, unless the handle is not in a state to (closed, not
+        registered, a staging copy itself) or already has it.
 
         Whether to seed is :func:`tensorhub.core.background.seed_decision` (the simulator's
         seeders apply the same rule); the seed is the staging copy's round
@@ -214,24 +219,24 @@ class Staging:
             return
         self._seeding = version
         try:
-            fut = self.prefetch(version, None, None, seed=version)
+            fut = self.prefetch(version, None, None, seed=version, across=across)
         except errors.TensorHubError as e:
             log.info("model=%s shard=%d: not seeding version %d: %s", owner.model, owner.shard, version, e)
             return
         fut.add_done_callback(functools.partial(_log_seed, owner.model, owner.shard, version))
 
     def _job(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[Named],
-             seed: Optional[int] = None) -> ReadStats:
+             seed: Optional[int] = None, across: bool = True) -> ReadStats:
         with self._lock:
             self._jobs += 1
         try:
-            return self._prefetch_now(spec, round_no, buffer, seed)
+            return self._prefetch_now(spec, round_no, buffer, seed, across)
         finally:
             with self._lock:
                 self._jobs -= 1
 
     def _prefetch_now(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[Named],
-                      seed: Optional[int]) -> ReadStats:
+                      seed: Optional[int], across: bool = True) -> ReadStats:
         if seed is not None and seed < self._seeding:
             # A seed asked while an older one was crossing: only the newest is worth the link.
             return ReadStats(action="noop", version=seed)
@@ -241,9 +246,10 @@ class Staging:
         stage = self._copy
         if stage is None:
             stage = self._open_copy(buffer if buffer is not None else self.double)
-        if seed is not None and self.seeds is not None:
+        if seed is not None and across and self.seeds is not None:
             # A delta against the version the staging copy holds, rebuilt before the read that
-            # takes it (None: the read crosses in full, as without deltas).
+            # takes it (None: the read crosses in full, as without deltas). A prefetch inside
+            # the datacenter reads the full version there.
             stage._delta_ready = self.seeds.prepare(stage, seed)
         try:
             st = stage.update(spec, round=round_no)

@@ -23,7 +23,8 @@ from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
 
 TERMINAL = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed, m.Evicted)
-BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.Probe, m.Evicted, m.Demoted, m.Newest, m.HashCells)
+BACKGROUND = (m.DropHostCopy, m.MakeHostCopy, m.SeedAhead, m.PrefetchAhead, m.Probe, m.Evicted, m.Demoted, m.Newest,
+              m.HashCells)
 
 
 EVICTED_MAILBOXES_MAX = 1024

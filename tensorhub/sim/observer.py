@@ -36,8 +36,8 @@ from tensorhub.core import messages as m
 from tensorhub.core.state import COMPLETE, NodeState
 from tensorhub.sim.known import KNOWN_OPEN
 
-PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "default_rounds", "checksums_off",
-         "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
+PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "prefetch_in_dc", "default_rounds",
+         "checksums_off", "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
          "msg_lost", "msg_duplicated")
 """Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""
 
@@ -54,6 +54,8 @@ class CoreObserver:
         self.paths: collections.Counter = collections.Counter()
         self.max_delay_s = 0.0
         """The largest extra message delay in force so far (``msg_delay``)."""
+        self.crossings = 0
+        """Reads assigned a source in another datacenter (each moves a shard over a slow link)."""
         self.lost: set[int] = set()
         """Versions the server dropped from retention as lost (no holder of some shard left)."""
         self.crashes: dict[str, tuple[float, int, set[int], bool, str, int]] = {}
@@ -141,6 +143,8 @@ class CoreObserver:
                 target = core.nodes.get(eff.client_id)
                 if target is not None and target.num_shards > 1:
                     self.path("sharded_seeding")
+            elif isinstance(eff.event, m.PrefetchAhead):
+                self.path("prefetch_in_dc")
         model = self.world.params.model
         mod = core.models.get(model)
         if mod is None:
@@ -160,6 +164,7 @@ class CoreObserver:
         given = [(req.client_id, reply)] if isinstance(reply, m.Assignment) else []
         given += [(e.client_id, e.event) for e in effects if isinstance(e.event, m.Assignment)]
         for cid, a in given:
+            self.crossings += a.cross_datacenter
             src = core.nodes.get(a.source_id)
             if src is not None and src.stage_for == cid:
                 self.path("prefetch")

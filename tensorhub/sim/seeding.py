@@ -1,11 +1,13 @@
-"""Offload seeding in the simulator: a rollout that acts on ``SeedAhead`` as the real handle does.
+"""Offload seeding in the simulator: a rollout that acts on ``SeedAhead`` and ``PrefetchAhead`` as
+the real handle does.
 
 :class:`SeedingClient` does what ``Staging.seed_asked`` / ``Hub.prefetch`` do: open a staging
 handle on the same host (replica ``<replica>~prefetch``, ``stage_for`` the handle) and
 ``replicate`` it to the version in the background, one prefetch at a time, the newest asked
-next. The staging handle lives in its owner's process: a crash takes both
-(``World.crash``). Used by the fault-injecting scenarios of the ``crossdc`` workload and by the
-paper what-if (:mod:`tensorhub.sim.whatif_paper`).
+next. A ``PrefetchAhead`` (the datacenter's seed has reached it) is the same staging read, never
+as a delta (``tensorhub.core.background.seed_across``). The staging handle lives in its owner's
+process: a crash takes both (``World.crash``). Used by the fault-injecting scenarios of the
+``crossdc`` workload and by the paper what-if (:mod:`tensorhub.sim.whatif_paper`).
 
 A user's ``Hub.prefetch("latest")`` is the same staging read, asked by the user instead of a
 ``SeedAhead`` (:meth:`SeedingClient.prefetch`): the staging copy counts its own rounds, and
@@ -54,7 +56,10 @@ class SeedingClient(SimClient):
         """Put the staging copy on a host of its own (a NIC of its own, not the seeder's)."""
         self.stage: Optional[StagingClient] = None
         self.seeding = -1
-        self.seed_next: Optional[int] = None
+        self.told: list[int] = []
+        """Versions a ``PrefetchAhead`` asked for (the datacenter's seed had reached it)."""
+        self.seed_next: Optional[tuple[int, bool]] = None
+        """(version, across) of the seed asked while the staging copy was busy: the next one."""
         self.seeds: list[tuple[int, float, float, str]] = []
         """(version, asked at, done at, code) of every prefetch."""
         self.user_prefetches = 0
@@ -71,11 +76,13 @@ class SeedingClient(SimClient):
 
     def _notes(self, notes: list) -> None:
         for note in notes:
-            if isinstance(note, m.SeedAhead):
-                self._seed_asked(note.version)
-        super()._notes([n for n in notes if not isinstance(n, m.SeedAhead)])
+            if bg.kind_of(note) is bg.Kind.SEED:
+                if not bg.seed_across(note):
+                    self.told.append(note.version)
+                self._seed_asked(note.version, bg.seed_across(note))
+        super()._notes([n for n in notes if bg.kind_of(n) is not bg.Kind.SEED])
 
-    def _seed_asked(self, version: int) -> None:
+    def _seed_asked(self, version: int, across: bool = True) -> None:
         if self.unsettled is not None:
             return  # Staging._prefetch_now settles the swap first; here the seed is skipped
         if not self.alive:
@@ -89,12 +96,13 @@ class SeedingClient(SimClient):
             return
         self.seeding = version
         if st is not None and st.op is not None:
-            self.seed_next = version  # Hub: prefetches run one after the other
+            self.seed_next = (version, across)  # Hub: prefetches run one after the other
             return
-        self._prefetch(version)
+        self._prefetch(version, across)
 
-    def _prefetch(self, version) -> None:
-        """Read ``version`` (or ``"latest"``) into the staging copy, opened on first use."""
+    def _prefetch(self, version, across: bool = True) -> None:
+        """Read ``version`` (or ``"latest"``) into the staging copy, opened on first use;
+        ``across``: a seed over the slow link (a delta may stand in for it)."""
         w, asked = self.world, self.world.sim.now
         if self.stage is None:
             # A client id of its own (the Hub's are unique): a restarted process's staging copy
@@ -108,13 +116,13 @@ class SeedingClient(SimClient):
                                        shard=self.shard, num_shards=self.num_shards, host=host, dc=self.dc,
                                        spot=self.spot, role="staging")
             w.clients[cid] = self.stage
-            self.stage.register(lambda code, _v: self._stage_registered(code, version, asked))
+            self.stage.register(lambda code, _v: self._stage_registered(code, version, asked, across))
         else:
-            self._stage_read(version, asked)
+            self._stage_read(version, asked, across)
 
-    def _stage_registered(self, code: str, version, asked: float) -> None:
+    def _stage_registered(self, code: str, version, asked: float, across: bool = True) -> None:
         if code == "ok":
-            self._stage_read(version, asked)
+            self._stage_read(version, asked, across)
         elif self.stage is not None and self.stage.op is None:
             # Hub._open_copy: a staging handle whose register() raised is dropped (the next
             # prefetch opens another); the server lets a registration it got expire.
@@ -131,20 +139,20 @@ class SeedingClient(SimClient):
         self._prefetch("latest")
         return True
 
-    def _stage_read(self, spec, asked: float) -> None:
+    def _stage_read(self, spec, asked: float, across: bool = True) -> None:
         def done(code: str, v: int) -> None:
             self.stage.delta_ready = None
             version = v if spec == "latest" else spec
             self.seeds.append((version, asked, self.world.sim.now, code))
             nxt, self.seed_next = self.seed_next, None
-            if nxt is not None and nxt > version:
-                self._prefetch(nxt)
+            if nxt is not None and nxt[0] > version:
+                self._prefetch(*nxt)
         def read() -> None:
             if self.stage is not None and self.stage.alive and self.stage.op is None:
                 self.stage.replicate(spec, True, done, round=bg.seed_round(spec) if isinstance(spec, int) else None)
 
         deltas = self.world.deltas
-        if deltas is not None and isinstance(spec, int):
+        if deltas is not None and isinstance(spec, int) and across:
             deltas.prepare(self.stage, spec, read)  # Staging._prefetch_now: Seeds.prepare first
         else:
             read()

@@ -23,8 +23,10 @@ class World:
 
     def __init__(self, **cfg) -> None:
         # The exact effects of the protocol without the pushes of no-op updates answered locally
-        # (tests/core/test_noop_local.py turns them on).
+        # (tests/core/test_noop_local.py turns them on) and without the notes of prefetches inside
+        # a seeded datacenter (tests/core/test_prefetch_in_dc.py turns them on).
         cfg.setdefault("noop_staleness_s", 0.0)
+        cfg.setdefault("prefetch_in_datacenter", False)
         self.core = ReferenceCore(Config(**cfg))
         self.now = 0.0
         self.events: dict[str, list] = {}

@@ -1,7 +1,8 @@
 """Cross-datacenter rules with real handles against an in-process server (LocalPort): offload
 seeding (the server asks one replica per remote datacenter to prefetch a committed version),
-smart skipping while that seed is in flight, and the datacenter's readers reading the seed
-locally. The byte counts on real (emulated) links are in tests/cluster/test_crossdc_cluster.py."""
+smart skipping while that seed is in flight, the datacenter's readers reading the seed
+locally, and (``prefetch_in_datacenter``) prefetching it there ahead of their updates. The
+byte counts on real (emulated) links are in tests/cluster/test_crossdc_cluster.py."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import time
 
 import pytest
 
+import tensorhub
 from tensorhub.config import Config
 from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc, workload
 
+# The one-seeder flow (the datacenter's other readers read the seed at update time); the tests
+# of prefetches inside the datacenter turn them on (PREFETCH).
 CFG = Config(unit_bytes=256 << 10, heartbeat_interval_s=0.1, lease_timeout_s=5.0, source_stall_timeout_s=2.0,
-             same_host=False, versions_retained=3)
+             same_host=False, versions_retained=3, prefetch_in_datacenter=False)
+PREFETCH = CFG.replace(prefetch_in_datacenter=True)
 SPEC = workload.small_spec(2 << 20, big=2, tiny=12)
 
 
@@ -167,3 +172,63 @@ def test_no_seeding_inside_one_datacenter_or_when_off(port):
     assert b.update("latest").cross_datacenter
     for h in (r, trainer, b, t2):
         h.close(drop_last_copy=True)
+
+
+def _reading_in(port, hub, dc):
+    """``hub``'s staging copy reads from a source in datacenter ``dc`` now."""
+    node = port.core.nodes.get(hub.staging.client_id) if hub.staging is not None else None
+    src = port.core.nodes.get(node.source) if node is not None and node.source else None
+    return src is not None and src.datacenter == dc
+
+
+def test_every_reader_of_a_remote_datacenter_prefetches_behind_the_seed_and_updates_locally():
+    """dc a: trainer ; dc b: b0 (the seeder), b1, b2.
+
+        trainer -> b0~prefetch (across) -> b1~prefetch / b2~prefetch (inside dc b)
+
+    While the seed of version 2 is held half way across, b1's and b2's staging copies already
+    read it inside dc b (the seed is partial there); once it lands, every engine's update is a
+    local copy of its own staging copy, and every copy is exact."""
+    port = LocalPort(PREFETCH)
+    trainer, tt = _hub(port, "a", config=PREFETCH, replica="trainer")
+    hubs = [_hub(port, "b", config=PREFETCH, replica=f"b{i}") for i in range(3)]
+    (b0, _), (b1, _), (b2, _) = hubs
+    _publish(trainer, tt, 1)
+    _wait(lambda: all(_staged(h, 1) for h, _ in hubs))
+    for h, ts in hubs:
+        st = h.update("latest")
+        assert (st.version, st.prefetched, st.cross_datacenter) == (1, True, False)
+        assert workload.digest(ts) == workload.digest(tt)
+    half, go = inproc.hold_half_way(b0.staging)
+    _publish(trainer, tt, 2)
+    assert half.wait(20)
+    # Neither can have version 2 but through dc b's held seed: both read it there, behind it.
+    _wait(lambda: _reading_in(port, b1, "b") and _reading_in(port, b2, "b"))
+    assert not _staged(b1, 2) and not _staged(b2, 2)
+    go.set()
+    _wait(lambda: all(_staged(h, 2) for h, _ in hubs))
+    for h, ts in hubs:
+        st = h.update("latest")
+        assert (st.version, st.prefetched, st.cross_datacenter, st.sources) == (2, True, False,
+                                                                               (h.staging.client_id,))
+        assert workload.digest(ts) == workload.digest(tt)
+    for h, _ in (*hubs[::-1], (trainer, tt)):
+        h.close(drop_last_copy=True)
+
+
+def test_with_a_double_buffer_the_datacenters_other_readers_swap():
+    """dc b: b0 seeds, b1 registered a double buffer: its prefetch lands in the spare set and its
+    update swaps the two sets (no copy), holding the version exactly."""
+    port = LocalPort(PREFETCH)
+    trainer, tt = _hub(port, "a", config=PREFETCH, replica="trainer")
+    b0, _ = _hub(port, "b", config=PREFETCH, replica="b0")
+    b1 = tensorhub.open("m", port=port, config=PREFETCH, datacenter="b", replica="b1")
+    b1.register(workload.allocate(SPEC), double_buffer=workload.allocate(SPEC))
+    _publish(trainer, tt, 1)
+    _wait(lambda: _staged(b0, 1) and _staged(b1, 1))
+    st = b1.update("latest")
+    assert (st.version, st.swapped, st.cross_datacenter) == (1, True, False)
+    assert workload.digest([t for _, t in b1.tensors]) == workload.digest(tt)
+    for h in (b1, b0, trainer):
+        h.close(drop_last_copy=True)
+
