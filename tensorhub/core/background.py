@@ -130,6 +130,20 @@ def seed_decision(version: int, view: SeedView) -> Optional[str]:
     return None
 
 
+def prefetch_waits(view: SeedView) -> bool:
+    """Whether a prefetch inside the datacenter (``PrefetchAhead``, one :func:`seed_decision`
+    allows) waits: while the staging copy holds a version newer than the one the handle
+    publishes, its engine has not taken that version yet, and replacing it now would send the
+    engine's next update over the datacenter's network for it (smart skipping answers that
+    version while the newer one is in flight) -- measured: with seeds slower than the trainer's
+    step, most updates did. The driver remembers the newest such version and asks again after
+    the handle's next read call (``replicate`` or ``update``), which takes the staged version
+    (a local copy or a swap); the seed's newer version then follows. A seed (``SeedAhead``)
+    never waits: its datacenter's one copy must start crossing (the server keeps the
+    datacenter's newest copy first: ``CrossDatacenter.keeps_dc_copy``)."""
+    return view.stage_version is not None and (view.published is None or view.stage_version > view.published)
+
+
 @dataclasses.dataclass(frozen=True)
 class PulseAnswer:
     """What one handle does after its share of a pulse reply, its notes applied first."""

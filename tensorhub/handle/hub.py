@@ -296,8 +296,11 @@ class Hub:
 
         ``progress(units_done, units_total)``: called in this thread as units land (verified),
         for a long read; it must be quick and must not call this handle."""
-        with self._lock:
-            return self.reads.call(spec, update=False, round_no=_check_round(round), progress=progress)
+        try:
+            with self._lock:
+                return self.reads.call(spec, update=False, round_no=_check_round(round), progress=progress)
+        finally:
+            self._staging.after_read()  # a prefetch that waited for this call to take its version
 
     def update(self, spec: m.VersionSpec = "latest", *, round: Optional[int] = None,
                progress: Optional[Callable[[int, int], None]] = None) -> ReadStats:
@@ -312,12 +315,15 @@ class Hub:
         :meth:`register`); it never waits for a prefetch in flight (it copies behind it).
         Verify mode (``verify_mutability``): the version it leaves is checked once drained,
         before the new one is written (``MutabilityViolation``; the handle is idle then)."""
-        with self._lock:
-            if self._staging.double is not None and round is None:
-                st = self._staging.swap(spec)
-                if st is not None:
-                    return st
-            return self.reads.call(spec, update=True, round_no=_check_round(round), progress=progress)
+        try:
+            with self._lock:
+                if self._staging.double is not None and round is None:
+                    st = self._staging.swap(spec)
+                    if st is not None:
+                        return st
+                return self.reads.call(spec, update=True, round_no=_check_round(round), progress=progress)
+        finally:
+            self._staging.after_read()  # a prefetch that waited for this call to take its version
 
     def close(self, drop_last_copy: bool = False) -> None:
         """Unpublish (draining readers), leave the server, release registrations. A second

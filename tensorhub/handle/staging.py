@@ -140,6 +140,10 @@ class Staging:
         """Prefetch jobs running now (under ``_lock``): an update does not wait for one."""
         self._closing = False
         """close() has begun (under ``_lock``): no prefetch or staging copy starts any more."""
+        self._waiting: Optional[int] = None
+        """The newest version a PrefetchAhead asked for while the staging copy held a version the
+        handle had not taken yet (:func:`~tensorhub.core.background.prefetch_waits`): asked again
+        after the handle's next read call (:meth:`after_read`). Under ``_lock``."""
         self._unsettled: Optional[m.Swap] = None
         """A swap the server did not answer: it may have made it. Settled before the next call."""
         self.seeds = deltas.Seeds(config=config, port=port) if config.seed_deltas else None
@@ -209,13 +213,20 @@ class Staging:
         :func:`~tensorhub.core.background.seed_round`."""
         owner, stage = self._owner, self._copy
         standing = owner._standing()
-        why = bg.seed_decision(version, bg.SeedView(
+        view = bg.SeedView(
             staging=bool(standing.staging_for), registered=standing.registered,
             closed=owner.state is hm.Phase.CLOSED, published=owner.version,
             seeding=self._seeding, stage_version=stage.version if stage is not None else None,
-            stage_seq=stage._standing().seq if stage is not None else 0))
+            stage_seq=stage._standing().seq if stage is not None else 0)
+        why = bg.seed_decision(version, view)
         if why is not None:
             log.debug("model=%s shard=%d: not seeding version %d: %s", owner.model, owner.shard, version, why)
+            return
+        if not across and bg.prefetch_waits(view):
+            with self._lock:
+                self._waiting = max(version, -1 if self._waiting is None else self._waiting)
+            log.debug("model=%s shard=%d: prefetch of version %d waits for this handle to take version %s",
+                      owner.model, owner.shard, version, view.stage_version)
             return
         self._seeding = version
         try:
@@ -224,6 +235,16 @@ class Staging:
             log.info("model=%s shard=%d: not seeding version %d: %s", owner.model, owner.shard, version, e)
             return
         fut.add_done_callback(functools.partial(_log_seed, owner.model, owner.shard, version))
+
+    def after_read(self) -> None:
+        """The handle's read call (``replicate``, ``update``) returned, however it ended: a
+        prefetch inside the datacenter that waited for it (:func:`~tensorhub.core.background.
+        prefetch_waits`) is asked again now (it may wait again, or be skipped). Never blocks
+        (the prefetch runs on the job thread)."""
+        with self._lock:
+            version, self._waiting = self._waiting, None
+        if version is not None:
+            self.seed_asked(version, across=False)
 
     def _job(self, spec: m.VersionSpec, round_no: Optional[int], buffer: Optional[Named],
              seed: Optional[int] = None, across: bool = True) -> ReadStats:

@@ -58,6 +58,9 @@ class SeedingClient(SimClient):
         self.seeding = -1
         self.told: list[int] = []
         """Versions a ``PrefetchAhead`` asked for (the datacenter's seed had reached it)."""
+        self.waiting: Optional[int] = None
+        """A ``PrefetchAhead`` that waits for this handle's next read call to take the staged
+        version (``Staging._waiting``, :func:`tensorhub.core.background.prefetch_waits`)."""
         self.seed_next: Optional[tuple[int, bool]] = None
         """(version, across) of the seed asked while the staging copy was busy: the next one."""
         self.seeds: list[tuple[int, float, float, str]] = []
@@ -88,11 +91,15 @@ class SeedingClient(SimClient):
         if not self.alive:
             return
         st = self.stage
-        if bg.seed_decision(version, bg.SeedView(
-                staging=False, registered=self.machine.phase is not hm.Phase.OPEN,
-                closed=self.machine.phase is hm.Phase.CLOSED, published=self.published, seeding=self.seeding,
-                stage_version=st.published if st is not None else None,
-                stage_seq=st.machine.seq if st is not None else 0)) is not None:
+        view = bg.SeedView(
+            staging=False, registered=self.machine.phase is not hm.Phase.OPEN,
+            closed=self.machine.phase is hm.Phase.CLOSED, published=self.published, seeding=self.seeding,
+            stage_version=st.published if st is not None else None,
+            stage_seq=st.machine.seq if st is not None else 0)
+        if bg.seed_decision(version, view) is not None:
+            return
+        if not across and bg.prefetch_waits(view):
+            self.waiting = max(version, -1 if self.waiting is None else self.waiting)
             return
         self.seeding = version
         if st is not None and st.op is not None:
@@ -161,7 +168,9 @@ class SeedingClient(SimClient):
 
     def replicate(self, spec, update: bool, cb, round=None) -> None:
         """``Hub.update`` with a double buffer swaps to a complete prefetch when it can
-        (``Staging.swap``); otherwise, and for every other call, it copies."""
+        (``Staging.swap``); otherwise, and for every other call, it copies. However it ends, a
+        prefetch that waited for it is asked again (``Staging.after_read``) before ``cb``."""
+        cb = self._after_read(cb)
         if update and round is None and self.double_buffer and self.unsettled is None and self._swappable(spec):
             self._swap(spec, cb)
         else:
@@ -174,6 +183,16 @@ class SeedingClient(SimClient):
             return
         self._open_op(kind, cb)
         self._settle(lambda settled: self._feed(hm.Start(op)) if settled else self._finish("ServerUnavailable"))
+
+    def _after_read(self, cb):
+        """``cb`` preceded by ``Staging.after_read``: the prefetch that waited is asked again."""
+        def done(code, version) -> None:
+            waiting, self.waiting = self.waiting, None
+            if waiting is not None:
+                self._seed_asked(waiting, across=False)
+            if cb is not None:
+                cb(code, version)
+        return done
 
     def _swappable(self, spec) -> bool:
         """``Staging.swap``'s own checks, before it asks the server: an unsharded handle, a

@@ -113,3 +113,20 @@ def test_prefetch_in_datacenter_takes_a_typed_value_from_the_environment():
     assert Config.from_env({"TENSORHUB_PREFETCH_IN_DATACENTER": "off"}).prefetch_in_datacenter is False
     with pytest.raises(ConfigError):
         Config.from_env({"TENSORHUB_PREFETCH_IN_DATACENTER": "sometimes"})
+
+
+def _view(published, stage_version):
+    return bg.SeedView(staging=False, registered=True, closed=False, published=published, seeding=-1,
+                       stage_version=stage_version)
+
+
+@pytest.mark.parametrize("published, staged, waits", [
+    (None, None, False),  # no staging copy yet: start
+    (3, None, False),     # a staging copy that holds nothing (after a swap): start
+    (3, 3, False),        # the engine took the staged version: start
+    (3, 4, True),         # not taken yet: replacing it sends the next update over the network
+    (None, 4, True),      # not even a first version taken
+    (5, 4, False),        # the engine is past the staged version
+])
+def test_a_prefetch_inside_the_datacenter_waits_while_the_staged_version_is_not_taken(published, staged, waits):
+    assert bg.prefetch_waits(_view(published, staged)) is waits

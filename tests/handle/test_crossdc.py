@@ -232,3 +232,34 @@ def test_with_a_double_buffer_the_datacenters_other_readers_swap():
     for h in (b1, b0, trainer):
         h.close(drop_last_copy=True)
 
+
+def test_a_prefetch_inside_the_datacenter_waits_until_the_engine_took_the_staged_version():
+    """b1's staging copy holds version 1, which b1's engine has not taken, when version 2's seed
+    reaches dc b: replacing 1 then would send b1's next update over the network for it (smart
+    skipping answers 1 while 2 crosses). The prefetch of 2 waits; b1's update takes 1 from its
+    own staging copy, and only then does the staging copy read 2, behind the seed."""
+    port = LocalPort(PREFETCH)
+    trainer, tt = _hub(port, "a", config=PREFETCH, replica="trainer")
+    b0, _ = _hub(port, "b", config=PREFETCH, replica="b0")
+    b1, b1t = _hub(port, "b", config=PREFETCH, replica="b1")
+    _publish(trainer, tt, 1)
+    _wait(lambda: _staged(b0, 1) and _staged(b1, 1))
+    assert b0.update("latest").prefetched  # only the seeder's engine takes version 1
+    half, go = inproc.hold_half_way(b0.staging)
+    ref = [t.clone() for t in tt]
+    _publish(trainer, tt, 2)
+    assert half.wait(20)
+    time.sleep(0.5)  # PrefetchAhead(2) reached b1 (pulses every 0.1 s)
+    assert b1.staging.version == 1, "the staged version 1 is kept for b1's engine"
+    st = b1.update("latest")
+    assert (st.version, st.prefetched, st.skipped_in_flight) == (1, True, 2)
+    assert workload.digest(b1t) == workload.digest(ref)
+    _wait(lambda: _reading_in(port, b1, "b"))  # now it reads 2, inside dc b
+    go.set()
+    _wait(lambda: _staged(b1, 2))
+    st = b1.update("latest")
+    assert (st.version, st.prefetched, st.cross_datacenter) == (2, True, False)
+    assert workload.digest(b1t) == workload.digest(tt)
+    for h in (b1, b0, trainer):
+        h.close(drop_last_copy=True)
+

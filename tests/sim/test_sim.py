@@ -220,7 +220,7 @@ def test_across_datacenters_every_reader_prefetches_behind_its_datacenters_seed_
     On, the server tells the datacenters' other readers (``PrefetchAhead``), their staging copies
     read behind the seed, and about twice as many updates copy from their own staging copy
     (the ``prefetch`` path), while no more reads cross datacenters than with it off (measured:
-    408 on, 418 off; prefetched updates 317 on, 161 off). Every invariant holds both ways."""
+    405 on, 418 off; prefetched updates 316 on, 161 off). Every invariant holds both ways."""
     from tensorhub.sim.scenario import World
     from tensorhub.sim.seeding import SeedingClient
 
