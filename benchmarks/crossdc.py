@@ -18,10 +18,14 @@ lr 3e-6, ``benchmarks/RESULTS.md`` "Delta density"). ``--density -1``: a fresh f
 Paths (same code, same bytes, different rules):
 
   tensorhub     one seed per datacenter, started at commit into a staging copy (offload
-                seeding), smart skipping while it crosses, local reads after; the seed crosses
-                as a delta against the seeder's previous version where it holds it
-                (``seed_deltas=True``: :mod:`tensorhub.handle.deltas`).
-  tensorhub_full  the defaults: the same, the seed crossing as the full version.
+                seeding), the datacenter's other readers prefetching behind it inside the
+                datacenter (``prefetch_in_datacenter``, on by default), smart skipping while it
+                crosses, local copies after; the seed crosses as a delta against the seeder's
+                previous version where it holds it (``seed_deltas=True``:
+                :mod:`tensorhub.handle.deltas`); no-op updates answered locally
+                (``noop_staleness_s=NOOP_STALENESS_S``).
+  tensorhub_full  the defaults: the same, the seed crossing as the full version, every no-op
+                update asking the server.
   no_skipping   the same with ``smart_skipping=False``: an update waits for the seed in flight.
   per_replica   every rollout reads across from the trainer (each is given a datacenter of its
                 own, no seeding, no skipping): what per-replica transfers do.
@@ -33,7 +37,10 @@ over the shard's bytes: 1.0 is one full copy into each), ``encoded_delta_ratio``
 the versions published of their delta against the previous version, encoded by the trainer with
 :mod:`tensorhub.transport.delta`, over the shard's bytes; null with ``--density -1``),
 ``mean_staleness`` (per update, how many versions the rollout was behind the newest published
-when its update returned). Human lines go
+when its update returned), ``server_calls_per_noop`` (calls the rollouts' handles sent the
+server per no-op ``update("latest")``, counted on the calling thread:
+:meth:`tensorhub.Hub.server_calls`; 0 when every no-op is answered locally; a no-op that smart
+skipping answered needs the server and counts), ``local_noops`` (no-ops answered without a call). Human lines go
 to stderr (a live progress display on a terminal, not with ``--json``); the last stdout line is
 one JSON object: ``dcs``, ``readers_per_dc``, ``shard_bytes``, ``versions``, ``results``
 (``{path, stall_s, inter_dc_bytes_per_version, mean_staleness, ...}``) and the goals' ratios.
@@ -56,6 +63,9 @@ if _REPO not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, _REPO)
 
 PATHS = ("tensorhub", "tensorhub_full", "no_skipping", "per_replica")
+NOOP_STALENESS_S = 5.0
+"""The ``tensorhub`` path's bound on a local no-op answer (``Config.noop_staleness_s``): the
+server pushes each commit at once on the held pulses, held at most 5 - 2 x 0.5 s here."""
 
 
 def say(msg: str) -> None:
@@ -64,7 +74,7 @@ def say(msg: str) -> None:
 
 def _path_config(path: str) -> tuple[dict, bool]:
     if path == "tensorhub":
-        return {"seed_deltas": True}, False
+        return {"seed_deltas": True, "noop_staleness_s": NOOP_STALENESS_S}, False
     if path == "tensorhub_full":
         return {}, False
     if path == "no_skipping":
@@ -107,6 +117,7 @@ def run_path(args, path: str) -> dict:
     errors = [r for r in updates if not r["ok"]]
     ok = [r for r in updates if r["ok"]]
     staleness = [newest_at(r["t"]) - r["version"] for r in ok]
+    noops = [r for r in ok if r["action"] == "noop"]
     last = [rs[-1]["version"] if rs and rs[-1]["ok"] else None for rs in records]
     out = {
         "path": path,
@@ -117,6 +128,9 @@ def run_path(args, path: str) -> dict:
         "encoded_delta_ratio": (round(statistics.median(n for _, _, n in published) / s.nbytes, 4)
                                 if args.density >= 0 else None),
         "mean_staleness": round(statistics.mean(staleness), 3) if staleness else None,
+        "server_calls_per_noop": (round(sum(r["server_calls"] for r in noops) / len(noops), 3) if noops else None),
+        "local_noops": sum(1 for r in noops if r["server_calls"] == 0), "noops": len(noops),
+        "server_calls_per_update": round(sum(r["server_calls"] for r in updates) / len(updates), 3),
         "updates": len(updates), "errors": len(errors),
         "skipped": sum(1 for r in ok if r["skipped_in_flight"] is not None),
         "prefetched": sum(1 for r in ok if r["prefetched"]),
@@ -139,8 +153,9 @@ def run_path(args, path: str) -> dict:
     say(f"{path:12s} stall {out['stall_s']:7.2f}s (max {out['stall_per_update_max_s']:.2f}s per update), "
         f"{out['inter_dc_bytes_per_version'] / 2**20:6.1f} MiB crossed per version (delta_ratio "
         f"{out['delta_ratio']}, encoded {out['encoded_delta_ratio']}), staleness "
-        f"{out['mean_staleness']}, {out['updates']} updates ({out['skipped']} skipped, {out['prefetched']} "
-        f"prefetched, {out['cross_reads']} read across, {out['errors']} errors)")
+        f"{out['mean_staleness']}, {out['server_calls_per_noop']} server calls per no-op "
+        f"({out['local_noops']}/{out['noops']} local), {out['updates']} updates ({out['skipped']} skipped, "
+        f"{out['prefetched']} prefetched, {out['cross_reads']} read across, {out['errors']} errors)")
     return out
 
 

@@ -35,7 +35,29 @@ from tensorhub.server.naming import actor_name
 from tensorhub.server.requests import Backlog, Mailboxes, PulseHolds, apply_request, busy_hold, holdable, shed_register
 
 
+class CallCount:
+    """The calls a port sent its server -- requests and notes fetches, pulses included -- counted
+    per calling thread: what one user call cost in round trips is the difference around it on
+    the thread that made it (:meth:`tensorhub.Hub.server_calls`), whatever the handle's
+    background threads (pulses, prefetches) send meanwhile. Each thread writes only its own
+    count (no lock)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def add(self) -> None:
+        """One call sent from this thread."""
+        self._local.n = self.here() + 1
+
+    def here(self) -> int:
+        """Calls sent from the calling thread so far."""
+        return getattr(self._local, "n", 0)
+
+
 class ServerPort(Protocol):
+    counted: CallCount
+    """Its calls, per calling thread (:class:`CallCount`)."""
+
     def call(self, request: m.Request, wait_s: float = 0.0) -> object: ...
 
     def notes(self, client_id: str) -> list: ...
@@ -74,6 +96,7 @@ class LocalPort:
         """Registrations refused ``ServerBusy`` (``Config.register_shed_s``)."""
         self.keys = Keyring()
         """The client side: the capabilities of the handles on this port."""
+        self.counted = CallCount()
 
     def _apply(self, effects: list[m.Deliver]) -> None:
         self._wake(self.mail.route(effects))
@@ -99,6 +122,7 @@ class LocalPort:
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
         """Sign ``request`` with its handles' capabilities (a :class:`~m.Signed` one goes as it
         is), then serve it as the actor does: the gate first, a refusal changes nothing."""
+        self.counted.add()
         signed = self.keys.sign(request, self.config.model_secret)
         # Arrived now, read once applied: while it waits for the lock, no lease runs out for
         # what it (or any other waiting caller) carries.
@@ -173,6 +197,7 @@ class LocalPort:
 
     def notes(self, client_id: str) -> list:
         """The client's background events; Unauthorized without its capability."""
+        self.counted.add()
         with self._lock:
             self.gate.check_notes(self.core, client_id, self.keys.cap(client_id))
             return self.mail.pop_background(client_id)
@@ -218,11 +243,13 @@ class RayPort:
         self.model = model
         self.keys = keyring_for(self.pulse_key())
         """The capabilities of this process's handles on this server (shared by its ports)."""
+        self.counted = CallCount()
 
     def call(self, request: m.Request, wait_s: float = 0.0) -> object:
         """Send ``request`` signed with its handles' capabilities (and the model secret's
         proof on a registration) and return the reply. Raises Unauthorized if the server
         cannot prove the model secret this port's config holds."""
+        self.counted.add()
         signed = self.keys.sign(request, self.config.model_secret)
         ref = self.handle.call.remote(m.encode(signed), float(wait_s))
         try:
@@ -236,6 +263,7 @@ class RayPort:
         return reply
 
     def notes(self, client_id: str) -> list:
+        self.counted.add()
         try:
             ref = self.handle.notes.remote(client_id, self.keys.cap(client_id))
             return [m.decode_reply(b) for b in ray.get(ref, timeout=self.config.request_timeout_s)]

@@ -141,6 +141,15 @@ class Hub:
     def host_buffers_inline(self) -> int:
         return self.host_copies.inline
 
+    def server_calls(self) -> Optional[int]:
+        """How many calls this handle's server port has sent from the calling thread so far
+        (requests and notes fetches; :class:`tensorhub.ports.CallCount`): the difference around
+        a call is the round trips it cost -- 0 for an ``update("latest")`` answered locally
+        (``Config.noop_staleness_s``). The handle's own threads (pulses, prefetches) count on
+        theirs. None: its port does not count (a test's stand-in). Never blocks."""
+        counted = getattr(self._port, "counted", None)
+        return counted.here() if counted is not None else None
+
     @property
     def staging(self) -> Optional["Hub"]:
         """The prefetch staging handle (a second holder in this process, made by the first

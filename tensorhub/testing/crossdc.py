@@ -11,7 +11,8 @@ down. Every scenario prints one JSON line; the tests assert on it.
 Scenarios:
 
   seed       one version: every remote reader ``update("latest")`` until it holds it. Bytes
-             crossing each link, the readers' sources, seeders' ``prefetched`` flags.
+             crossing each link, the readers' sources, their ``prefetched`` flags (every reader
+             prefetches: the seeders across, the others behind them, ``prefetch_in_datacenter``).
   seed_delta the same with seeds as deltas: a bf16 version changed as an RL step does crosses
              as a fraction of the shard, and every reader holds it exactly.
   skip       version 1 everywhere; version 2 published: while its seed is in flight, remote
@@ -49,16 +50,22 @@ class DcReplica(Replica):
     """A replica that runs an engine's loop: generation steps and ``update("latest")``."""
 
     def timed_update(self, spec="latest") -> dict:
+        """One ``update(spec)``: its stats, how long it blocked (``wall_s``) and how many calls
+        it sent the server (``server_calls``: requests and notes fetches from this thread;
+        0 when answered locally)."""
+        calls0 = self.hub.server_calls()
         t0 = time.perf_counter()
         try:
             st = self.hub.update(spec)
         except TensorHubError as e:
             return {"ok": False, "error": type(e).__name__, "wall_s": time.perf_counter() - t0,
-                    "message": str(e)[:300]}
+                    "message": str(e)[:300], "server_calls": self.hub.server_calls() - calls0}
         wall = time.perf_counter() - t0  # the engine's stall: not the digest taken for the checks
+        calls = self.hub.server_calls() - calls0
         out = self._stats(st)
         out["ok"] = True
         out["wall_s"] = wall
+        out["server_calls"] = calls
         return out
 
     def engine_loop(self, duration_s: float, gen_s: float) -> list[dict]:
@@ -71,7 +78,7 @@ class DcReplica(Replica):
             r = self.timed_update("latest")
             out.append({k: r.get(k) for k in ("ok", "error", "version", "wall_s", "action", "skipped_in_flight",
                                               "prefetched", "cross_datacenter", "bytes", "done_at", "sources",
-                                              "offload_s", "stall_s", "transfer_s")}
+                                              "offload_s", "stall_s", "transfer_s", "server_calls")}
                        | {"t": time.time()})
         return out
 
@@ -286,7 +293,10 @@ def seeder_dies(args) -> dict:
     # sibling learns of it from NIXL (remote disconnect), not from a stall; and that window is
     # also how long its reads still in flight to the dead seeder get to end before the read
     # gives up (ReadsNotTerminal) instead of failing over -- on a busy machine 5 s fell short.
-    s = Setup(args, config={"smart_skipping": False, "source_stall_timeout_s": 10.0})
+    # Without the datacenter's prefetches (prefetch_in_datacenter): the sibling's own update reads
+    # behind the seed here, not its staging copy (the in-process test of that flow:
+    # tests/handle/test_crossdc.py).
+    s = Setup(args, config={"smart_skipping": False, "source_stall_timeout_s": 10.0, "prefetch_in_datacenter": False})
     server = _server(s)
     ray.get(s.trainer.publish.remote(1))
     first = s.readers[1]

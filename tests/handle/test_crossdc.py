@@ -263,3 +263,20 @@ def test_a_prefetch_inside_the_datacenter_waits_until_the_engine_took_the_staged
     for h in (b1, b0, trainer):
         h.close(drop_last_copy=True)
 
+
+def test_a_no_op_update_answered_locally_costs_no_server_call():
+    """With ``noop_staleness_s``, once the push of the newest version reached the handle, a no-op
+    ``update("latest")`` sends nothing (``Hub.server_calls`` around it: 0); without, one call."""
+    local = PREFETCH.replace(noop_staleness_s=5.0)
+    for cfg, expect in ((local, 0), (PREFETCH, 1)):
+        port = LocalPort(cfg)
+        trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
+        r, _ = _hub(port, "a", config=cfg, replica="r")
+        _publish(trainer, tt, 1)
+        assert r.update("latest").version == 1
+        time.sleep(0.5)  # the push of version 1's commit reaches r's pulse
+        before = r.server_calls()
+        st = r.update("latest")
+        assert st.action == "noop" and r.server_calls() - before == expect, cfg.noop_staleness_s
+        for h in (r, trainer):
+            h.close(drop_last_copy=True)
