@@ -225,7 +225,10 @@ def test_with_a_double_buffer_the_datacenters_other_readers_swap():
     b1 = tensorhub.open("m", port=port, config=PREFETCH, datacenter="b", replica="b1")
     b1.register(workload.allocate(SPEC), double_buffer=workload.allocate(SPEC))
     _publish(trainer, tt, 1)
-    _wait(lambda: _staged(b0, 1) and _staged(b1, 1))
+    # The staging copy holds version 1 a moment before its prefetch job ends, and a swap does not
+    # take a staging copy whose job still runs (it copies then): wait for the job too (a
+    # clean-clone run hit that moment).
+    _wait(lambda: _staged(b0, 1) and _staged(b1, 1) and not b1._staging._jobs)
     st = b1.update("latest")
     assert (st.version, st.swapped, st.cross_datacenter) == (1, True, False)
     assert workload.digest([t for _, t in b1.tensors]) == workload.digest(tt)
