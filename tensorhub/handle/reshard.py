@@ -81,10 +81,11 @@ class Resharding:
              on_unit: Optional[Callable[[int], None]] = None) -> int:
         """Carry out the resharded read ``a`` into the registered region: read, check every
         cell, publish the unit checksums. Returns the bytes moved; raises ``TransferError`` or
-        ``ChecksumMismatch`` with :meth:`take_failed` naming the holder at fault."""
+        ``ChecksumMismatch`` with :meth:`take_failed` naming the holder at fault.
+        ``should_stop`` is not polled: a resharded read runs to its end or its error."""
         self._failed = ""
         own = self._placement()
-        tensors, region = self._held()
+        _, region = self._held()
         if own is None:
             raise errors.TransferError("a resharded read needs this handle's placement (register(placement=))")
         by_digest = {p.digest(): p for p in a.placements}
@@ -115,8 +116,9 @@ class Resharding:
         try:
             moved = rd.run(sources, grid, lambda: self._find_cells(a.version, key, ids), advertise=True)
         except errors.ChecksumMismatch:
-            bad = rd.verify(grid, self._find_cells(a.version, key, ids))
-            self._failed = a.reshard[bad[0].shard].client_id if bad else a.reshard[rd.shards[0]].client_id
+            # Every read ended; the shards whose cells differ are the ones no longer done.
+            bad = [s for s in rd.shards if s not in rd.done]
+            self._failed = a.reshard[(bad or rd.shards)[0]].client_id
             raise
         except (errors.TransferError, errors.ReadsNotTerminal):
             if rd.failed_shard is not None:
