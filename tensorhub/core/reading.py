@@ -78,6 +78,9 @@ class Reading:
         self._reshard_waits: dict[tuple[str, int], set[Key]] = {}
         """(model, version) -> groups of its layout classes whose waiting readers found no
         other class's holder with room: touched again when a group of that version changes."""
+        self._joining: dict[Key, set[str]] = {}
+        """Group -> its waiting readers a shard of whose replica reads that version by a
+        resharded read: they reshard before the queue's head (:meth:`_reshard_waiting`)."""
 
     def stamp(self, node: Node) -> None:
         """``node`` joins the end of its group's queue."""
@@ -90,6 +93,9 @@ class Reading:
         self.table.set_version(node, version, NodeState.WAITING, max(0, min(resume, node.units)))
         node.suspects.clear()
         self.stamp(node)
+        if node.placement and any(n.reshard_from and n.version == version
+                                  for n in self.table.replica_nodes(node.model, node.replica_id)):
+            self._joining.setdefault(node.key, set()).add(node.id)
 
     def wait(self, node: Node) -> None:
         """``node`` lost its source: it waits for another, keeping its place and progress."""
@@ -191,6 +197,10 @@ class Reading:
             self.table.index.mark(s)
         self.table.index.mark(reader)
         self._ask_cells(reader, srcs)
+        for n in self.table.replica_nodes(reader.model, reader.replica_id):
+            if n.state is NodeState.WAITING and n.version == reader.version:
+                self._joining.setdefault(n.key, set()).add(n.id)
+                self.table.touched.add(n.key)
         log.debug("model=%s version=%d reader=%s reshards from %s", reader.model, reader.version, reader.id,
                   ", ".join(reader.reshard_from))
 
@@ -198,8 +208,19 @@ class Reading:
         """Readers of ``key`` (a group with no complete holder of its own class) with no free
         source of their class: the first in FIFO order that another class can fill gets a
         resharded read (the others then pipeline from it). None can: the group waits for a
-        change at that version in another class."""
-        if g.free_all or not g.waiting:
+        change at that version in another class.
+
+        Before the queue's head: readers another shard of whose replica reshards already (the
+        holders count a replica's shards once, so they add no load there). Without this, a
+        replica's first shard to ask takes the holder, another replica's shard queues for it
+        ahead of the first one's siblings, and the pipeline of the class waits for the whole
+        resharded read instead of following it."""
+        if not g.waiting:
+            self._joining.pop(key, None)
+            return
+        if g.free_all:
+            return
+        if self._reshard_joining(key):
             return
         for _, rid in list(g.waiting):
             reader = self.table.nodes[rid]
@@ -212,6 +233,29 @@ class Reading:
             self.reshard(reader, srcs)
             self.table.deliver(reader.id, self.assignment(reader))
             return
+
+    def _reshard_joining(self, key: Key) -> bool:
+        """Give the waiting readers of ``key`` that join their replica's resharded read theirs;
+        whether any got one. One that finds no holder with room stays in line for the next
+        pump; one no longer waiting there is forgotten."""
+        ids = self._joining.pop(key, None)
+        if not ids:
+            return False
+        nodes, assigned, left = self.table.nodes, False, set()
+        for rid in sorted(ids, key=lambda i: nodes[i].stamp if i in nodes else 0):
+            reader = nodes.get(rid)
+            if reader is None or reader.state is not NodeState.WAITING or reader.key != key:
+                continue
+            srcs = None if reader.awaiting_source is not None else self._others.sources(reader)
+            if srcs is None:
+                left.add(rid)
+                continue
+            self.reshard(reader, srcs)
+            self.table.deliver(reader.id, self.assignment(reader))
+            assigned = True
+        if left:
+            self._joining.setdefault(key, set()).update(left)
+        return assigned
 
     def _reshard_rooted(self, key: Key) -> bool:
         """Whether a reader of ``key`` (no complete holder of its own class) can still finish: one

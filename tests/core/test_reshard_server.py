@@ -211,6 +211,24 @@ def test_readers_wait_for_room_on_the_trainer_and_start_when_it_frees():
     assert reshard_of([e for e in w.pop(c[0]) if isinstance(e, m.Assignment)][-1]) == ["t/0", "t/1"]
 
 
+def test_the_shards_of_a_resharding_replica_go_before_the_queue_and_the_class_pipelines_behind_them():
+    """Shards ask in any order: c/1 takes the trainer first, d/0 queues on shard 0 (the trainer
+    is c's), then c/0 asks. c/0 joins its replica's resharded read ahead of d/0 (the trainer
+    counts c once), and d/0 pipelines from c/0. Before the fix, c/0 queued behind d/0, which
+    waited for the whole of c's read: the class's pipeline became a relay."""
+    w = RW(readers_per_source_max=1)
+    w.published_trainer()
+    c = w.rollout("c", [cols(0), cols(1)])
+    d = w.rollout("d", [cols(0), cols(1)])
+    assert reshard_of(w.send(m.Replicate(c[1], "latest", seq=1)))
+    assert w.send(m.Replicate(d[0], "latest", seq=1)) == m.Waiting(version=1)
+    assert reshard_of(w.send(m.Replicate(c[0], "latest", seq=1))) == ["t/0", "t/1"]
+    ad0 = [e for e in w.pop(d[0]) if isinstance(e, m.Assignment)]
+    assert ad0 and ad0[-1].source_id == c[0] and ad0[-1].source_partial and not ad0[-1].reshard
+    ad1 = w.send(m.Replicate(d[1], "latest", seq=1))
+    assert isinstance(ad1, m.Assignment) and ad1.source_id == c[1] and not ad1.reshard
+
+
 def test_a_rollout_whose_layout_no_holder_can_fill_fails_typed():
     """A placement naming a global tensor no trainer shard holds (``extra``): the trainer's
     replica cannot fill it, so the read fails (VersionLost names the group) and nothing leaks."""
