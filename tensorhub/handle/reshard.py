@@ -112,9 +112,11 @@ class Resharding:
                 raise
         # Reads start at once; the holders' checksums are fetched on the hashing thread before
         # the first batch is checked (the holders hash meanwhile); each batch checked clean
-        # extends the prefix this region advertises, so readers of its layout follow it.
+        # extends the prefix this region advertises, so readers of its layout follow it: batches
+        # of about one unit (whole tensors), so they lag it by about one tensor.
         try:
-            moved = rd.run(sources, grid, lambda: self._find_cells(a.version, key, ids), advertise=True)
+            moved = rd.run(sources, grid, lambda: self._find_cells(a.version, key, ids), advertise=True,
+                           batch_bytes=region.layout.unit_bytes)
         except errors.ChecksumMismatch:
             # Every read ended; the shards whose cells differ are the ones no longer done.
             bad = [s for s in rd.shards if s not in rd.done]
