@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Container, Iterator, Mapping, Sequence
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import xxhash
@@ -78,14 +78,21 @@ def cell_checksums(local_tensors: Mapping[str, torch.Tensor], placement: Placeme
 
 
 def verify_cells(local_tensors: Mapping[str, torch.Tensor], placement: Placement, grid: Grid,
-                 expected: Mapping[CellKey, int], names: Optional[Container[str]] = None) -> list[CellMismatch]:
+                 expected: Mapping[CellKey, int], names: Optional[Container[str]] = None,
+                 only: Optional[Callable[[LocalPlacement, Piece, Box], bool]] = None) -> list[CellMismatch]:
     """Every held cell copy whose checksum differs from ``expected`` (or has none there), in
-    placement order; empty when all agree. ``names``: only these local tensors (None: all).
-    Raises as :func:`cell_checksums`."""
+    placement order; empty when all agree. ``names``: only these local tensors (None: all);
+    ``only(local, piece, cell box)``: only the cells it is true of (a piece with none is not
+    hashed; the others' cells are hashed whole, compared only where it is true). Raises as
+    :func:`cell_checksums`."""
     bad = []
     for local, piece, gt, mv in _pieces(local_tensors, placement, grid, names):
         cells = cells_of(piece.box, gt)
+        if only is not None and not any(only(local, piece, cell) for _, cell in cells):
+            continue
         for (index, cell), got in zip(cells, _piece_sums(mv, local, piece, cells)):
+            if only is not None and not only(local, piece, cell):
+                continue
             want = expected.get((gt.name, index))
             if got != want:
                 bad.append(CellMismatch(local.name, gt.name, index, cell, got, want))

@@ -26,6 +26,9 @@ shard's local tensor to ``reader_offset`` in the reader's, each next copy ``hold
    tensor, box), not raised: the server may try another holder replica.
    :meth:`ReshardPlan.require_complete` raises LayoutMismatch naming it.
 
+:func:`clip_plan` keeps only the bytes of a plan that land in given reader byte ranges (a read
+after a failover moves what the reader does not hold yet, nothing twice).
+
 :func:`apply_plan` carries a plan out with plain byte copies: the reference executor for tests
 and the simulator (the transport will read the same runs one-sidedly).
 """
@@ -42,7 +45,7 @@ import msgspec
 from tensorhub.errors import LayoutMismatch
 from tensorhub.placement import Box, LocalPlacement, Piece, Placement, itemsize, merge_schemas
 
-__all__ = ["Gap", "ReshardPlan", "Run", "apply_plan", "plan_bytes", "plan_reshard", "shards_needed"]
+__all__ = ["Gap", "ReshardPlan", "Run", "apply_plan", "clip_plan", "plan_bytes", "plan_reshard", "shards_needed"]
 
 
 class Run(msgspec.Struct, frozen=True, array_like=True):
@@ -155,6 +158,60 @@ def shards_needed(reader: Placement, holders: Sequence[Placement], *, spread: in
     """The holder shards a reader shard reads from under :func:`plan_reshard` (ascending): the
     sources a reader must reach."""
     return plan_reshard(reader, holders, spread=spread, tensors=tensors).shards
+
+
+def clip_plan(plan: ReshardPlan, keep: Mapping[str, Sequence[tuple[int, int]]]) -> ReshardPlan:
+    """The part of ``plan`` that writes reader bytes in ``keep``: per reader tensor, sorted
+    disjoint ``[start, stop)`` byte ranges (a tensor not named: none of its bytes). Every kept
+    byte is still written exactly once, by the same holder shard and from the same holder byte as
+    in ``plan``; a strided run is cut into the whole copies inside a range (one strided run) and
+    the cut copies at its ends (a contiguous run each). Runs stay sorted by reader offset within
+    a reader tensor. Pure; ``missing`` is kept as it is."""
+    by_tensor: dict[str, list[Run]] = {}  # in the plan's reader tensor order
+    for r in plan.runs:
+        mine = by_tensor.setdefault(r.reader_tensor, [])
+        mine.extend(p for lo, hi in keep.get(r.reader_tensor, ()) for p in _clip_run(r, lo, hi))
+    return ReshardPlan(tuple(r for rs in by_tensor.values() for r in sorted(rs, key=lambda x: x.reader_offset)),
+                       plan.missing)
+
+
+def _clip_run(r: Run, lo: int, hi: int) -> list[Run]:
+    """The bytes of ``r`` that land in reader bytes ``[lo, hi)``."""
+    if r.count == 1 or r.reader_stride == 0:
+        a, b = max(lo, r.reader_offset), min(hi, r.reader_offset + r.nbytes)
+        return [_part(r, 0, a - r.reader_offset, b - a)] if a < b else []
+    s, n, off = r.reader_stride, r.run_bytes, r.reader_offset
+    first = max(0, -(-(lo - off - n + 1) // s))  # the first copy that ends past lo
+    last = min(r.count - 1, (hi - 1 - off) // s)  # the last copy that starts before hi
+    if first > last:
+        return []
+
+    def whole(i: int) -> bool:
+        return off + i * s >= lo and off + i * s + n <= hi
+
+    def cut(i: int) -> Run:
+        a, b = max(lo, off + i * s), min(hi, off + i * s + n)
+        return _part(r, i, a - off - i * s, b - a)
+
+    out, i0, i1 = [], first, last
+    if not whole(first):
+        out.append(cut(first))
+        i0 += 1
+    if last >= i0 and not whole(last):
+        out.append(cut(last))
+        i1 -= 1
+    if i0 <= i1:
+        k = i1 - i0 + 1
+        out.append(Run(r.reader_tensor, off + i0 * s, r.holder_shard, r.holder_tensor,
+                       r.holder_offset + i0 * r.holder_stride, n, k,
+                       s if k > 1 else 0, r.holder_stride if k > 1 else 0))
+    return out
+
+
+def _part(r: Run, i: int, skip: int, nbytes: int) -> Run:
+    """``nbytes`` bytes of copy ``i`` of ``r`` from ``skip`` bytes into it: one contiguous run."""
+    return Run(r.reader_tensor, r.reader_offset + i * r.reader_stride + skip, r.holder_shard, r.holder_tensor,
+               r.holder_offset + i * r.holder_stride + skip, nbytes)
 
 
 def _rotation(shard: int, spread: int, n: int) -> int:

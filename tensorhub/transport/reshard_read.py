@@ -47,6 +47,14 @@ holder shards themselves.
    partial holder as a same-layout read does. Needs the holder's unit table, rebuilt from its
    placement with this process's ``unit_bytes``/``pack_below_bytes`` and used only when the
    holder's endpoint shows the same unit signature (else the holder must be complete).
+8. A failover keeps what is in place and checked (:meth:`ReshardRead.kept`: the reader's own
+   units whose every byte came and whose cells were checked, with their unit checksums). A
+   read made with ``kept`` from an earlier read of the same version, from any holder replica of
+   any placement, plans only the bytes of the other units
+   (:func:`~tensorhub.core.reshard.clip_plan`): holder shards that write none of them are not
+   needed (:attr:`shards`), and only the cells those bytes touch are checked against the new
+   holders' checksums. So every byte the reader ends with was checked once, against the
+   holders it came from.
 
 Memory: nothing beyond the plan (a few runs per local tensor) and the cell map; the bytes move
 straight into the reader's registered tensors and are hashed where they land.
@@ -63,7 +71,7 @@ from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.core.grid import Grid
 from tensorhub.core.placements import check_locals
-from tensorhub.core.reshard import ReshardPlan, Run, c_strides, plan_reshard
+from tensorhub.core.reshard import ReshardPlan, Run, c_strides, clip_plan, plan_reshard
 from tensorhub.errors import ChecksumMismatch, InvalidState
 from tensorhub.gridsums import CellKey, CellMismatch, verify_cells
 from tensorhub.layout import Layout, TensorMeta, checksum_all, checksum_unit
@@ -71,7 +79,17 @@ from tensorhub.placement import Placement, itemsize
 from tensorhub.transport.nixl import Region, Source
 from tensorhub.transport.ranges import HolderTensors, UnitMap, copy_runs, read_runs, runs_of, unit_map
 
-__all__ = ["ReshardRead", "ShardMismatch"]
+__all__ = ["Kept", "ReshardRead", "ShardMismatch"]
+
+
+class Kept(NamedTuple):
+    """What a failed resharded read leaves in place and checked (rule 8): the reader's own
+    units of ``version`` whose every byte came and was checked, and their unit checksums (empty
+    without checksums)."""
+
+    version: int
+    units: frozenset[int]
+    sums: Mapping[int, int]
 
 
 class ShardMismatch(NamedTuple):
@@ -88,14 +106,27 @@ class ReshardRead:
     thread-safe: one caller drives it."""
 
     def __init__(self, region: Region, reader: Placement, holders: Sequence[Placement], *, version: int,
-                 config: Config, spread: int = 0) -> None:
+                 config: Config, spread: int = 0, kept: Optional[Kept] = None) -> None:
         check_locals(_layout_info(region), reader)
         self.region = region
         self.reader = reader
         self.holders = tuple(holders)
         self.version = int(version)
         self.config = config
-        self.plan: ReshardPlan = plan_reshard(reader, self.holders, spread=spread).require_complete()
+        self.full_plan: ReshardPlan = plan_reshard(reader, self.holders, spread=spread).require_complete()
+        """Every reader byte's run (what a read without ``kept`` moves)."""
+        self._spans = _unit_spans(region)
+        self.checked: set[int] = set()
+        """The reader's own units whose every byte came and was checked (rule 8)."""
+        self._kept_sums: dict[int, int] = {}
+        if kept is not None and kept.version == self.version:
+            self.checked = set(kept.units)
+            self._kept_sums = dict(kept.sums)
+        self.plan: ReshardPlan = (clip_plan(self.full_plan, self._unchecked_ranges()) if self.checked
+                                  else self.full_plan)
+        """The runs this read moves: those writing the units not :attr:`checked` yet."""
+        self._before = frozenset(self.checked)
+        """The units checked before this read began: their cells are not checked again."""
         self.failed_shard: Optional[int] = None
         """The holder shard whose read made :meth:`run` raise (None: none)."""
         self.done: set[int] = set()
@@ -108,8 +139,29 @@ class ReshardRead:
 
     @property
     def shards(self) -> tuple[int, ...]:
-        """The holder shards this read needs (ascending)."""
+        """The holder shards this read needs (ascending): those writing units not checked yet."""
         return self.plan.shards
+
+    def kept(self) -> Kept:
+        """The units in place and checked so far, with their unit checksums (rule 8): give it to
+        the next read of this version after a failover."""
+        sums = {u: x for u, x in self._kept_sums.items() if u in self.checked}
+        return Kept(self.version, frozenset(self.checked), sums)
+
+    def _unchecked_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """Per reader tensor, the byte ranges of units not :attr:`checked`, sorted and merged."""
+        lay = self.region.layout
+        out: dict[str, list[tuple[int, int]]] = {}
+        for ti, spans in self._spans.items():
+            ranges = out.setdefault(lay.names[ti], [])
+            for lo, hi, u in spans:
+                if u in self.checked:
+                    continue
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1] = (ranges[-1][0], hi)
+                else:
+                    ranges.append((lo, hi))
+        return out
 
     def holder_tensors(self, shard: int, source: Any = None) -> HolderTensors:
         """Holder shard ``shard``'s local tensors as its endpoint lists them (its placement's
@@ -137,46 +189,58 @@ class ReshardRead:
         if shard not in self.shards:
             raise InvalidState(f"holder shard {shard} has nothing this reader needs (it reads {list(self.shards)})")
         self._unit_sums = None  # bytes changed since run() hashed them
+        # Units it writes into are checked again (none checked before this read: rule 8).
+        self.checked -= {u for u, w in enumerate(self._unit_shards) if shard in w}
         n = self._move(shard, source, runs_of(self.plan, shard), strided)
         self.done.add(shard)
         return n
 
     def run(self, sources: Mapping[int, Any], grid: Grid,
             expected: Union[Mapping[CellKey, int], Callable[[], Mapping[CellKey, int]]], *,
-            batch_bytes: int = 64 << 20, strided: Optional[str] = None, advertise: bool = False) -> int:
+            batch_bytes: Optional[int] = None, strided: Optional[str] = None, advertise: bool = False) -> int:
         """Rules 2 to 4 in one call, the hashing overlapped with the reads (rule 6): the
-        reader's tensors in layout order, in batches of about ``batch_bytes``; each batch's runs
-        read from every holder shard writing into it (``sources[shard]``), then its cells
-        checked and the checksums of the units it completes computed on a second thread while
-        the next batch is read. Returns the bytes moved. Raises as :meth:`read` (the shards
-        whose runs all landed are done; read the others with :meth:`read`; :attr:`failed_shard`
-        names the one whose read failed) or, once every read ended, ``ChecksumMismatch`` as
-        :meth:`check`, or what ``expected`` raised. :meth:`publish` then uses the unit checksums
-        computed here.
+        reader's tensors in layout order, in batches of about ``batch_bytes`` (None:
+        :data:`BATCH_BYTES`); each batch's runs read from every holder shard writing into it
+        (``sources[shard]``), then its cells checked and the checksums of the units it completes
+        computed on a second thread while the next batch is read. A batch with nothing left to
+        read (rule 8) is neither read nor checked. Returns the bytes moved. Raises as
+        :meth:`read` (the shards whose runs all landed are done; the units of every batch read
+        and checked before are :attr:`checked`, for :meth:`kept`; :attr:`failed_shard` names the
+        shard whose read failed) or, once every read ended, ``ChecksumMismatch`` as :meth:`check`
+        (the units holding no bad cell are :attr:`checked`), or what ``expected`` raised.
+        :meth:`publish` then uses the unit checksums computed here.
 
         ``expected`` may be a function that returns the checksums: it is called once, on the
         hashing thread, before the first batch is checked, so the reads start before the holders'
         checksums are known (a holder hashing on demand). ``advertise``: the region says the
-        version with progress 0 from the start, then, as batches are checked clean in order, the
-        units they complete with their checksums (rule 3's prefix, verified): readers of the
-        reader's own placement pipeline from it while it reads. A bad batch stops the prefix."""
+        version with the units already checked (rule 8) from the start, then, as batches are
+        checked, the leading units checked with their checksums (rule 3's prefix, verified):
+        readers of the reader's own placement pipeline from it while it reads. A bad cell stops
+        the prefix at its unit."""
         lacking = [s for s in self.shards if s not in sources]
         if lacking:
             raise InvalidState(f"no source for holder shards {lacking}")
         self.failed_shard = None
         lay = self.region.layout
-        batches = _batches(lay.metas, batch_bytes)
+        batches = _batches(lay.metas, BATCH_BYTES if batch_bytes is None else batch_bytes)
         last_batch = {i: b for b, names in enumerate(batches) for i in (lay.index_of(n) for n in names)}
-        unit_batch = [last_batch[max(p.tensor_index for p in u)] for u in lay.units]
+        completes: dict[int, list[int]] = {}  # batch -> the units whose last bytes it holds
+        for u, unit in enumerate(lay.units):
+            completes.setdefault(last_batch[max(p.tensor_index for p in unit)], []).append(u)
         left = {s: len(runs_of(self.plan, s)) for s in self.shards}
         tensors = dict(zip(lay.names, self.region.tensors))
-        sums = [0] * lay.unit_count
+        sums = self._kept_sums
         checksums = self.config.checksums
         known: list[Any] = []  # the checksums, or what fetching them raised (raised for every batch)
-        shown = [0, True]  # units advertised, and whether every batch so far was clean
+        bad_spans: dict[int, list[tuple[int, int]]] = {}  # reader tensor index -> spans of bad cells
+        shown = [self._prefix()]  # units advertised
         if advertise:
             self.region.set_progress(0)
             self.region.set_version(self.version)
+            if shown[0]:
+                if checksums:
+                    self.region.set_checksums([sums[u] for u in range(shown[0])], start=0)
+                self.region.set_progress(shown[0])
 
         def hash_batch(b: int, names: frozenset[str]) -> list[CellMismatch]:
             if not known:
@@ -186,18 +250,19 @@ class ReshardRead:
                     known.append(e)
             if isinstance(known[0], BaseException):
                 raise known[0]
-            bad = verify_cells(tensors, self.reader, grid, known[0], names)
-            if checksums:
-                for u, ub in enumerate(unit_batch):
-                    if ub == b:
-                        sums[u] = checksum_unit(self.region.tensors, lay.units[u])
-            shown[1] = shown[1] and not bad
-            if advertise and shown[1]:
-                end = bisect.bisect_right(unit_batch, b)  # unit_batch never decreases
-                if checksums:
-                    self.region.set_checksums(sums[shown[0]:end], start=shown[0])
-                self.region.set_progress(end)
-                shown[0] = end
+            bad = verify_cells(tensors, self.reader, grid, known[0], names,
+                               only=self._unchecked_cell if self._before else None)
+            for c in bad:
+                local = self.reader.local(c.local)
+                bad_spans.setdefault(lay.index_of(c.local), []).append(_cell_span(local, _piece_of(local, c), c.box))
+            self._checked_in(completes.get(b, ()), bad_spans)
+            if advertise:
+                end = self._prefix()
+                if end > shown[0]:
+                    if checksums:
+                        self.region.set_checksums([sums[u] for u in range(shown[0], end)], start=shown[0])
+                    self.region.set_progress(end)
+                    shown[0] = end
             return bad
 
         self._unit_sums = None
@@ -206,21 +271,48 @@ class ReshardRead:
         with ThreadPoolExecutor(1, thread_name_prefix="tensorhub-reshard-hash") as pool:
             for b, names in enumerate(batches):
                 runs = [r for n in lay.names if n in names for r in self.plan.runs_for(n)]
+                if not runs:
+                    continue  # every unit it completes is checked already (rule 8)
                 for shard in sorted({r.holder_shard for r in runs}):
                     mine = [r for r in runs if r.holder_shard == shard]
                     try:
                         moved += self._move(shard, sources[shard], mine, strided)
                     except BaseException:
                         self.failed_shard = shard
-                        raise
+                        raise  # the pool still checks the batches read before (rule 8)
                     left[shard] -= len(mine)
                     if not left[shard]:
                         self.done.add(shard)
                 futures.append(pool.submit(hash_batch, b, names))
             bad = [c for f in futures for c in f.result()]
         self._raise_bad(self._by_shard(bad))
-        self._unit_sums = sums if checksums else None
+        self._unit_sums = [sums[u] for u in range(lay.unit_count)] if checksums else None
         return moved
+
+    def _checked_in(self, units, bad_spans: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+        """``units`` (every byte came, every cell checked) are :attr:`checked` unless a bad cell
+        touches them; with checksums, their unit checksums are computed."""
+        lay = self.region.layout
+        for u in units:
+            if u in self.checked or any(lo < p.offset + p.nbytes and p.offset < hi for p in lay.units[u]
+                                        for lo, hi in bad_spans.get(p.tensor_index, ())):
+                continue
+            if self.config.checksums:
+                self._kept_sums[u] = checksum_unit(self.region.tensors, lay.units[u])
+            self.checked.add(u)
+
+    def _prefix(self) -> int:
+        """The leading units :attr:`checked`."""
+        k = 0
+        while k in self.checked:
+            k += 1
+        return k
+
+    def _unchecked_cell(self, local, piece, box) -> bool:
+        """Whether the cell ``box`` of ``piece`` touches a unit not checked before this read."""
+        lo, hi = _cell_span(local, piece, box)
+        return any(a < hi and lo < z and u not in self._before
+                   for a, z, u in self._spans.get(self.region.layout.index_of(local.name), ()))
 
     def units_done(self) -> int:
         """The reader's leading units every writer of which is done (rule 3)."""
@@ -233,14 +325,23 @@ class ReshardRead:
 
     def verify(self, grid: Grid, expected: Mapping[CellKey, int]) -> list[ShardMismatch]:
         """Every differing cell, grouped by the holder shard that wrote it (rule 4); empty when
-        all agree. ``expected``: the holder shards' cell checksums, merged."""
+        all agree. ``expected``: the holder shards' cell checksums, merged (the cells of units
+        checked before this read began are not looked at: rule 8)."""
         tensors = dict(zip(self.region.layout.names, self.region.tensors))
-        return self._by_shard(verify_cells(tensors, self.reader, grid, expected))
+        return self._by_shard(verify_cells(tensors, self.reader, grid, expected,
+                                           only=self._unchecked_cell if self._before else None))
 
     def check(self, grid: Grid, expected: Mapping[CellKey, int]) -> None:
         """:meth:`verify`, raising ``ChecksumMismatch`` naming the first bad shard and its first
-        cell; every bad shard is no longer done."""
-        self._raise_bad(self.verify(grid, expected))
+        cell; every bad shard is no longer done. The units every writer of which is done and
+        that hold no bad cell are :attr:`checked`."""
+        bad = self.verify(grid, expected)
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for c in (c for b in bad for c in b.cells):
+            local = self.reader.local(c.local)
+            spans.setdefault(self.region.layout.index_of(c.local), []).append(_cell_span(local, _piece_of(local, c), c.box))
+        self._checked_in([u for u, w in enumerate(self._unit_shards) if w <= self.done], spans)
+        self._raise_bad(bad)
 
     def _by_shard(self, bad: Sequence[CellMismatch]) -> list[ShardMismatch]:
         by_shard: dict[int, list[CellMismatch]] = {}
@@ -263,6 +364,9 @@ class ReshardRead:
         missing = [s for s in self.shards if s not in self.done]
         if missing:
             raise InvalidState(f"holder shards {missing} are not read (and verified) yet")
+        unchecked = self.region.layout.unit_count - len(self.checked)
+        if unchecked:
+            raise InvalidState(f"{unchecked} units are not verified yet")
         sums = self._unit_sums
         if sums is None and self.config.checksums:
             sums = checksum_all(self.region.tensors, self.region.layout)
@@ -283,11 +387,37 @@ class ReshardRead:
         """The holder shard whose run wrote the first byte of cell ``c`` (a cell lies inside one
         holder piece: the grid is refined with the holders' placements)."""
         local = self.reader.local(c.local)
-        e = itemsize(local.dtype)
-        piece = next(p for p in local.pieces if p.tensor == c.tensor and p.box.contains(c.box))
-        strides = c_strides(piece.box.shape, e)
-        off = local.offset_of(piece) + sum((a - b) * s for a, b, s in zip(c.box.start, piece.box.start, strides))
-        return _run_at(self.plan.runs_for(c.local), off).holder_shard
+        off, _ = _cell_span(local, _piece_of(local, c), c.box)
+        return _run_at(self.full_plan.runs_for(c.local), off).holder_shard
+
+
+BATCH_BYTES = 64 << 20
+"""The reader's tensors are read and checked in batches of about this many bytes (:meth:`ReshardRead.run`)."""
+
+
+def _piece_of(local, c: CellMismatch):
+    """The piece of ``local`` that holds cell ``c``."""
+    return next(p for p in local.pieces if p.tensor == c.tensor and p.box.contains(c.box))
+
+
+def _cell_span(local, piece, box) -> tuple[int, int]:
+    """The first byte of cell ``box`` (of ``piece`` of local tensor ``local``) and one past its
+    last, in the local tensor (a strided cell's span holds bytes of other cells too)."""
+    e = itemsize(local.dtype)
+    strides = c_strides(piece.box.shape, e)
+    base = local.offset_of(piece)
+    lo = base + sum((a - b) * s for a, b, s in zip(box.start, piece.box.start, strides))
+    hi = base + sum((z - 1 - b) * s for z, b, s in zip(box.stop, piece.box.start, strides)) + e
+    return lo, hi
+
+
+def _unit_spans(region: Region) -> dict[int, list[tuple[int, int, int]]]:
+    """Per reader tensor index, the byte ranges ``(start, stop, unit)`` of its units, ascending."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for u, unit in enumerate(region.layout.units):
+        for p in unit:
+            out.setdefault(p.tensor_index, []).append((p.offset, p.offset + p.nbytes, u))
+    return {i: sorted(v) for i, v in out.items()}
 
 
 def _layout_info(region: Region) -> m.LayoutInfo:

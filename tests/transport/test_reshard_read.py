@@ -420,3 +420,107 @@ def test_a_partial_holder_that_moves_on_voids_the_read(agents):
         h.region.publish_complete(VERSION)
         src.close()
         region.close()
+
+
+def test_a_failover_reads_only_the_units_not_checked_yet_from_a_replica_of_a_third_placement(agents, monkeypatch):
+    """Rule 8. rows (2 shards) -> vLLM TP=2 rank 1, one tensor per batch (5 units, one per
+    tensor): trainer shard 1 fails reading the third tensor, so qkv_proj and o_proj are kept,
+    checked. The failover reads from an uneven 3-shard replica: only the other three tensors'
+    bytes move; a byte damaged in that replica's copy of down is caught, naming its shard, and
+    gate_up_proj and the norm are kept; the last failover, from the first replica again, moves
+    down_proj's bytes alone. The reader ends exact, with today's unit checksums."""
+    from tensorhub.errors import TransferError
+
+    holders, rp, region, truth, _, _ = _world(agents, "rows -> fused qkv TP=2")
+    uneven, _, other, _, _, _ = _world(agents, "uneven -> columns")
+    other.close()
+    lay = region.layout
+    assert lay.unit_count == 5 and all(len(u) == 1 for u in lay.units)
+    unit_of = {rp.tensors[u[0].tensor_index].name: i for i, u in enumerate(lay.units)}
+    moved_by = {}
+    real = ReshardRead._move
+    calls = []
+
+    def failing(self, shard, source, runs, strided):
+        if shard == 1 and sum(c == 1 for c in calls) == 2:
+            raise TransferError("trainer shard 1 died")
+        calls.append(shard)
+        return real(self, shard, source, runs, strided)
+
+    def sums_of(hs):
+        grid = grid_of([rp, *[h.placement for h in hs]])
+        out = {}
+        for h in hs:
+            out.update(cell_checksums(dict(zip(h.placement.names, h.tensors)), h.placement, grid))
+        return grid, out
+    made = agents[0]
+    opened = []
+
+    def sources_of(hs):
+        out = {i: open_source(h.region.endpoint(), agent=made[1]) for i, h in enumerate(hs)}
+        opened.extend(out.values())
+        return out
+    down = uneven[1].placement.names.index("down")
+    flat = _bytes(uneven[1].tensors[down])
+    at = 100 * 4  # row 0, column 100 of uneven shard 1's down: in the reader's columns [80, 160)
+    old = flat[at].copy()
+    try:
+        rd = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1)
+        monkeypatch.setattr(ReshardRead, "_move", failing)
+        grid, sums = sums_of(holders)
+        with pytest.raises(TransferError):
+            rd.run(sources_of(holders), grid, sums, batch_bytes=1, advertise=True)
+        monkeypatch.setattr(ReshardRead, "_move", real)
+        kept = rd.kept()
+        assert rd.failed_shard == 1 and kept.units == {unit_of["qkv_proj"], unit_of["o_proj"]}
+        assert region.progress == 2 and region.checksums()[:2] == checksum_all(truth, lay)[:2]
+
+        grid, sums = sums_of(uneven)
+        flat[at] ^= 0x01  # the holder's checksums are of the right bytes; its memory is damaged
+        rd2 = ReshardRead(region, rp, [h.placement for h in uneven], version=VERSION, config=CFG, spread=1, kept=kept)
+        left = sum(lay.unit_nbytes(u) for u in range(5) if u not in kept.units)
+        from tensorhub.core.reshard import plan_bytes
+        assert plan_bytes(rd2.plan) == left
+        with pytest.raises(ChecksumMismatch, match=r"holder shards \[1\]"):
+            moved_by["uneven"] = rd2.run(sources_of(uneven), grid, sums, batch_bytes=1, advertise=True)
+        assert rd2.bytes_read == left
+        kept2 = rd2.kept()
+        assert kept2.units == set(range(5)) - {unit_of["down_proj"]}
+        flat[at] = old
+
+        grid, sums = sums_of(holders)
+        rd3 = ReshardRead(region, rp, [h.placement for h in holders], version=VERSION, config=CFG, spread=1, kept=kept2)
+        srcs = sources_of(holders)
+        assert rd3.run(srcs, grid, sums, batch_bytes=1, advertise=True) == lay.unit_nbytes(unit_of["down_proj"])
+        rd3.publish()
+        _assert_published(region, truth)
+    finally:
+        flat[at] = old
+        for s in opened:
+            s.close()
+        region.close()
+
+
+def test_a_holder_shard_writing_only_kept_units_is_not_needed_and_kept_units_of_another_version_count_for_nothing(agents):
+    """rows (2 shards) -> vLLM TP=2 rank 1: with every unit trainer shard 0 writes into kept,
+    the read needs trainer shard 1 alone, and moves the other units' bytes only."""
+    from tensorhub.core.reshard import plan_bytes
+    from tensorhub.transport.reshard_read import Kept
+
+    holders, rp, region, truth, grid, sums = _world(agents, "rows -> fused qkv TP=2")
+    try:
+        placements = [h.placement for h in holders]
+        rd = ReshardRead(region, rp, placements, version=VERSION, config=CFG, spread=1)
+        assert rd.shards == (0, 1)
+        touched0 = frozenset(u for u, w in enumerate(rd._unit_shards) if 0 in w)
+        assert 0 < len(touched0) < region.layout.unit_count
+        rd2 = ReshardRead(region, rp, placements, version=VERSION, config=CFG, spread=1,
+                          kept=Kept(VERSION, touched0, {}))
+        assert rd2.shards == (1,)
+        assert plan_bytes(rd2.plan) == sum(region.layout.unit_nbytes(u) for u in range(region.layout.unit_count)
+                                           if u not in touched0)
+        stale = ReshardRead(region, rp, placements, version=VERSION, config=CFG, spread=1,
+                            kept=Kept(VERSION + 1, touched0, {}))
+        assert stale.shards == (0, 1) and not stale.checked and stale.plan == rd.plan
+    finally:
+        region.close()
