@@ -84,6 +84,9 @@ class Driver:
         """Time the current call spent copying its old version to host memory."""
         self.pull_from = 0
         """Units of the last read already in place at its first pull (not fetched by it)."""
+        self.plain_from: Optional[int] = None
+        """Units of the current read in place at its first pull from a holder of its own layout
+        (None: none yet; a resharded pull counts the bytes it moves itself)."""
         self.finished_at = 0.0
         """Wall-clock time (``time.time()``) the last pull's last byte landed."""
         self.progress: Optional[Callable[[int, int], None]] = None
@@ -94,6 +97,7 @@ class Driver:
     def begin_read(self, verify_left: Optional[int], progress: Optional[Callable[[int, int], None]] = None) -> None:
         """A read starts: nothing measured yet; ``verify_left`` and ``progress`` as the attributes."""
         self.t_assigned = self.offload_s = 0.0
+        self.plain_from = None
         self.progress = progress
         self.verify_left = verify_left
 
@@ -260,6 +264,8 @@ class Driver:
         if not self.t_assigned:
             self.t_assigned = time.perf_counter()
             self.pull_from = h.reads.resume_point(a.version)  # units this call did not fetch
+        if not a.reshard and self.plain_from is None:
+            self.plain_from = h.reads.resume_point(a.version)
         if not h._memory.region.settle(self._config.source_stall_timeout_s):
             # An earlier pull left reads that NIXL never reported ended: none of this region's
             # units past its progress can be trusted yet.

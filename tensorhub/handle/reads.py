@@ -107,6 +107,7 @@ class ReadSession:
         self._starved0 = hub._memory.region.starved_s if hub._memory.region is not None else 0.0
         machine = hub._driver.machine
         hub._driver.begin_read(machine.published if update and hub.config.verify_mutability else None, progress)
+        hub._reshard.begin_read()
 
     # ---- one call ------------------------------------------------------------------------
     def call(self, spec: m.VersionSpec, update: bool, round_no: Optional[int] = None,
@@ -143,7 +144,13 @@ class ReadSession:
             return ReadStats(action="noop", version=out.version, seconds=dt, offload_s=d.offload_s,
                              skipped_in_flight=in_flight)
         hub._memory.hold_checksums()
-        nbytes = self.units_bytes(d.pull_from, hub._memory.layout.unit_count)  # each unit fetched once
+        count = hub._memory.layout.unit_count
+        if hub._reshard.read_bytes:
+            # Resharded pulls count what they moved (a failover moves only what was not in place
+            # and checked); a later pull from a holder of its own layout, units from where it began.
+            nbytes = hub._reshard.read_bytes + (self.units_bytes(d.plain_from, count) if d.plain_from is not None else 0)
+        else:
+            nbytes = self.units_bytes(d.pull_from, count)  # each unit fetched once
         log.info("model=%s version=%d shard=%d replicated %d bytes in %.3fs from %s",
                  hub.model, out.version, hub.shard, nbytes, dt, " -> ".join(out.sources))
         first, stage = out.first, hub._staging.copy
@@ -217,6 +224,7 @@ class ReadSession:
             # From a holder replica of another layout: every needed shard's byte ranges, then
             # every cell checked (tensorhub.handle.reshard); nothing to resume from.
             return hub._reshard.pull(a, should_stop=should_stop, on_unit=on_unit)
+        hub._reshard.drop_kept()  # this pull may write any unit past its start
         region, layout, config = hub._memory.region, hub._memory.layout, hub.config
         start = self.resume_point(a.version)
         ready = hub._delta_ready

@@ -19,6 +19,13 @@ layout pipeline from it as from any partial holder. Rules:
   the prefix of units advertised with their checksums. A bad batch stops the prefix there.
 - Waiting for checksums is bounded by ``source_stall_timeout_s`` (``SourceStalled`` naming the
   holder that did not answer).
+- A failover keeps what is in place and checked: the units of the failed pull whose every byte
+  came and was checked (:class:`~tensorhub.transport.reshard_read.Kept`) are not read again by
+  the next resharded pull of the same read, whatever replica (of whatever layout) it names;
+  holder shards that write none of the others are not contacted. A pull from a holder of the
+  handle's own layout in between, or a new read, drops them (:meth:`drop_kept`,
+  :meth:`begin_read`). :attr:`read_bytes` is what the read's resharded pulls moved, each byte
+  counted once per time it crossed.
 
 As a holder (:meth:`Resharding.hash_asked`, the server's ``HashCells``): the cells of the grid
 of the placements named, for the tensors this handle publishes at that version, hashed in place
@@ -45,7 +52,7 @@ from tensorhub.core.cells import grid_key
 from tensorhub.core.grid import grid_of
 from tensorhub.placement import Placement
 from tensorhub.ports import ServerPort
-from tensorhub.transport.reshard_read import ReshardRead
+from tensorhub.transport.reshard_read import Kept, ReshardRead
 
 log = logging.getLogger("tensorhub.client")
 """The handle's log (one name for all its parts, kept for users' log filters)."""
@@ -72,8 +79,20 @@ class Resharding:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._stopped = False
         self._failed: str = ""
+        self._kept: Optional[Kept] = None
+        """The current read's units in place and checked by a failed resharded pull."""
         self.bytes_read = 0
         """Bytes the last resharded pull moved."""
+        self.read_bytes = 0
+        """Bytes the current read's resharded pulls moved, failed ones included (0: none)."""
+
+    def begin_read(self) -> None:
+        """A read starts (one user call, or a two-phase read): nothing kept, nothing moved."""
+        self._kept, self.read_bytes = None, 0
+
+    def drop_kept(self) -> None:
+        """A pull of another kind may write the region: nothing kept any more."""
+        self._kept = None
 
     # ------------------------------------------------------------------ reader
 
@@ -95,7 +114,11 @@ class Resharding:
             raise errors.TransferError(f"the assignment lacks holder placement {e}") from None
         if [s.shard for s in a.reshard] != list(range(len(a.reshard))):
             raise errors.TransferError("the assignment does not name every holder shard in order")
-        rd = ReshardRead(region, own, holders, version=a.version, config=self._config, spread=self.shard)
+        kept = self._kept if self._kept is not None and region.version == a.version else None
+        rd = ReshardRead(region, own, holders, version=a.version, config=self._config, spread=self.shard, kept=kept)
+        if kept:
+            log.info("%s: version %d: %d of %d units kept from the failed pull; reading the rest from holder shards %s",
+                     self.client_id, a.version, len(kept.units), region.layout.unit_count, list(rd.shards))
         placements = list(by_digest.values()) + [own]
         grid = grid_of(placements)
         key = grid_key(placements)
@@ -119,19 +142,29 @@ class Resharding:
                            batch_bytes=region.layout.unit_bytes)
         except errors.ChecksumMismatch:
             # Every read ended; the shards whose cells differ are the ones no longer done.
+            self._failed_pull(rd)
             bad = [s for s in rd.shards if s not in rd.done]
             self._failed = a.reshard[(bad or rd.shards)[0]].client_id
             raise
         except (errors.TransferError, errors.ReadsNotTerminal):
+            self._failed_pull(rd)
             if rd.failed_shard is not None:
                 self._sources.drop(subs[rd.failed_shard])
                 self._failed = a.reshard[rd.failed_shard].client_id
             raise
+        self._kept = None
+        self.read_bytes += moved
         rd.publish()
         self.bytes_read = moved
         if on_unit is not None:
             on_unit(region.progress - 1)
         return moved
+
+    def _failed_pull(self, rd: ReshardRead) -> None:
+        """A pull failed: keep its units in place and checked for the next, count what it moved."""
+        self._kept = rd.kept()
+        self.read_bytes += rd.bytes_read
+        self.bytes_read = rd.bytes_read
 
     def take_failed(self) -> str:
         """The holder the last failed pull blames ("" if none), once."""

@@ -185,3 +185,171 @@ def test_a_reader_without_a_holder_of_its_layout_or_a_covering_replica_fails_typ
     finally:
         hub.close(drop_last_copy=True)
         close_all(trainer)
+
+
+# ---------------------------------------------------------------------- failover keeps what is checked
+#
+#    model:   W [64, 64], B [64] (float32); 4 KiB units: the reader's W is 4 units of 16 rows, B one
+#    trainer: 2 shards cut by rows      W[0:32], B[0:32]  |  W[32:64], B[32:64]
+#    reader:  1 shard, whole            units 0-1 from trainer shard 0, 2-3 from shard 1, 4 from both
+
+BIG = P.Schema.of([P.GlobalTensor("W", "float32", (64, 64)), P.GlobalTensor("B", "float32", (64,))])
+BG = BIG.by_name()
+SLICE = 64 * 64 * 4 + 64 * 4
+
+
+def big_rows(k: int) -> P.Placement:
+    return P.Placement.build([P.split(BG["W"], 0, k, 2), P.split(BG["B"], 0, k, 2)], BIG)
+
+
+def big_cols(k: int) -> P.Placement:
+    return P.Placement.build([P.split(BG["W"], 1, k, 2), P.whole(BG["B"])], BIG)
+
+
+def big_local(p: P.Placement, version: int):
+    full = {"W": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) + 10000 * version,
+            "B": torch.arange(64, dtype=torch.float32) - 10000 * version}
+    out = []
+    for t in p.tensors:
+        (piece,) = t.pieces
+        out.append((t.name, full[piece.tensor][tuple(slice(a, z) for a, z in zip(piece.box.start, piece.box.stop))]
+                    .contiguous().clone()))
+    return out
+
+
+@pytest.fixture
+def big_cfg(cfg):
+    return dataclasses.replace(cfg, unit_bytes=4096, unit_bytes_min=4096)
+
+
+def open_big(port, cfg, replica, placements, version=None):
+    hubs = []
+    for k, p in enumerate(placements):
+        hub = tensorhub.open("m", port=port, config=cfg, replica=replica, shard=k, num_shards=len(placements))
+        named = big_local(p, version if version is not None else 0)
+        if version is None:
+            named = [(n, torch.zeros_like(t)) for n, t in named]
+        hub.register(named, placement=p)
+        if version is not None:
+            hub.publish(version)
+        hubs.append((hub, named, p))
+    return hubs
+
+
+def assert_big(hubs, version):
+    for hub, named, p in hubs:
+        for (name, got), (_, want) in zip(named, big_local(p, version)):
+            assert torch.equal(got, want), (hub.client_id, name)
+
+
+class Pulls:
+    """Spies on every resharded pull's moves: per pull (a new ReshardRead), the holder shards
+    it read and the bytes; ``fault(rd, shard, call)`` may raise or damage before a move."""
+
+    def __init__(self, monkeypatch, fault=None):
+        self.pulls: list[list[tuple[str, int]]] = []
+        self.fault = fault
+        real_init, real_move = reshard_read.ReshardRead.__init__, reshard_read.ReshardRead._move
+        spy = self
+
+        def init(rd, *args, **kw):
+            real_init(rd, *args, **kw)
+            rd._pull_no = len(spy.pulls)
+            spy.pulls.append([])
+
+        def move(rd, shard, source, runs, strided):
+            if spy.fault is not None:
+                spy.fault(rd, shard, rd._pull_no, len(spy.pulls[rd._pull_no]))
+            n = real_move(rd, shard, source, runs, strided)
+            spy.pulls[rd._pull_no].append((rd.holders[shard].digest(), n))
+            return n
+        monkeypatch.setattr(reshard_read.ReshardRead, "__init__", init)
+        monkeypatch.setattr(reshard_read.ReshardRead, "_move", move)
+        monkeypatch.setattr(reshard_read, "BATCH_BYTES", 1)  # one tensor per batch: W, then B
+
+    def moved(self, pull: int) -> int:
+        return sum(n for _, n in self.pulls[pull])
+
+
+def test_a_damaged_range_rereads_only_its_cell_from_the_one_holder_shard_that_writes_it(port, big_cfg, monkeypatch):
+    """Trainer shard 1's W rows land with a float damaged: the cell check (the grid cuts W at
+    row 32 only: cell W[32:64], the reader's units 2-3) blames shard 1; the same replica is
+    assigned again (there is no other), and the reread moves those 8 KiB from shard 1 alone
+    (shard 0 writes only checked units: not contacted)."""
+    trainer = open_big(port, big_cfg, "trainer", [big_rows(0), big_rows(1)], version=2)
+    tp1 = open_big(port, big_cfg, "tp1", [P.whole_placement(BIG)])
+    spy = Pulls(monkeypatch)
+    real_move = reshard_read.ReshardRead._move
+
+    def move(rd, shard, source, runs, strided):
+        n = real_move(rd, shard, source, runs, strided)
+        if rd._pull_no == 0 and shard == 1 and rd.region.tensors[0].shape == (64, 64) and runs[0].reader_tensor == "W":
+            rd.region.tensors[0][35, 3] += 1.0  # a float of unit 2 (rows 32-47), from trainer shard 1
+        return n
+    monkeypatch.setattr(reshard_read.ReshardRead, "_move", move)
+    try:
+        (st,) = replicate_all(tp1)
+        assert st.failovers == 1 and st.version == 2
+        assert_big(tp1, 2)
+        assert len(spy.pulls) == 2 and spy.moved(0) == SLICE
+        assert spy.pulls[1] == [(big_rows(1).digest(), 8192)], spy.pulls[1]
+        assert st.bytes == SLICE + 8192
+    finally:
+        close_all(tp1, trainer)
+
+
+def test_a_holder_shard_failing_mid_read_is_replaced_and_only_the_missing_bytes_move(port, big_cfg, monkeypatch):
+    """Trainer shard 1 fails reading B (W is in place and checked): the reader reads B alone
+    again, from a second replica of the trainer's layout; then a float of B damaged from that
+    replica is caught and read again. Every byte ends exact; ReadStats counts what moved."""
+    trainer = open_big(port, big_cfg, "trainer", [big_rows(0), big_rows(1)], version=2)
+    spare = open_big(port, big_cfg, "spare", [big_rows(0), big_rows(1)], version=2)
+    tp1 = open_big(port, big_cfg, "tp1", [P.whole_placement(BIG)])
+
+    def fault(rd, shard, pull, calls):
+        if pull == 0 and shard == 1 and calls == 3:  # W from 0 and 1, B from 0, then B from 1
+            raise errors.SourceUnreachable("trainer shard 1 died")
+    spy = Pulls(monkeypatch, fault)
+    real_move = reshard_read.ReshardRead._move
+
+    def move(rd, shard, source, runs, strided):
+        n = real_move(rd, shard, source, runs, strided)
+        if rd._pull_no == 1 and shard == 0:
+            rd.region.tensors[1][5] += 1.0  # B[5], from the new source's shard 0
+        return n
+    monkeypatch.setattr(reshard_read.ReshardRead, "_move", move)
+    try:
+        (st,) = replicate_all(tp1)
+        assert_big(tp1, 2)
+        assert st.failovers == 2 and len(spy.pulls) == 3
+        assert spy.moved(0) == SLICE - 128  # B's second half never came
+        assert spy.moved(1) == spy.moved(2) == 256 < SLICE  # B alone, twice (the second time damaged)
+        assert st.bytes == SLICE - 128 + 256 + 256
+        assert any(s.startswith("m/spare/") for s in st.sources), st.sources
+    finally:
+        close_all(tp1, spare, trainer)
+
+
+def test_a_failover_onto_a_replica_of_a_third_layout_reads_only_the_missing_bytes_exact(port, big_cfg, monkeypatch):
+    """tp1 reads from the trainer (rows); trainer shard 1 fails reading B; the other replica
+    that can fill tp1 is a TP=2 column-split engine (a third layout class): B alone is read from
+    it, from the one shard the plan picks (both hold B whole), and tp1 ends exact."""
+    trainer = open_big(port, big_cfg, "trainer", [big_rows(0), big_rows(1)], version=2)
+    tp2 = open_big(port, big_cfg, "tp2", [big_cols(0), big_cols(1)])
+    tp1 = open_big(port, big_cfg, "tp1", [P.whole_placement(BIG)])
+    try:
+        replicate_all(tp2)
+        assert_big(tp2, 2)
+
+        def fault(rd, shard, pull, calls):
+            if pull == 0 and shard == 1 and calls == 3:
+                raise errors.SourceUnreachable("trainer shard 1 died")
+        spy = Pulls(monkeypatch, fault)
+        (st,) = replicate_all(tp1)
+        assert_big(tp1, 2)
+        assert st.failovers == 1 and len(spy.pulls) == 2
+        assert st.sources[-1].startswith("m/tp2/"), st.sources
+        assert len(spy.pulls[1]) == 1 and spy.pulls[1][0][0] in {big_cols(0).digest(), big_cols(1).digest()}
+        assert spy.moved(1) == 256 and st.bytes == SLICE - 128 + 256
+    finally:
+        close_all(tp1, tp2, trainer)
