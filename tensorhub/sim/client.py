@@ -221,6 +221,7 @@ class SimClient:
     def replicate(self, spec, update: bool, cb: Callback, round: Optional[int] = None) -> None:
         self._open_op("replicate", cb)
         self.op.relative_update = update and not isinstance(spec, int)
+        self.transport.begin_read()
         self._feed(hm.Start(hm.ReplicateOp(spec, update, round)))
 
     def leave(self, cb: Callback) -> None:

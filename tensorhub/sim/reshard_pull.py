@@ -23,6 +23,11 @@ at unit and range granularity (:mod:`tensorhub.sim.mixed`):
    the pull naming it (``Pulled.source``: the machine's ``SourceFailed`` names it); a failed or
    stopped pull cancels its posted reads and ends only when every one has ended (a cancelled
    read lands junk in the reader units it writes into, none of them done).
+5. A failover keeps what is in place and checked (``ReshardRead.kept``): the done units of a
+   failed pull, not only their prefix, are done for the next resharded pull of the same read
+   and version (whatever replica, of whatever layout, it names), which reads only the holder
+   units the other reader units need. A pull from a holder of the reader's own class, or a new
+   read, drops them (the handle's ``drop_kept``/``begin_read``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class ReshardPull:
         self.t = transport
         self.client = transport.client
         self.world = transport.world
+        self.kept: tuple[int, frozenset[int]] | None = None
+        """(version, reader units done) a failed pull of the current read left (rule 5)."""
 
     def pull(self, a: m.Assignment, start: int, token: int) -> None:
         c, w = self.client, self.world
@@ -86,6 +93,11 @@ class ReshardPull:
             c.region_version, c.region_progress = a.version, 0
         first = c.region_progress if c.region_version == a.version else 0
         rs = ReshardPulling(a, first, token, w.server.epoch)
+        if self.kept is not None and self.kept[0] == a.version == c.region_version:
+            if self.kept[1] - rs.done:
+                w.checker.observer.path("reshard_kept")
+            rs.done |= self.kept[1]
+        self.kept = None
         rs.last_landed = w.sim.now
         self.t.current = rs
         by_digest = {p.digest(): p for p in a.placements}
@@ -310,5 +322,7 @@ class ReshardPull:
         if rs is not self.t.current:
             return
         self.t.current = None
+        if ev.error:
+            self.kept = (rs.version, frozenset(rs.done))
         self.client.region_progress = ev.progress
         self.client._answer(rs.token, ev)

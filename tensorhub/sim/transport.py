@@ -96,6 +96,11 @@ class SimTransport:
 
     # ------------------------------------------------------------------ the interface
 
+    def begin_read(self) -> None:
+        """A read starts (the user's replicate/update): a failed resharded pull's kept units go."""
+        if self._reshard is not None:
+            self._reshard.kept = None
+
     def pull(self, a: m.Assignment, start: int, token: int) -> None:
         """Read ``a.version`` from unit ``start`` on; answers ``client._answer(token, Pulled)``."""
         c, w = self.client, self.world
@@ -104,6 +109,8 @@ class SimTransport:
                 self._reshard = ReshardPull(self)
             self._reshard.pull(a, start, token)
             return
+        if self._reshard is not None:
+            self._reshard.kept = None  # this pull may write any unit past its start
         if start == 0:
             c.region_version, c.region_progress = a.version, 0
         first = c.region_progress if c.region_version == a.version else 0
