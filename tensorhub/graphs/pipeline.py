@@ -83,6 +83,9 @@ class _Entry:
     compile_s: float
     max_inflight: int
     uses: int = 0
+    busy: int = 0
+    """Executions running on it now (:meth:`GraphCache.acquire`): never torn down while idle."""
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
 
 
 def _actor_key(actor) -> str:
@@ -92,12 +95,26 @@ def _actor_key(actor) -> str:
 class GraphCache:
     """Compiled graphs by topology key. Thread-safe; one per driver process is typical
     (:data:`default_cache`). ``graphs_max`` bounds how many live graphs (and their channel
-    buffers) exist at once; the least recently used is torn down first."""
+    buffers) exist at once; the least recently used is torn down first.
+
+    ``idle_teardown_s``: a graph not executed for this long is torn down (0: never). A live Ray
+    compiled graph busy-waits on every member (each polls its input channel: one core per member
+    while idle, measured); tearing it down stops that, and the next ``path="graph"`` call
+    compiles again (0.1-3 s; ``path="auto"`` takes the pull path meanwhile and compiles in the
+    background). One daemon thread (``tensorhub-graph-idle``) watches while graphs are cached
+    and ends with the last of them. A graph that is executing is never torn down for idleness."""
 
     def __init__(self, *, graphs_max: int = 4, buffer_bytes: int = 64 << 10, max_inflight: int = 4,
-                 submit_timeout_s: float = 60.0) -> None:
+                 submit_timeout_s: float = 60.0, idle_teardown_s: float = 60.0) -> None:
         if graphs_max < 1 or buffer_bytes < 1024 or max_inflight < 1 or submit_timeout_s <= 0:
             raise ValueError("graphs_max >= 1, buffer_bytes >= 1024, max_inflight >= 1, submit_timeout_s > 0")
+        if not idle_teardown_s >= 0:
+            raise ValueError("idle_teardown_s must be >= 0 (0: never)")
+        self.idle_teardown_s = idle_teardown_s
+        self.idle_teardowns = 0
+        """Graphs torn down for idleness so far (counted in ``teardowns`` too)."""
+        self._idle_thread: Optional[threading.Thread] = None
+        self._idle_wake = threading.Condition()
         self.graphs_max = graphs_max
         self.buffer_bytes = buffer_bytes
         self.max_inflight = max_inflight
@@ -124,6 +141,55 @@ class GraphCache:
             self._graphs.move_to_end(key)
             e.uses += 1
             return e.dag
+
+    def acquire(self, key: tuple) -> Optional[Any]:
+        """The cached graph for ``key``, held for an execution until :meth:`release` (not torn
+        down for idleness meanwhile), or None."""
+        with self._lock:
+            e = self._graphs.get(key)
+            if e is None:
+                return None
+            self._graphs.move_to_end(key)
+            e.uses += 1
+            e.busy += 1
+            e.last_used = time.monotonic()
+            return e.dag
+
+    def release(self, key: tuple) -> None:
+        """The execution :meth:`acquire` held ``key`` for ended; its idle time starts now."""
+        with self._lock:
+            e = self._graphs.get(key)
+            if e is not None:
+                e.busy = max(0, e.busy - 1)
+                e.last_used = time.monotonic()
+
+    def _watch_idle(self) -> None:
+        """The idle watcher (see the class docstring): sleeps until the oldest idle graph is due,
+        tears down those past ``idle_teardown_s``, ends when no graph is cached."""
+        limit = self.idle_teardown_s
+        while True:
+            now = time.monotonic()
+            with self._lock:  # taken out under the lock: an acquire cannot slip in before the teardown
+                if not self._graphs:
+                    self._idle_thread = None
+                    return
+                due = [self._graphs.pop(k) for k, e in list(self._graphs.items())
+                       if not e.busy and now - e.last_used >= limit]
+                wait = min((limit - (now - e.last_used) for e in self._graphs.values() if not e.busy), default=limit)
+            for e in due:
+                self._teardown(e)
+                self.idle_teardowns += 1
+                log.info("tore down a compiled graph idle for %.0fs", limit)
+            if not due:
+                with self._idle_wake:
+                    self._idle_wake.wait(max(0.05, wait))
+
+    def _start_idle_watch(self) -> None:
+        """Called under the lock with a graph cached."""
+        if self.idle_teardown_s <= 0 or (self._idle_thread is not None and self._idle_thread.is_alive()):
+            return
+        self._idle_thread = threading.Thread(target=self._watch_idle, name="tensorhub-graph-idle", daemon=True)
+        self._idle_thread.start()
 
     def inflight(self, key: tuple) -> int:
         """Executions the graph for ``key`` was compiled to keep in flight."""
@@ -168,6 +234,7 @@ class GraphCache:
                 ctx.buffer_size_bytes = saved
             dt = time.perf_counter() - t
             self._graphs[key] = _Entry(compiled, ids, dt, inflight)
+            self._start_idle_watch()
             self.compiles += 1
             self.compile_s.append(dt)
             log.info("compiled graph #%d over %d actors in %.3fs", self.compiles, len(actors), dt)
@@ -179,12 +246,15 @@ class GraphCache:
             e = self._graphs.pop(key, None)
         if e is None:
             return False
+        self._teardown(e)
+        return True
+
+    def _teardown(self, e: _Entry) -> None:
         try:
             e.dag.teardown()
         except Exception:  # noqa: BLE001 - a member may be dead; the graph is gone either way
             log.warning("teardown of a compiled graph failed", exc_info=True)
         self.teardowns += 1
-        return True
 
     def drop_actor(self, actor) -> int:
         """Tear down every graph over ``actor`` (membership changed). Returns how many."""
@@ -264,11 +334,16 @@ def run_group(actors: Sequence, spec="latest", *, update: bool = True, path: str
     result = GroupResult("pull", version, 0.0, per_member, plan=plan, why=why,
                          plan_drawing=plan.draw([begun[i]["client_id"] for i in live]))
     if use_graph:
+        dag = cache.acquire(key)  # held: not torn down for idleness while it runs
         if dag is None:
             tc = time.perf_counter()
-            dag = cache.compile(key, members, plan)
+            compiled = cache.compile(key, members, plan)
+            dag = cache.acquire(key) or compiled
             result.compiled, result.compile_s = True, time.perf_counter() - tc
-        err = _execute(dag, batches, cache.inflight(key), timeout_s)
+        try:
+            err = _execute(dag, batches, cache.inflight(key), timeout_s)
+        finally:
+            cache.release(key)
         if err is None:
             result.path = "graph"
         else:

@@ -101,11 +101,6 @@ class DcReplica(Replica):
             time.sleep(max(0.0, step_s - (time.time() - t0)))
         return out
 
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

@@ -8,6 +8,7 @@ method returns plain data (dicts, strings) so a driver can ``ray.get`` it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Optional
 
@@ -43,6 +44,10 @@ class Replica(GraphMember):
 
     def ping(self) -> str:
         return self.hub.client_id
+
+    def pid(self) -> int:
+        """This process's id (a test kills it, or watches its CPU time)."""
+        return os.getpid()
 
     def publish(self, version: int, fill: bool = True, density: Optional[float] = None) -> str:
         """Trainer step: unpublish (drain), write version ``version``'s bytes, publish.

@@ -254,3 +254,60 @@ def test_server_side_coordinator_builds_caches_and_reuses_the_graph(ray_cluster,
     assert ray.get(coord.stats.remote())["compiles"] == before + 1
     ray.get(coord.clear.remote())
     ray.get([a.close.remote() for a in [trainer, *readers]])
+
+
+def _cpu_seconds(pids, window_s: float) -> list[float]:
+    """CPU seconds each process used over ``window_s`` (user + system, from /proc)."""
+    import os
+
+    def used(pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+    before = [used(p) for p in pids]
+    time.sleep(window_s)
+    return [used(p) - b for p, b in zip(pids, before)]
+
+
+@pytest.mark.ray
+def test_an_idle_graph_is_torn_down_and_its_members_stop_spinning(ray_cluster, model_name):
+    """A live compiled graph busy-waits on every member; idle for ``idle_teardown_s`` it is torn
+    down (the members go quiet), and the next graph call compiles it again and is exact. A graph
+    held by an execution is never torn down for idleness."""
+    from tensorhub.graphs import GraphCache, replicate_group
+
+    ray = ray_cluster
+    cache = GraphCache(max_inflight=2, idle_teardown_s=1.5)
+    trainer, *readers = _spawn(model_name, ["trainer", "i0", "i1"])
+    pids = ray.get([r.pid.remote() for r in readers])
+    try:
+        ray.get(trainer.publish.remote(1))
+        res = replicate_group(readers, 1, update=False, path="graph", batches=4, cache=cache)
+        assert res.path == "graph" and len(cache) == 1, res.error
+        spinning = _cpu_seconds(pids, 1.0)
+        deadline = time.time() + 20
+        while len(cache) and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(cache) == 0 and cache.idle_teardowns == 1 and cache.teardowns == 1
+        quiet = _cpu_seconds(pids, 1.0)
+        print(f"member CPU s over 1 s: graph live {spinning}, torn down {quiet}")
+        assert max(quiet) < 0.1 and min(spinning) > 2 * max(quiet, default=0) + 0.05, (spinning, quiet)
+        # Used again: compiled anew, exact.
+        d2 = ray.get(trainer.publish.remote(2))
+        res2 = replicate_group(readers, "latest", path="graph", batches=4, cache=cache)
+        assert res2.path == "graph" and res2.compiled and cache.compiles == 2, res2.error
+        assert ray.get([r.digest.remote() for r in readers]) == [d2] * 2
+        # Held (an execution running): not torn down however long it is idle.
+        key = next(iter(cache._graphs))
+        assert cache.acquire(key) is not None
+        time.sleep(2.5)
+        assert len(cache) == 1
+        cache.release(key)
+        deadline = time.time() + 20
+        while len(cache) and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(cache) == 0 and cache.idle_teardowns == 2
+    finally:
+        cache.clear()
+        ray.get([a.close.remote() for a in [trainer, *readers]])
