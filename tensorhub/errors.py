@@ -185,6 +185,13 @@ class RequestTimeout(TensorHubError, TimeoutError):
     """A blocking call did not finish within its timeout."""
 
 
+class UpdateIncomplete(TensorHubError):
+    """A trainer's update of its inference engines (``send_weights`` of the vLLM backend) did
+    not reach every engine: one died or its read failed. The version is published; every
+    engine that took it runs it and says so (its update was finished); the others keep what
+    they ran. The engines' error is the ``__cause__``."""
+
+
 _BY_NAME = {
     cls.__name__: cls
     for cls in list(globals().values())

@@ -431,7 +431,10 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         model has) and move every engine to it (start / update / finish through the client).
         Returns the version. Every trainer rank calls it; only the sender touches TensorHub and
         the client. The source must yield the parameters of its metadata, in order
-        (``LayoutMismatch`` otherwise, nothing published: the engines keep the last version)."""
+        (``LayoutMismatch`` otherwise, nothing published: the engines keep the last version).
+        An engine that dies or fails its update does not hold up the others
+        (:func:`_update_engines`): they take the version and say so, then ``UpdateIncomplete``
+        names the engines that did not (they keep their previous weights)."""
         if not self.is_sender:
             for _ in self.source:
                 pass
@@ -460,9 +463,12 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
                                         f"its metadata {len(self.buffer)}")
         hub.publish(version)
         self.version = version
-        self.client.start_weight_update()
-        self.client.update_weights({"version": version})
-        self.client.finish_weight_update(str(version))
+        failed = _update_engines(self.client, version)
+        if failed:
+            where, first = failed[0]
+            raise errors.UpdateIncomplete(
+                f"model={self.info.model}: version {version} is published but {len(failed)} engine(s) did not take it "
+                f"({', '.join(w for w, _ in failed)}): {type(first).__name__}: {str(first)[:500]}") from first
         return version
 
     def _next_version(self) -> int:
@@ -483,6 +489,61 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
                 hub.close()
             except errors.LastCopyHeld:
                 hub.close(drop_last_copy=True)
+
+
+def _update_engines(client: VLLMWeightSyncClient, version: int) -> list[tuple[str, BaseException]]:
+    """start / update / finish ``version`` on every engine of ``client``; the engines that failed
+    (which engine, its error). With vLLM's Ray client (``handles``) or :class:`LocalLLMClient`
+    (``engines``) each engine goes through the calls on its own (the Ray ones at once): one that
+    dies or fails does not keep the others from finishing, and only those that took the version
+    are finished with it (``get_weight_version`` then says the truth on each). Any other client
+    (one engine, e.g. vLLM's HTTP client) is driven as one unit."""
+    handles = getattr(client, "handles", None)
+    engines = client.engines if isinstance(client, LocalLLMClient) else None
+    if handles is None and engines is None:
+        try:
+            client.start_weight_update()
+            client.update_weights({"version": version})
+        except Exception as e:  # noqa: BLE001 - the engine's error, whatever the client raises
+            return [("the engine", e)]
+        client.finish_weight_update(str(version))
+        return []
+    failed: list[tuple[str, BaseException]] = []
+    if engines is not None:
+        for i, e in enumerate(engines):
+            try:
+                e.start_weight_update()
+                e.update_weights({"update_info": {"version": version}})
+                e.finish_weight_update(str(version))
+            except Exception as err:  # noqa: BLE001 - this engine's error
+                failed.append((f"engine {i}", err))
+        return failed
+    import ray
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    live = list(enumerate(handles))
+    for step in ("start", "update", "finish"):
+        if step == "start":
+            refs = [h.start_weight_update.remote() for _, h in live]
+        elif step == "update":
+            request = WeightTransferUpdateRequest(update_info={"version": version})
+            refs = [h.update_weights.remote(request) for _, h in live]
+        else:
+            refs = [h.finish_weight_update.remote() for _, h in live]
+        ok = []
+        for (i, h), ref in zip(live, refs):
+            try:
+                ray.get(ref)
+                ok.append((i, h))
+            except Exception as err:  # noqa: BLE001 - a dead actor or the engine's error
+                failed.append((f"engine {i}", err))
+        live = ok
+    for i, h in live:
+        try:
+            ray.get(h.update_weight_version.remote(str(version)))
+        except Exception as err:  # noqa: BLE001
+            failed.append((f"engine {i}", err))
+    return failed
 
 
 def _gcs_address() -> str:

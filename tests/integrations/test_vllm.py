@@ -195,3 +195,184 @@ def test_the_rl_example_with_vllm_rollouts_improves_its_reward(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(res["reward_curve"]) == 20
     assert res["reward_last5"] > 2 * res["reward_first5"], res  # sampling is not seeded: 2.6x to 16x seen
+
+
+# ----------------------------------------------------------------------------- engines as Ray actors
+
+
+def _by_value() -> None:
+    """Ray workers cannot import this test module: its functions travel by value."""
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _engine_actor_class():
+    import ray
+
+    _by_value()
+
+    @ray.remote(num_cpus=0)
+    class EngineActor:
+        """A stock vLLM engine in a Ray actor (its engine core: a child process), driven by
+        vLLM's RayVLLMWeightSyncClient."""
+
+        def __init__(self, path: str) -> None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            self.llm = _engine(path)
+
+        def pids(self) -> list[int]:
+            """This actor's process and its children (the engine core, where the TensorHub handle lives)."""
+            import psutil
+
+            me = psutil.Process()
+            return [me.pid] + [c.pid for c in me.children(recursive=True)]
+
+        def greedy(self) -> list[list[int]]:
+            return _greedy(self.llm)
+
+        def init_weight_transfer_engine(self, request) -> None:
+            self.llm.init_weight_transfer_engine(request)
+
+        def start_weight_update(self) -> None:
+            self.llm.start_weight_update()
+
+        def update_weights(self, request) -> None:
+            self.llm.update_weights(request)
+
+        def finish_weight_update(self) -> None:
+            self.llm.finish_weight_update()
+
+        def update_weight_version(self, version: str) -> None:
+            self.llm.update_weight_version(version)
+
+        def get_weight_version(self) -> str:
+            return self.llm.get_weight_version()
+
+    return EngineActor
+
+
+def _trainer_actor_class():
+    import ray
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    _by_value()
+
+    class KilledOnUpdate:
+        """An engine's actor handle whose ``update_weights.remote`` asks for the update, then
+        SIGKILLs ``pids`` (the engine's actor and engine core): it dies mid-update."""
+
+        def __init__(self, actor, pids: list[int]) -> None:
+            self.actor, self.pids = actor, pids
+
+        def __getattr__(self, name: str):
+            method = getattr(self.actor, name)
+            if name != "update_weights":
+                return method
+            pids = self.pids
+
+            class Remote:
+                @staticmethod
+                def remote(*args):
+                    import signal
+
+                    ref = method.remote(*args)
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    return ref
+
+            return Remote
+
+    @ray.remote(num_cpus=0)
+    class TrainerActor:
+        def __init__(self, model_name: str, engines: list, seed: int) -> None:
+            self.model = _build("llama", seed=seed)
+            self.engines = engines
+            self.client = RayVLLMWeightSyncClient(engines)
+            self.engine = WeightTransferTrainerFactory.trainer_init(
+                thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=self.client,
+                source=ModuleSource(self.model))
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def step(self, k: int, *, kill: list[int] = (), engines: list = None) -> dict:
+            """One RL step: change the weights, send them; what happened, and how long it took.
+            ``kill``: the first engine's processes, killed once it was asked for the update."""
+            import time
+
+            if engines is not None:
+                self.engines = engines
+            self.client.handles = [KilledOnUpdate(h, list(kill)) if i == 0 and kill else h
+                                   for i, h in enumerate(self.engines)]
+            _step(self.model, k)
+            t0 = time.monotonic()
+            try:
+                v = self.engine.send_weights()
+                return {"version": v, "error": None, "seconds": time.monotonic() - t0}
+            except errors.TensorHubError as e:
+                return {"version": self.engine.version, "error": type(e).__name__, "message": str(e),
+                        "cause": type(e.__cause__).__name__, "seconds": time.monotonic() - t0}
+
+    return TrainerActor
+
+
+def test_engines_and_trainer_as_ray_actors_survive_a_killed_engine_and_a_killed_trainer(
+        ray_cluster, model_name, tmp_path):
+    """A trainer and two engines, each its own Ray actor, updated through vLLM's
+    RayVLLMWeightSyncClient. Engine A (its actor and engine core) is killed mid-update: the
+    trainer hears a typed UpdateIncomplete at once (no hang), engine B runs the new version and
+    says so, and the next step goes on with B alone. Then the trainer is killed after it
+    published: B keeps generating on that retained version, and its own update("latest") (pull
+    mode) answers at once, still that version."""
+    import signal
+    import time
+
+    ray = ray_cluster
+    path = _save(_build("llama", seed=3), tmp_path / "init")
+    Engine, Trainer = _engine_actor_class(), _trainer_actor_class()
+    a, b = Engine.remote(path), Engine.remote(path)
+    before = ray.get(b.greedy.remote())
+    trainer = Trainer.remote(model_name, [a, b], 3)
+    first = ray.get(trainer.step.remote(0), timeout=300)
+    assert first["error"] is None and ray.get([e.get_weight_version.remote() for e in (a, b)]) == [
+        str(first["version"])] * 2, first
+    on_first = ray.get(b.greedy.remote())
+    assert ray.get(a.greedy.remote()) == on_first != before
+
+    killed = ray.get(a.pids.remote())
+    second = ray.get(trainer.step.remote(1, kill=killed), timeout=300)
+    print("killed engine mid-update:", second)
+    assert second["error"] == "UpdateIncomplete" and second["version"] == first["version"] + 1, second
+    assert second["seconds"] < 120, second  # the trainer is told, not hung
+    assert ray.get(b.get_weight_version.remote()) == str(second["version"])  # B took it and says so
+    assert ray.get(b.greedy.remote()) != on_first  # B generates with the new weights
+
+    third = ray.get(trainer.step.remote(2, engines=[b]), timeout=300)
+    assert third["error"] is None and third["version"] == second["version"] + 1, third
+    served = ray.get(b.greedy.remote())
+
+    os.kill(ray.get(trainer.pid.remote()), signal.SIGKILL)  # after publishing: the trainer is gone
+    time.sleep(1.0)
+    assert ray.get(b.greedy.remote(), timeout=60) == served  # B keeps serving the version it runs
+    t0 = time.monotonic()
+    ray.get(b.start_weight_update.remote(), timeout=120)
+    ray.get(b.update_weights.remote({"update_info": {"version": "latest"}}), timeout=120)
+    ray.get(b.finish_weight_update.remote(), timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert ray.get(b.get_weight_version.remote()) == str(third["version"])
+    assert ray.get(b.greedy.remote()) == served
+    for pid in killed:  # nothing of engine A lingers
+        assert not _alive(pid), pid
+    ray.kill(b)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
