@@ -34,6 +34,8 @@ The bounds (all inclusive):
 - cell checksums (``CellSums``): at most ``CELLS_MAX`` (a grid's own bound), each cell index
   below it, a checksum of 64 bits; ``FindCells`` of at most ``SHARDS_MAX`` holders;
 - a whole encoded request: at most ``REQUEST_BYTES_MAX`` bytes;
+- the other way, a ``Newest`` event a handle reads (:func:`check_newest`): versions as above,
+  a smart skip's ``ready`` below its ``in_flight``, the newest version not above it;
 - a server that serves every model (``server_per_model`` off): at most ``MODELS_MAX`` models.
 """
 
@@ -93,6 +95,20 @@ def check_int(what: str, value: object, lo: int, hi: int) -> None:
 def check_version(what: str, value: object, *, unset_ok: bool = False) -> None:
     """A version number: ``0..VERSION_MAX`` (-1 also, where it means "none")."""
     check_int(what, value, -1 if unset_ok else 0, VERSION_MAX)
+
+
+def check_newest(ev: m.Newest) -> None:
+    """A ``Newest`` event (the server's, read by a handle): its version ``-1..VERSION_MAX``, and
+    its smart-skip state none (``in_flight`` and ``ready`` -1) or ``0 <= ready < in_flight <=
+    VERSION_MAX`` with ``version <= in_flight``. The handle takes an event out of bounds as no
+    news at all (:func:`tensorhub.core.handle_view.viewed`)."""
+    check_version("newest version", ev.version, unset_ok=True)
+    check_version("in_flight", ev.in_flight, unset_ok=True)
+    check_version("ready", ev.ready, unset_ok=True)
+    if (ev.in_flight, ev.ready) == (-1, -1):
+        return
+    if not 0 <= ev.ready < ev.in_flight or ev.version > ev.in_flight:
+        raise OutOfBounds(f"a smart skip of version {ev.in_flight} to {ev.ready} with newest {ev.version}")
 
 
 def check_spec(spec: object) -> None:

@@ -39,6 +39,8 @@ IN_PLAY = SERVABLE_OR_READING | {NodeState.DRAINING}
 """A version with a node of every shard in one of these states is, or is about to be, available."""
 _BUSY = frozenset({NodeState.READING, NodeState.WAITING, NodeState.DRAINING, NodeState.OFFLOADING})
 """A replica with a node in one of these states is busy: asked to seed only if no idle one is."""
+NO_SKIP = (-1, -1)
+""":meth:`CrossDatacenter.skip_news` when smart skipping would not skip."""
 SEED_LOOK_MAX = 64
 """Candidate seeders of a datacenter looked at, best rank first, for an idle one; when all of
 those are busy, the best-ranked is asked (a bounded look: a datacenter of 10,000 busy replicas
@@ -266,21 +268,63 @@ class CrossDatacenter:
         (:meth:`newest_in_play`), not merely the newest with a visible holder now."""
         newest = self.newest_in_play(node.model, avail)
         dc = node.datacenter
-        shards = range(self.table.models[node.model].num_shards)
         if self.complete_in(node.model, newest, dc):
             return None
-        local = next((v for v in reversed(avail) if v < newest and self.complete_in(node.model, v, dc)), -1)
+        local = self._ready(node.model, dc, avail, newest)
         own = node.version if node.state is NodeState.PUBLISHED and node.version < newest else -1
         keep = max(local, own)
-
-        def active_here(v: int, s: int) -> int:
-            me = 1 if (node.version == v and s == node.shard and node.state in (NodeState.READING, NodeState.WAITING)) else 0
-            return self.table.group((node.model, v, s)).active_dc[dc] - me
-
-        seeding = dc in self.seed_pending(node.model, newest) or any(
-            active_here(v, s) > 0 for v in self.table.retained(node.model) if v > keep for s in shards)
-        if not seeding:
+        if not self._seeding(node.model, dc, newest, keep, node):
             return None
         if keep < 0:
             return newest, -1
         return keep, newest
+
+    def skip_news(self, model: str, dc: str, avail: list[int]) -> tuple[int, int]:
+        """What :meth:`smart_skip` answers now, in datacenter ``dc``, a reader of ``model`` that
+        publishes the newest version complete there: ``(in_flight, ready)``, ``ready`` that
+        version and ``in_flight`` the newer one it skips, still on its way into ``dc``;
+        :data:`NO_SKIP` when it would not skip (smart skipping off, nothing complete there, the
+        newest version in play complete there already -- the seed landed -- or nothing seeding
+        into ``dc``). The same rules as :meth:`smart_skip` for a published reader of ``ready``
+        (pushed to the datacenter's handles, :mod:`tensorhub.core.views`). Cost: that of one
+        :meth:`smart_skip`."""
+        if not (self.table.config.smart_skipping and avail):
+            return NO_SKIP
+        newest = self.newest_in_play(model, avail)
+        if self.complete_in(model, newest, dc):
+            return NO_SKIP
+        ready = self._ready(model, dc, avail, newest)
+        if ready < 0 or not self._seeding(model, dc, newest, ready, None):
+            return NO_SKIP
+        return newest, ready
+
+    def skip_datacenters(self, model: str) -> set[str]:
+        """The datacenters where :meth:`skip_news` may find a skip: those with a seed entry of
+        ``model`` and those with a read of a retained version; everywhere else nothing seeds.
+        Cost: O(retained versions x shards x datacenters), never a scan of the clients."""
+        mod = self.table.models.get(model)
+        if mod is None or not self.table.config.smart_skipping:
+            return set()
+        dcs = set(mod.seed_asked)
+        for v in self.table.retained(model):
+            for s in range(mod.num_shards):
+                dcs.update(dc for dc, n in self.table.group((model, v, s)).active_dc.items() if n > 0)
+        return dcs
+
+    def _ready(self, model: str, dc: str, avail: list[int], newest: int) -> int:
+        """The newest available version older than ``newest`` complete in ``dc`` (-1: none)."""
+        return next((v for v in reversed(avail) if v < newest and self.complete_in(model, v, dc)), -1)
+
+    def _seeding(self, model: str, dc: str, newest: int, keep: int, reader: Optional[Node]) -> bool:
+        """Whether a version newer than ``keep`` is on its way into ``dc``: ``newest``'s seed is
+        asked there and pending, or a node there (not ``reader`` itself) reads a newer one."""
+        if dc in self.seed_pending(model, newest):
+            return True
+
+        def active_here(v: int, s: int) -> int:
+            me = 1 if (reader is not None and reader.version == v and s == reader.shard
+                       and reader.state in (NodeState.READING, NodeState.WAITING)) else 0
+            return self.table.group((model, v, s)).active_dc[dc] - me
+
+        shards = range(self.table.models[model].num_shards)
+        return any(active_here(v, s) > 0 for v in self.table.retained(model) if v > keep for s in shards)

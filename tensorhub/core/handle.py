@@ -61,9 +61,11 @@ Rules, in the order they are applied (each stated in full where it lives):
    the model remain, is refused by the server (``LastCopyHeld``): the handle stays open and keeps
    serving its host copy; ``close(drop_last_copy=True)`` drops it
    (:mod:`~tensorhub.core.handle_offer`).
-9. A no-op ``update("latest")`` of a handle that publishes the newest version it was told of,
-   while that knowledge is fresh (``noop_staleness_s``), ends at once with ``Done`` (``noop``,
-   ``local``), no request sent; it counts its round like any call
+9. A no-op ``update("latest")`` of a handle that publishes the newest version it was told of
+   -- or, while a newer one is still on its way into its datacenter, the newest version it was
+   told is complete there (a smart skip, ``in_flight`` set) -- while that knowledge is fresh
+   (``noop_staleness_s``), ends at once with ``Done`` (``noop``, ``local``), no request sent; it
+   counts its round like any call
    (:mod:`~tensorhub.core.handle_view`, :mod:`~tensorhub.core.handle_replicate`).
 """
 

@@ -22,8 +22,9 @@ Its rules:
 - ``ReplicaIncomplete`` (siblings still registering) and ``ServerRecovering`` are asked again
   after a pause while the call's deadlines last; a completion a fresh server holds back is sent
   again (:meth:`Read.hold <tensorhub.core.handle_read.Read.hold>`).
-- 9. A no-op ``update("latest")`` the handle's view answers (:mod:`~tensorhub.core.handle_view`)
-  ends at ``start`` with a local ``noop``, its round counted and resolved as a ``NoChange`` would.
+- 9. A no-op ``update("latest")`` the handle's view answers (:mod:`~tensorhub.core.handle_view`:
+  the newest version known, or a smart skip known) ends at ``start`` with a local ``noop``, its
+  round counted and resolved as a ``NoChange`` would.
 - ``update()``: once the server took the read it drained the old version (the handle is
   unpublished, an ``OffloadOrder`` first offloads its last copy); rule 3's all or nothing is
   the machine's ending (:meth:`HandleMachine._fail <tensorhub.core.handle.HandleMachine._fail>`).
@@ -68,12 +69,13 @@ class Replicating:
     def start(self, op: ReplicateOp, now: float) -> Commands:
         s = self.state
         s.seq = op.round if op.round is not None else s.seq + 1
-        if op.update and self.view.answers(op.spec, s.published, now,
-                                          sharded=s.register_msg is not None and s.register_msg.num_shards > 1):
-            # Rule 9 of the machine: the newest version known, known fresh; no call. The round
-            # is counted (an unsharded replica's round binds no sibling).
-            s.round = (s.seq, s.published)
-            return self._end([Done(Outcome(action="noop", version=s.published, local=True))])
+        local = self.view.answer(op.spec, s.published, now, sharded=s.register_msg is not None
+                                 and s.register_msg.num_shards > 1) if op.update else None
+        if local is not None:
+            # Rule 9 of the machine: the newest version known, or a smart skip known, known
+            # fresh; no call. The round is counted (an unsharded replica's round binds no sibling).
+            s.round = (s.seq, local.version)
+            return self._end([Done(local)])
         s.deadline = now + s.request_timeout_s
         self.read.begin(now, s.request_timeout_s if s.incomplete_wait_s is None else s.incomplete_wait_s)
         s.restoring = None

@@ -501,9 +501,24 @@ class Newest(_Msg, frozen=True):
     made a newer one readable, or the newest was withdrawn (lost, past retention, its last
     holder of some shard gone). Sent to every handle of the model when it changes, and to a
     handle when it registers; a handle that publishes it answers ``update("latest")`` locally
-    while what it knows is fresh (``Config.noop_staleness_s``, :mod:`tensorhub.core.handle_view`)."""
+    while what it knows is fresh (``Config.noop_staleness_s``, :mod:`tensorhub.core.handle_view`).
+
+    With it, smart skipping's state in the handle's datacenter (``Config.smart_skipping``):
+    ``in_flight`` (>= ``version``) is still on its way into that datacenter and ``ready``
+    (``0 <= ready < in_flight``) is the newest version complete there, so a handle that
+    publishes ``ready`` answers ``update("latest")`` locally as a skip of ``in_flight``, as the
+    server would; both -1: no skip (the seed landed, nothing seeds, or the server does not
+    tell). Sent again to the datacenter's handles whenever that state changes, the seed's
+    landing included. Bounds: :func:`tensorhub.core.bounds.check_newest`."""
 
     version: int
+    in_flight: int = -1
+    ready: int = -1
+
+    def __repr__(self) -> str:
+        # Without the skip when there is none, as it read before it existed.
+        skip = f", in_flight={self.in_flight}, ready={self.ready}" if self.in_flight >= 0 or self.ready >= 0 else ""
+        return f"Newest(version={self.version}{skip})"
 
 
 class DropHostCopy(_Msg, frozen=True):

@@ -144,7 +144,8 @@ class ReferenceCore:
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
         self.views = Views(self.table, available=self.versions.available_all,
                            clients_of=lambda model: self.members.clients_of(model),
-                           recovering=lambda: self.table.now < self.recovery.until)
+                           recovering=lambda: self.table.now < self.recovery.until,
+                           skip_news=self.crossdc.skip_news, skip_datacenters=self.crossdc.skip_datacenters)
         """Pushes of each model's newest version for local no-op answers (:mod:`tensorhub.core.views`)."""
         self.rounds = Rounds(self.table, resolve=self.versions.resolve, available=self.versions.available_all,
                              stop_reading=self.reading.stop, describe=self._describe,

@@ -387,7 +387,7 @@ class SimClient:
             self._finish(code)
             return
         if outcome.local:
-            self.world.checker.freshness.on_local_answer(self, outcome.version)
+            self.world.checker.freshness.on_local_answer(self, outcome.version, outcome.in_flight)
         if self.op is not None and self.op.kind == "replicate":
             self.world.checker.on_replicated(self, outcome.version)
         self._finish("ok", outcome.version, prefetched=self._from_own_stage(outcome))
@@ -541,7 +541,7 @@ class SimClient:
         seen = hm.viewed(reply, self.cid, sent) if sent is not None else None
         if seen is not None:
             if seen.newest is not None:
-                self.world.checker.freshness.on_told(self.cid, seen.number, seen.newest)
+                self.world.checker.freshness.on_told(self.cid, seen.number, seen.newest, seen.in_flight, seen.ready)
             self._feed(seen)
         answer = bg.after_pulse(known=self.cid not in reply.unknown, may_announce=announce,
                                 acked_before=self.notes_acked, acked=reply.acks.get(self.cid, -1),

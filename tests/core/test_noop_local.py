@@ -3,14 +3,20 @@
 
     trainer publishes v -> server pushes Newest(v) -> held pulse answered -> handle: update("latest")
     answered without a call while what it knows is at most noop_staleness_s old
+
+and smart skips answered locally (the pushes carry the skip of the handle's datacenter; below).
 """
 
 from __future__ import annotations
 
+import pytest
+
 from tensorhub.config import Config
+from tensorhub.core import bounds
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
 from tensorhub.core.reference import ReferenceCore
+from tensorhub.errors import OutOfBounds
 from tensorhub.server.requests import Mailboxes, apply_request
 
 from tests.core.test_core import LAYOUT
@@ -18,10 +24,10 @@ from tests.core.test_core import LAYOUT
 CFG = Config(noop_staleness_s=10.0)
 
 
-def _machine(num_shards: int = 1, version: int = 3) -> hm.HandleMachine:
-    mc = hm.HandleMachine("c", request_timeout_s=5.0, reconnects_max=1, failovers_max=1, unit_count=4,
+def _machine(num_shards: int = 1, version: int = 3, cid: str = "c") -> hm.HandleMachine:
+    mc = hm.HandleMachine(cid, request_timeout_s=5.0, reconnects_max=1, failovers_max=1, unit_count=4,
                           noop_staleness_s=10.0)
-    mc.register_msg = m.Register("c", "pol", "r", 0, num_shards, LAYOUT)
+    mc.register_msg = m.Register(cid, "pol", "r", 0, num_shards, LAYOUT)
     mc.phase, mc.published = hm.Phase.PUBLISHED, version
     mc.region_version, mc.region_progress = version, 4
     return mc
@@ -95,8 +101,8 @@ class Server:
     def call(self, req):
         return apply_request(self.core, self.mail, req, self.now)[0]
 
-    def reg(self, cid, replica=None, shard=0, num_shards=1):
-        assert isinstance(self.call(m.Register(cid, "pol", replica or cid, shard, num_shards, LAYOUT, cid.encode())),
+    def reg(self, cid, replica=None, shard=0, num_shards=1, dc=""):
+        assert isinstance(self.call(m.Register(cid, "pol", replica or cid, shard, num_shards, LAYOUT, cid.encode(), dc)),
                           m.Registered)
 
     def pulse(self, cid) -> m.PulseReply:
@@ -152,3 +158,129 @@ def test_pulses_are_held_at_most_the_bound_less_two_intervals():
 
 def test_a_bound_under_two_intervals_holds_no_pulse():
     assert Config(noop_staleness_s=1.5, heartbeat_interval_s=1.0).pulse_hold_max_s == 0.0
+
+
+# ---------------------------------------------------------------------------- smart skips answered locally
+#
+#     dc a: trainer t publishes 2 ;  dc b: b0 holds 1, b1 seeds 2 across  ->  the server pushes
+#     Newest(2, in_flight=2, ready=1) to dc b  ->  b0: update("latest") skips 2, no call  ->
+#     b1's seed lands  ->  Newest(2, -1, -1) to dc b  ->  b0 asks, and the server assigns 2
+
+
+SKIPPING = Config(noop_staleness_s=10.0, versions_retained=3, smart_skipping=True, offload_seeding=False,
+                  prefetch_in_datacenter=False)
+
+
+def _skip_world() -> Server:
+    s = Server(SKIPPING)
+    for cid, dc in (("t", "a"), ("b0", "b"), ("b1", "b")):
+        s.reg(cid, dc=dc)
+    s.now = 40.0  # past the recovery window a fresh server starts with
+    s.call(m.Publish("t", 1))
+    for b in ("b0", "b1"):
+        s.call(m.Replicate(b, 1)); s.call(m.ReplicateDone(b, 1))
+    s.call(m.Unpublish("t")); s.call(m.Publish("t", 2))
+    assert s.call(m.Replicate("b1", "latest", update=True, seq=1)).version == 2  # the seed of dc b, in flight
+    return s
+
+
+def _last_newest(reply: m.PulseReply, cid: str) -> m.Newest:
+    return [e for e in reply.notes[cid] if isinstance(e, m.Newest)][-1]
+
+
+def _told(mc, s: Server, cid: str) -> None:
+    mc.handle(hm.viewed(s.pulse(cid), cid, sent_at=s.now), s.now)
+
+
+def test_a_seed_in_flight_is_pushed_to_its_datacenter_and_a_noop_is_answered_locally_as_the_servers_skip():
+    s = _skip_world()
+    assert _last_newest(s.pulse("b0"), "b0") == m.Newest(version=2, in_flight=2, ready=1)
+    assert _last_newest(s.pulse("t"), "t") == m.Newest(version=2), "dc a seeds nothing: no skip there"
+    mc = _machine(version=1, cid="b0")
+    _told(mc, s, "b0")
+    cmds = _update(mc, s.now + 1.0)
+    assert cmds == [hm.Done(hm.Outcome(action="noop", version=1, in_flight=2, local=True))], "no call"
+    assert mc.state.round == (1, 1)
+    assert s.call(m.Replicate("b0", "latest", update=True, seq=1)) == m.NoChange(version=1, in_flight=2), \
+        "the server answers the same"
+
+
+def test_the_seed_landing_is_pushed_and_the_next_noop_asks_the_server_which_assigns_the_read():
+    s = _skip_world()
+    mc = _machine(version=1, cid="b0")
+    _told(mc, s, "b0")
+    assert s.call(m.ReplicateDone("b1", 2)) == m.Ok()  # the seed landed in dc b
+    assert _last_newest(s.pulse("b0"), "b0") == m.Newest(version=2)
+    _told(mc, s, "b0")
+    cmds = _update(mc, s.now + 1.0)
+    assert isinstance(cmds[-1], hm.Send) and isinstance(cmds[-1].request, m.Replicate)
+    # b0 holds the last non-spot copy of 1: it offloads it, then reads 2 (inside dc b now).
+    assert s.call(m.Replicate("b0", "latest", update=True, seq=1)) == m.OffloadOrder(version=1)
+    assert s.core.nodes["b0"].pending_read == (2, 0)
+
+
+def _skip(in_flight=2, ready=1, newest=2, number=1, as_of=100.0, view_s=10.0) -> hm.Viewed:
+    return hm.Viewed(newest=newest, number=number, as_of=as_of, view_s=view_s, in_flight=in_flight, ready=ready)
+
+
+def test_a_local_skip_is_answered_only_while_fresh():
+    mc = _machine(version=1)
+    mc.handle(_skip(as_of=100.0), 100.0)
+    assert _update(mc, 109.9) == [hm.Done(hm.Outcome(action="noop", version=1, in_flight=2, local=True))]
+    mc = _machine(version=1)
+    mc.handle(_skip(as_of=100.0), 100.0)
+    assert isinstance(_update(mc, 110.0)[-1], hm.Send), "stale: ask"
+    mc = _machine(version=1)
+    mc.handle(_skip(as_of=100.0, view_s=0.0), 100.0)
+    assert isinstance(_update(mc, 100.5)[-1], hm.Send), "a server that grants nothing"
+
+
+def test_skip_news_out_of_order_never_makes_the_handle_answer_an_older_version():
+    """The newer answer (number 9) says 2 is complete in the datacenter now (3 in flight); the
+    older one (number 7), arriving after it, still says 1: not taken, so a handle at 1 asks."""
+    mc = _machine(version=1)
+    mc.handle(_skip(in_flight=3, ready=2, newest=3, number=9, as_of=100.0), 100.0)
+    mc.handle(_skip(in_flight=2, ready=1, newest=2, number=7, as_of=101.0), 101.0)
+    assert (mc.view.newest, mc.view.in_flight, mc.view.ready) == (3, 3, 2)
+    assert isinstance(_update(mc, 101.5)[-1], hm.Send)
+    landed = _machine(version=1)
+    landed.handle(_skip(in_flight=-1, ready=-1, newest=2, number=9, as_of=100.0), 100.0)
+    landed.handle(_skip(in_flight=2, ready=1, newest=2, number=7, as_of=101.0), 101.0)
+    assert isinstance(_update(landed, 101.5)[-1], hm.Send), "the landing is newer news than the skip"
+
+
+def test_a_skip_is_answered_only_by_a_handle_publishing_its_ready_version_and_never_by_a_shard():
+    for published in (0, 2):  # older than the version readable here; the one in flight (newest: rule 3)
+        mc = _machine(version=published)
+        mc.handle(_skip(in_flight=3, ready=1, newest=3), 100.0)
+        assert isinstance(_update(mc, 101.0)[-1], hm.Send), published
+    sharded = _machine(num_shards=2, version=1)
+    sharded.handle(_skip(), 100.0)
+    assert isinstance(_update(sharded, 101.0)[-1], hm.Send), "a shard's round is the server's to resolve"
+    other = _machine(version=1)
+    other.handle(_skip(), 100.0)
+    assert isinstance(_update(other, 101.0, spec="latest-1")[-1], hm.Send)
+
+
+@pytest.mark.parametrize("news, ok", [
+    (m.Newest(version=2), True),
+    (m.Newest(version=-1), True),
+    (m.Newest(version=2, in_flight=2, ready=1), True),
+    (m.Newest(version=1, in_flight=3, ready=0), True),
+    (m.Newest(version=3, in_flight=2, ready=1), False),  # a newer version than the one in flight
+    (m.Newest(version=2, in_flight=2, ready=2), False),  # ready not older than in flight
+    (m.Newest(version=2, in_flight=2, ready=-1), False),  # a skip to nothing
+    (m.Newest(version=2, in_flight=-1, ready=1), False),
+    (m.Newest(version=2, in_flight=2**53, ready=1), False),
+])
+def test_newest_news_out_of_bounds_is_no_news(news, ok):
+    reply = m.PulseReply(notes={"c": [news]}, acks={"c": 3}, view_s=10.0)
+    seen = hm.viewed(reply, "c", sent_at=0.0)
+    if ok:
+        bounds.check_newest(news)
+        assert (seen.newest, seen.in_flight, seen.ready) == (news.version, news.in_flight, news.ready)
+    else:
+        with pytest.raises(OutOfBounds):
+            bounds.check_newest(news)
+        assert (seen.newest, seen.in_flight, seen.ready) == (None, -1, -1)
+    assert m.decode_reply(m.encode(news)) == news
