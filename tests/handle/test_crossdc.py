@@ -95,6 +95,41 @@ def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locall
         h.close(drop_last_copy=True)
 
 
+def test_a_smart_skip_is_answered_locally_without_a_call_until_the_seed_landed():
+    """With ``noop_staleness_s``, the server pushes dc b's skip to its handles: while b0's seed
+    of 2 is held half way, b1's ``update("latest")`` skips 2 with no server call and the same
+    ``ReadStats`` as the server's skip; once the news that the seed landed reached b1, its
+    update asks the server and reads 2 inside dc b."""
+    cfg = CFG.replace(noop_staleness_s=5.0)
+    port = LocalPort(cfg)
+    trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
+    b0, _ = _hub(port, "b", config=cfg, replica="b0")
+    b1, b1t = _hub(port, "b", config=cfg, replica="b1")
+    _publish(trainer, tt, 1)
+    _wait(lambda: _staged(b0, 1))
+    assert b1.update("latest").version == 1 and b0.update("latest").prefetched
+    stage = b0.staging
+    half, go = inproc.hold_half_way(stage)
+    _publish(trainer, tt, 2)
+    assert half.wait(20)
+    view = b1._machine.view
+    _wait(lambda: (view.in_flight, view.ready) == (2, 1))  # the push of dc b's skip reached b1
+    before = b1.server_calls()
+    st = b1.update("latest")
+    assert (st.action, st.version, st.skipped_in_flight) == ("noop", 1, 2)
+    assert b1.server_calls() == before, "answered locally"
+    go.set()
+    _wait(lambda: _staged(b0, 2) and view.in_flight == -1)  # landed, and b1 was told
+    before = b1.server_calls()
+    st = b1.update("latest")
+    assert (st.version, st.skipped_in_flight, st.cross_datacenter) == (2, None, False)
+    assert b1.server_calls() > before
+    workload.fill_version(tt, 2)
+    assert workload.digest(b1t) == workload.digest(tt)
+    for h in (b1, b0, trainer):
+        h.close(drop_last_copy=True)
+
+
 def test_a_landed_seed_stays_in_its_datacenter_while_the_next_one_crosses(port):
     """The seeder's staging copy lands version 2 and, before any engine there took it, version
     3 is committed: the staging copy keeps 2 in its datacenter as a host copy before it starts
