@@ -60,7 +60,11 @@ class Config:
     that publishes the newest version it was told of answers ``update("latest")`` as a no-op
     without a call while that knowledge is at most this old -- it counts from the moment the
     server answered the pulse that brought it, so a delayed push or a slow server never makes a
-    local answer staler than this. The server holds pulses at most ``noop_staleness_s - 2 *
+    local answer staler than this. With ``smart_skipping``, the pushes also say whether a newer
+    version is still on its way into the handle's datacenter and which version is complete
+    there; a handle that publishes that one answers as a smart skip, locally
+    (``ReadStats.skipped_in_flight`` set, as from the server), until it is told the seed landed.
+    The server holds pulses at most ``noop_staleness_s - 2 *
     heartbeat_interval_s`` (:attr:`pulse_hold_max_s`) so a live handle's knowledge is renewed
     before it runs out. Shards of sharded replicas always ask (their rounds are transactions
     the server resolves; docs/design.md, "No-op updates answered locally"). 0 (the default):
@@ -104,7 +108,8 @@ class Config:
     a copy in progress (memory speed) or cancels one still waiting for a buffer."""
     smart_skipping: bool = True
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version
-    (``ReadStats.skipped_in_flight`` names the version still seeding)."""
+    (``ReadStats.skipped_in_flight`` names the version still seeding); with
+    ``noop_staleness_s``, a no-op skip is answered by the handle without a call."""
     offload_seeding: bool = True
     """When a version is committed, the server asks one replica of each other datacenter to
     receive it into a staging copy in the background (``SeedAhead`` -> ``Hub.prefetch``): the
