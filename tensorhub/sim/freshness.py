@@ -83,6 +83,7 @@ class NoopFreshnessChecker:
 
     def on_local_answer(self, client, version: int, in_flight: int = -1) -> None:
         self.local_answers += 1
+        self.world.checker.observer.path("local_skip" if in_flight >= 0 else "local_noop")
         if in_flight >= 0:
             self._local_skip(client, version, in_flight)
             return
