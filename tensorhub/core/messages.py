@@ -503,7 +503,8 @@ class Newest(_Msg, frozen=True):
     handle when it registers; a handle that publishes it answers ``update("latest")`` locally
     while what it knows is fresh (``Config.noop_staleness_s``, :mod:`tensorhub.core.handle_view`).
 
-    With it, smart skipping's state in the handle's datacenter (``Config.smart_skipping``):
+    With it, for a model of unsharded replicas, smart skipping's state in the handle's
+    datacenter (``Config.smart_skipping``):
     ``in_flight`` (>= ``version``) is still on its way into that datacenter and ``ready``
     (``0 <= ready < in_flight``) is the newest version complete there, so a handle that
     publishes ``ready`` answers ``update("latest")`` locally as a skip of ``in_flight``, as the

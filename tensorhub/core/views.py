@@ -11,8 +11,8 @@ Rules (docs/design.md, "No-op updates answered locally"):
    (a commit, or the newest withdrawn: lost, past retention, no holder of some shard) sends
    ``Newest(version)`` to every handle of the model; a handle that registers or announces gets
    the current one. They are background events: they answer held pulses at once.
-2. **Skips pushed too.** Each ``Newest`` also carries smart skipping's state in the handle's
-   datacenter (``in_flight``, ``ready``: :meth:`~tensorhub.core.crossdc.CrossDatacenter.skip_news`,
+2. **Skips pushed too.** Each ``Newest`` of a model of unsharded replicas (rule 5: no other
+   answers locally) also carries smart skipping's state in the handle's datacenter (``in_flight``, ``ready``: :meth:`~tensorhub.core.crossdc.CrossDatacenter.skip_news`,
    the rules the server's own ``update("latest")`` resolves by): a newer version ``in_flight``
    is still on its way into that datacenter, so a reader publishing ``ready``, the newest
    version complete there, keeps it. Whenever a datacenter's state changes -- a seed starts, a
@@ -105,7 +105,9 @@ class Views:
         avail = self._available(model)
         newest = avail[-1] if avail else -1
         skips = {}
-        for dc in sorted(self._skip_datacenters(model)):
+        # Only replicas of one shard answer locally (rule 5): a sharded model's skips are not
+        # pushed, nor looked at on every settle.
+        for dc in sorted(self._skip_datacenters(model) if self.table.models[model].num_shards == 1 else ()):
             news = self._skip_news(model, dc, avail)
             if news != NO_SKIP:
                 assert 0 <= news[1] < news[0] and newest <= news[0], (model, dc, newest, news)

@@ -284,3 +284,24 @@ def test_newest_news_out_of_bounds_is_no_news(news, ok):
             bounds.check_newest(news)
         assert (seen.newest, seen.in_flight, seen.ready) == (None, -1, -1)
     assert m.decode_reply(m.encode(news)) == news
+
+
+def test_shards_of_a_sharded_model_are_told_no_skip():
+    """dc a: trainer t (2 shards) ; dc b: b0 holds 1, b1 seeds 2. The server would skip for b0
+    (its shards ask it), but pushes b0 no skip: a shard never answers locally."""
+    s = Server(SKIPPING)
+    for rep, dc in (("t", "a"), ("b0", "b"), ("b1", "b")):
+        for sh in (0, 1):
+            s.reg(f"{rep}{sh}", replica=rep, shard=sh, num_shards=2, dc=dc)
+    s.now = 40.0
+    for sh in (0, 1):
+        s.call(m.Publish(f"t{sh}", 1))
+    for rep in ("b0", "b1"):
+        for sh in (0, 1):
+            s.call(m.Replicate(f"{rep}{sh}", 1, seq=1)); s.call(m.ReplicateDone(f"{rep}{sh}", 1))
+    for sh in (0, 1):
+        s.call(m.Unpublish(f"t{sh}")); s.call(m.Publish(f"t{sh}", 2))
+    for sh in (0, 1):
+        assert s.call(m.Replicate(f"b1{sh}", "latest", update=True, seq=2)).version == 2
+    assert _last_newest(s.pulse("b00"), "b00") == m.Newest(version=2)
+    assert s.call(m.Replicate("b00", "latest", update=True, seq=2)) == m.NoChange(version=1, in_flight=2)
