@@ -41,6 +41,7 @@ ERRORS = {
     "ChecksumMismatch": ("TensorHubError",), "MutabilityViolation": ("TensorHubError",),
     "Unauthorized": ("TensorHubError",), "OutOfBounds": ("TensorHubError",), "WrongModel": ("OutOfBounds",),
     "ClusterError": ("TensorHubError",), "RequestTimeout": ("TensorHubError",),
+    "UpdateIncomplete": ("TensorHubError",),
 }
 """Every error class by name, with its TensorHub parent (the wire format: renaming one breaks a
 process of the previous version, which rebuilds an unknown name as a bare TensorHubError)."""
