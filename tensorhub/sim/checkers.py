@@ -71,7 +71,7 @@ from typing import Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core.placements import logical, shown
-from tensorhub.core.state import NodeState
+from tensorhub.core.state import COMPLETE, NodeState
 from tensorhub.placement import _subtract_all
 from tensorhub.sim.freshness import NoopFreshnessChecker
 from tensorhub.sim.known import KNOWN_OPEN
@@ -590,16 +590,21 @@ class GhostCopyChecker:
         node = core.nodes[holder]
         if version not in core.retained(node.model) or f"{holder}#host{version}" in core.nodes:
             return
-        others = [core.nodes[i] for i in sorted(core.groups.get((node.model, version, node.shard), ()))]
+        own = [core.nodes[i] for i in sorted(core.groups.get((node.model, version, node.shard), ()))]
         # Another layout class's copies count too (the core's retention counts a replica of
         # another layout that holds the version whole): every shard of theirs, any one alive
         # proves enough for this checker (it does not plan whether that layout fills the shard).
+        # There a draining or offloading holder is a copy as much as a published one: it holds
+        # every unit, its process writes none before its drain ends, and the end of its own drain
+        # decides its offload anew, after this holder let go (the core's COMPLETE).
+        others = []
         for cls in core.table.classes.get(logical(node.model), ()):
             if cls != node.model:
                 for s in range(core.models[cls].num_shards):
                     others += [core.nodes[i] for i in sorted(core.groups.get((cls, version, s), ()))]
-        owners = sorted({o.owner if o.host else o.id for o in others
-                         if o.id != holder and o.owner != holder and o.state.value == "published" and not o.spot})
+        copies = [o for o in own if o.state.value == "published"] + [o for o in others if o.state in COMPLETE]
+        owners = sorted({o.owner if o.host else o.id for o in copies
+                         if o.id != holder and o.owner != holder and not o.spot})
         if not owners:
             return  # no other copy counted: not a skip this checker judges
         window = 2.5 * self.world.config.heartbeat_interval_s
