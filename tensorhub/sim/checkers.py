@@ -106,6 +106,13 @@ class Checker:
         self.freshness = NoopFreshnessChecker(world, self.violate)
         self.restarted_at: Optional[float] = None
         """When the server last restarted (its recovery window starts then)."""
+        self.live_at_death: dict[int, dict[str, tuple[int, int, tuple[str, ...]]]] = {}
+        """Server epoch -> the reads (``assign``) still live when that server died (i)."""
+        self.forgotten_sources: set[str] = set()
+        """Clients the server restarted last has evicted since (a sibling's process died, a lease
+        ran out): it protects no read of theirs that spans the restart (i), as the old server
+        would not have (b). Not a holder that left: it may leave only once its drain ended,
+        which is what the recovery window holds back."""
         self.observer = CoreObserver(self)
         self.known_open: list[tuple[str, float, str]] = []
         """Violations of open defects of the shipped code (see :data:`KNOWN_OPEN`)."""
@@ -170,6 +177,7 @@ class Checker:
             elif isinstance(ev, m.Evicted):
                 self.assign.pop(eff.client_id, None)
                 self._revoke_source(eff.client_id)
+                self.forgotten_sources.add(eff.client_id)
             elif isinstance(ev, m.UnpublishDone):
                 retention_check = True
         if retention_check:
@@ -298,6 +306,12 @@ class Checker:
             node = core.nodes.get(rd.reader) if core is not None else None
             attached = (node is not None and (node.source == rd.source or rd.source in node.reshard_from)
                         and node.state is NodeState.READING)
+            if not attached and (not self._live_at_death(rd) or key.split("#")[0] in self.forgotten_sources):
+                # Revoked before its server died (that server failed the reader, or evicted the
+                # holder: (b)'s rules), or its holder evicted since by the new server, which has
+                # not taken the read up: no server protects it; it may see junk, which its
+                # checksums catch.
+                continue
             in_window = w.sim.now < self.restarted_at + w.config.lease_timeout_s and (
                 node is None or node.awaiting_source == rd.source or attached)
             if attached or in_window:
@@ -308,6 +322,18 @@ class Checker:
 
     def note_restart(self) -> None:
         self.restarted_at = self.world.sim.now
+        self.forgotten_sources = set()
+        for e in range(self.world.server.epoch):
+            self.live_at_death.setdefault(e, {})
+        for reader, got in self.assign.items():
+            if got[0] < self.world.server.epoch:
+                self.live_at_death.setdefault(got[0], {})[reader] = got
+
+    def _live_at_death(self, rd) -> bool:
+        """Whether read ``rd`` (of a pull assigned by a server that has died since) was still live
+        when that server died."""
+        got = self.live_at_death.get(rd.pull_epoch, {}).get(rd.reader)
+        return got is not None and got[1] == rd.assign_no and rd.source in got[2]
 
     def check_host_leaks(self) -> None:
         """(p), at the end."""
