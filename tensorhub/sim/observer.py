@@ -243,10 +243,44 @@ class CoreObserver:
         if isinstance(req, m.Leave) and isinstance(reply, m.Ok) and not req.drop_last_copy:
             released += [(req.client_id, v, shard) for v, shard in pre.get("hosts", ())]
         for nid, v, shard in released:
-            if v in retained and not self._live_copy(nid, v, shard, leaving=isinstance(req, m.Leave)):
+            if self._matters(core, nid, v, retained) and not self._live_copy(nid, v, shard, leaving=isinstance(req, m.Leave)):
                 self.checker.violate("last_copy", f"{nid} let go of retained version {v} shard {shard} without "
                                                   f"an offload while no other live non-spot copy of it exists",
                                      known=_known_last_copy(self.checker))
+
+    def _matters(self, core, releaser: str, v: int, retained: list[int]) -> bool:
+        """Whether letting go of ``v`` can lose it. Outside ``mixed``: ``v`` is retained. In
+        ``mixed`` retention is a layout class's, and a class is filled from another only by a
+        replica of that class holding the version whole (every shard: a resharded read's
+        source): the release matters when ``v`` is retained in the releaser's own class, or
+        retained in another class while the releaser's replica holds ``v`` whole in truth (it may
+        be that class's copy). A shard of a replica that does not hold ``v`` whole, of a version
+        its own class does not retain, is no copy any reader could ever be given."""
+        w = self.world
+        if w.mixed is None:
+            return v in retained
+        node = core.nodes.get(releaser)
+        own = node.model if node is not None else w.params.model
+        if v in core.retained(own):
+            return True
+        if not any(v in core.retained(cls) for cls in core.models):
+            return False
+        c = w.clients.get(releaser.split("#", 1)[0])
+        allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
+        return c is not None and c.driver is not None and self._replica_holds(c.driver, v, allow_s)
+
+    def _replica_holds(self, d, v: int, allow_s: float) -> bool:
+        """Every shard of replica ``d`` holds ``v`` whole in truth: its member alive, in memory or
+        a host copy, or a process of that shard (the member now, or one it replaced) that crashed
+        so recently (within ``allow_s``, holding ``v``) that the server cannot know yet."""
+        now = self.world.sim.now
+        for c in d.members:
+            if c.alive and (c.mem == c.want(v) or c.host_copies.get(v) == c.want(v)):
+                continue
+            if not any(rep == d.replica_id and sh == c.tag_shard and v in held and now - t <= allow_s
+                       for t, sh, held, _, rep, _ in self.crashes.values()):
+                return False
+        return True
 
     def _live_copy(self, releaser: str, v: int, shard: int, leaving: bool) -> bool:
         w = self.world
@@ -280,18 +314,10 @@ class CoreObserver:
         reads, bring the version back), each of its shards alive or crashed so recently (within
         ``allow_s``, holding ``v``) that the server cannot know yet: the blind spot the same
         layout's copies are allowed."""
-        now = self.world.sim.now
-
-        def holds(c) -> bool:
-            if c.alive:
-                return c.mem == c.want(v) or c.host_copies.get(v) == c.want(v)
-            crash = self.crashes.get(c.cid)
-            return crash is not None and v in crash[2] and now - crash[0] <= allow_s
-
         for d in self.world.drivers():
             members = [c for c in d.members if not c.spot]
             if (len(members) == d.num_shards and all(c.tag_shard != tag_shard for c in members)
-                    and all(holds(c) for c in members)):
+                    and self._replica_holds(d, v, allow_s)):
                 return True
         return False
 
