@@ -14,7 +14,9 @@ import msgspec
 import pytest
 
 from tensorhub.core import other_layouts
+from tensorhub.core.placements import logical
 from tensorhub.core.reading import Reading
+from tensorhub.core.retention import Retention
 from tensorhub.core.state import NodeState
 from tensorhub.sim import run_scenario
 from tensorhub.sim.scenario import World
@@ -39,6 +41,21 @@ def test_seeds_that_found_defects_run_clean(seed):
     42: two waiting classes woke each other without end; 90, 210: last_copy counted copies of
     the releaser's own layout only (a replica of another layout holding the version whole is a
     copy: a resharded read brings it back)."""
+    res = run_scenario(seed, "mixed")
+    assert res.ok, res.violations
+
+
+@pytest.mark.parametrize("seed", [773, 1706, 3672, 2080, 4092])
+def test_seeds_where_checkers_misjudged_mixed_layouts_run_clean(seed):
+    """Checker gaps the 10,000-seed sweep found (the shipped code was right):
+    773 ghost: another layout class's copy that is offloading (its process alive) was not
+    counted; 1706 last_copy: a lone shard of a replica that does not hold the version whole, of
+    a version its own class does not retain, was judged by the first class's retention;
+    3672 last_copy: a whole replica of another layout whose processes hung moments before (the
+    server cannot know yet) was not counted once restarted processes took their places;
+    2080 restart: a read the old server had already revoked (reader failed, holder evicted)
+    before it died; 4092 restart: a read whose holder the new server evicted (a sibling's
+    process died)."""
     res = run_scenario(seed, "mixed")
     assert res.ok, res.violations
 
@@ -102,12 +119,31 @@ def assignment_lists_needed_shards_only(mp):
     mp.setattr(Reading, "assignment", bad)
 
 
+def other_class_counts_while_silent(mp):
+    """Retention counts another layout class's whole replica as a copy even when its processes
+    have been silent too long to count as alive."""
+    mp.setattr(Retention, "held_in_other_layout",
+               lambda self, node, attended=False: self._others.holds(node, lambda n: not n.spot))
+
+
+def any_other_class_counts(mp):
+    """Retention counts any node of another layout class at the version as a copy (not whole,
+    not alive)."""
+    def bad(self, node, attended=False):
+        t = self.table
+        return any(t.groups.get((cls, node.version, s)) for cls in t.classes.get(logical(node.model), ())
+                   if cls != node.model for s in range(t.models[cls].num_shards))
+    mp.setattr(Retention, "held_in_other_layout", bad)
+
+
 # (bug, checker kind, seeds of the mixed workload): the first seed of 0, 1, 2, ... that catches it.
 CASES = [
     (reshard_counts_first_holder_only, "mutate", [2]),  # trainer/s1 writes under rwhole-0/s0's read
     (leave_first_source_only, "hang", [2]),  # the trainer's unpublish never finishes
     (reshard_from_partial_holders, "reshard", [1]),  # a rows4 replica holding 1/5 units
     (assignment_lists_needed_shards_only, "reshard", [1]),  # 2 shards of a 4-shard trainer listed
+    (other_class_counts_while_silent, "last_copy", [14]),  # 8 in 300 seeds
+    (any_other_class_counts, "ghost", [100]),  # 3 in 200 seeds (retention 67, last_copy 9)
 ]
 
 
