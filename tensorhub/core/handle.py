@@ -358,9 +358,20 @@ class HandleMachine:
             # handle, or the server: VersionLost, a refused resume); the units and their
             # checksums stay, for a later call to resume on after a recheck.
             cmds.append(SetRegion(-1, 0))
+        if isinstance(op, PublishOp) and s.published != op.version and code == "ServerUnavailable" \
+                and s.region_version == op.version and s.restoring is None:
+            # No reply: the server may have applied it (a reply lost, or a restart after it)
+            # and may be sending readers here. The handle holds the version as published, and
+            # the user must unpublish() before writing the tensors (idempotent at the server if
+            # it never applied it); a reconnect announces it. Hiding it instead would let the
+            # user overwrite bytes the server still hands out, and refuse the next publish.
+            s.published = op.version
+            s.phase = Phase.PUBLISHED
+            return self._end(cmds + [Fail(code, f"{message} (the publish of version {op.version} may have been "
+                                                "applied: the handle holds it as published; unpublish() before "
+                                                "writing the tensors)")])
         if isinstance(op, PublishOp) and s.published != op.version:
-            # A publish that failed (refused, or no reply: ServerUnavailable) advertises nothing:
-            # the user may write the tensors next.
+            # A publish the server refused advertises nothing: the user may write the tensors next.
             cmds.append(SetRegion(-1, 0))
             s.hide_region()
         if isinstance(op, ReplicateOp) and op.update and s.published is not None and self.read.drained_old:

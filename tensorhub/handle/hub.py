@@ -253,7 +253,9 @@ class Hub:
     def publish(self, version: int) -> None:
         """Declare that the registered tensors hold ``version``; from now until ``unpublish()``
         returns the caller must not write them. Idempotent for the same version. Raises
-        ``InvalidState`` if another version is published (unpublish first).
+        ``InvalidState`` if another version is published (unpublish first). If it raises
+        ``ServerUnavailable`` (no reply: the server may have applied it), the handle holds the
+        version as published all the same: ``unpublish()`` before writing the tensors.
 
         CUDA tensors: the current stream is synchronized first, so that readers never see bytes
         of kernels still queued (with checksums off nothing else would catch them)."""
@@ -268,11 +270,15 @@ class Hub:
             else:
                 sums = []
             was = self._machine.published
-            self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
-            if self._machine.published == version and sums:
-                self._memory.checksums = sums
-            if self._offers is not None and was != version and self._machine.published == version:
-                self._offers.published(version)
+            try:
+                self._run(hm.PublishOp(version, tuple(sums) if self.config.checksums else ()))
+            finally:
+                # Also when it raised ServerUnavailable: then the handle holds the version as
+                # published (the server may have applied it) until unpublish().
+                if self._machine.published == version and sums:
+                    self._memory.checksums = sums
+                if self._offers is not None and was != version and self._machine.published == version:
+                    self._offers.published(version)
             metrics.record_publish(self.model)
             log.info("model=%s replica=%s shard=%d published version %d", self.model, self.replica, self.shard, version)
 

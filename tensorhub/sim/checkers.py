@@ -434,13 +434,16 @@ class Checker:
         if code in ("ServerUnavailable", "RequestTimeout", "TransactionMismatch", "LastCopyHeld"):
             self.observer.path(code)
         core = self.world.server.core
-        node = core.nodes.get(op.cid) if core is not None and op.kind == "replicate" and code != "ok" else None
+        node = core.nodes.get(op.cid) if core is not None and op.kind in ("replicate", "publish") and code != "ok" \
+            else None
         c = self.world.clients.get(op.cid)
-        if node is not None and node.state is NodeState.PUBLISHED and c is not None and c.published is None:
-            # (q) the handle and the server must agree on what it publishes.
+        if node is not None and node.state is NodeState.PUBLISHED and c is not None and (
+                c.published is None if op.kind == "replicate" else c.published != node.version):
+            # (q) the handle and the server must agree on what it publishes (a publish without a
+            # reply the server applied: the handle holds it as published, the user unpublishes).
             self.split.add(op.cid)
-            self.violate("split", f"{op.cid}'s replicate failed ({code}) while the server lists it as a published "
-                                  f"holder of version {node.version}")
+            self.violate("split", f"{op.cid}'s {op.kind} failed ({code}) while the server lists it as a published "
+                                  f"holder of version {node.version} (the handle: {c.published})")
         if code == "VersionLost" and op.relative_update and self.asks.get(op.cid, 0) < 2:
             st = self.world.server.status(self.world.params.model) if self.world.server.up else None
             avail = list(st.models[0].available) if st is not None and st.models else []
