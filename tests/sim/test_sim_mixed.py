@@ -72,6 +72,14 @@ def test_a_publish_without_a_reply_keeps_handle_and_server_agreeing(seed):
     assert res.ok, res.violations
 
 
+def test_no_local_skip_is_answered_for_a_model_of_several_layout_classes():
+    """Seed 701: a handle answered update("latest") locally as a skip its class's rules gave
+    (version 4 "in flight" into its datacenter) while another class held 4 there (a resharded
+    read brings it): the server's rules never gave that skip. Such models get no skip pushed."""
+    res = run_scenario(701, "mixed")
+    assert res.ok, res.violations
+
+
 def test_the_same_mixed_seed_gives_the_same_trace_digest():
     assert run_scenario(5, "mixed").digest == run_scenario(5, "mixed").digest
 
