@@ -9,7 +9,8 @@ handles, each reader replica's handles (one thread per shard, as a sharded engin
 ``replicate`` at once) and the holders' cell hashing (the server's ``HashCells``, hashed on each
 trainer handle's worker thread while the readers' bytes move). Each repetition publishes a new
 version (as an RL step does), so every resharded read meets holders that hash its grid afresh:
-the steady state of a training run, not a warm cache. Bytes go over NIXL (UCX cross-memory
+the steady state of a training run, not a warm cache. The readers register before each publish,
+as engines of a running job are: the holders hash their grids as they publish. Bytes go over NIXL (UCX cross-memory
 attach on one host) unless ``--same-host`` (the same-host tier).
 
 Figures, each the best of ``--reps`` (modes run in turn within a repetition):
@@ -105,13 +106,16 @@ def main() -> None:
     version = 0
     for rep in range(args.reps):
         version += 1
+        modes = [("same_layout", [trainer(s, r) for r in range(TRAINER_SHARDS)])]
+        modes += [(f"tp{tp}", [vllm(s, r, tp) for r in range(tp)]) for tp in TPS]
+        # The engines are registered when the trainer publishes, as in a training run (the
+        # holders then hash their grids ahead: tensorhub/core/cells.py rule 0).
+        replicas = {name: open_replica(port, cfg, f"{name}-{rep}", placements) for name, placements in modes}
         for h in train:
             h.unpublish()
             h.publish(version)
-        modes = [("same_layout", [trainer(s, r) for r in range(TRAINER_SHARDS)])]
-        modes += [(f"tp{tp}", [vllm(s, r, tp) for r in range(tp)]) for tp in TPS]
-        for name, placements in modes:
-            hubs = open_replica(port, cfg, f"{name}-{rep}", placements)
+        for name, _ in modes:
+            hubs = replicas[name]
             try:
                 dt = replicate_all(hubs)
                 received[name] = sum(h.reads.layout.total_bytes for h in hubs)

@@ -239,6 +239,14 @@ class Placements:
         if not mp.uses:
             del self.models[logical(node.model)]
 
+    def class_digests(self, cls: str) -> tuple[str, ...]:
+        """The placements (digests, sorted, distinct) of layout class ``cls``'s shards registered
+        now: every replica of the class holds the same one per shard (rule 5)."""
+        mp = self.models.get(logical(cls))
+        if mp is None:
+            return ()
+        return tuple(sorted({d for (c, _), d in mp.shard_digest.items() if c == cls}))
+
     def check_covered(self, node: Node) -> None:
         """Rule 6, for a publish by ``node`` of a version not yet committed: LayoutMismatch
         naming the missing ranges unless its replica's placements cover the model's schema (or

@@ -62,7 +62,8 @@ class Reading:
     def __init__(self, table: Table, *, finish_drain: Callable[[Node], None],
                  seed_pending: Callable[[str, int], dict[str, str]], recovering: Callable[[], bool],
                  placements: Placements, others: OtherLayouts,
-                 ask_cells: Callable[[Node, list[Node]], None]) -> None:
+                 ask_cells: Callable[[Node, list[Node]], None],
+                 grid_digests: Callable[[Node, str, str], tuple[str, ...]]) -> None:
         self.table = table
         self._finish_drain = finish_drain
         self._seed_pending = seed_pending
@@ -74,6 +75,8 @@ class Reading:
         self._ask_cells = ask_cells
         """Asks the holders of a resharded read for their cell checksums
         (:meth:`tensorhub.core.cells.Cells.ask`)."""
+        self._grid_digests = grid_digests
+        """The placements of a resharded read's checksum grid (:meth:`tensorhub.core.cells.Cells.grid_digests`)."""
         self._stamp = 0
         self._reshard_waits: dict[tuple[str, int], set[Key]] = {}
         """(model, version) -> groups of its layout classes whose waiting readers found no
@@ -166,9 +169,11 @@ class Reading:
         gone, node.failed_gone = node.failed_gone, False
         if node.reshard_from:
             # Every shard of the holder replica (the reader plans over all of them), each
-            # distinct placement once; it reads only those in reshard_from.
+            # distinct placement once; it reads only those in reshard_from. Then the reader
+            # class's (the checksum grid is over both: tensorhub.core.cells).
             shards = sorted(self.table.replica_nodes(src.model, src.replica_id), key=lambda n: n.shard)
-            digests = list(dict.fromkeys(n.placement for n in shards))
+            digests = list(dict.fromkeys([*(n.placement for n in shards),
+                                          *self._grid_digests(src, node.model, node.placement)]))
             return m.Assignment(
                 version=node.version, source_id=src.id, source_endpoint=src.endpoint, source_partial=False,
                 start_unit=node.progress, assign_no=node.assign_no, failed_source_gone=gone, in_flight=node.in_flight,

@@ -135,12 +135,13 @@ class ReferenceCore:
             forget=self.retention.forget, forget_below=self.retention.forget_below,
             nodes_in=lambda model: self.members.nodes_in(model), recovering_until=lambda: self.recovery.until)
         """Commits, available versions and resolution (:mod:`tensorhub.core.versions`)."""
-        self.cells = Cells(self.table, placement_of=self.placements.get)
+        self.cells = Cells(self.table, placement_of=self.placements.get, class_digests=self.placements.class_digests)
         """The cell checksums of resharded reads (:mod:`tensorhub.core.cells`)."""
         self.reading = Reading(self.table, finish_drain=lambda n: self.holders.finish_drain(n),
                                seed_pending=self.crossdc.seed_pending,
                                recovering=lambda: self.table.now < self.recovery.until,
-                               placements=self.placements, others=self.other_layouts, ask_cells=self.cells.ask)
+                               placements=self.placements, others=self.other_layouts, ask_cells=self.cells.ask,
+                               grid_digests=self.cells.grid_digests)
         """Readers' queues and assignments (:mod:`tensorhub.core.reading`)."""
         self.views = Views(self.table, available=self.versions.available_all,
                            clients_of=lambda model: self.members.clients_of(model),
@@ -246,7 +247,11 @@ class ReferenceCore:
             case m.Query():
                 return self.status(req.model, layouts=req.layouts)
             case m.Publish():
-                return self.holders.on_Publish(req, now)
+                reply = self.holders.on_Publish(req, now)
+                node = self.nodes.get(req.client_id)
+                if node is not None and node.state is NodeState.PUBLISHED and node.version == req.version:
+                    self.cells.ahead(node)  # hash for the other layout classes while readers are told
+                return reply
             case m.Unpublish():
                 return self.holders.on_Unpublish(req, now)
             case m.Leave():

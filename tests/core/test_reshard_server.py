@@ -109,7 +109,9 @@ def test_a_rollout_of_another_layout_reads_by_reshard_and_its_class_pipelines_fr
     # Each column shard needs both trainer shards (q and k are cut by rows there).
     for cid, a in ((c[0], a0), (c[1], a1)):
         assert reshard_of(a) == ["t/0", "t/1"] and a.version == 1 and not a.cross_datacenter
-        assert {p.digest() for p in a.placements} == {rows(0).digest(), rows(1).digest()}
+        # the holder replica's placements, then the reader class's (the checksum grid's)
+        assert [p.digest() for p in a.placements] == [rows(0).digest(), rows(1).digest(),
+                                                      *sorted({cols(0).digest(), cols(1).digest()})]
         assert [s.placement for s in a.reshard] == [rows(0).digest(), rows(1).digest()]
         needed = plan_reshard(w.core.placements.get(w.node(cid).placement), [rows(0), rows(1)],
                               spread=w.node(cid).shard).shards
@@ -300,10 +302,10 @@ def test_the_holders_of_a_reshard_are_asked_once_for_cell_checksums_and_the_read
     w.send(m.Replicate(y, "latest", seq=1))
     w.send(m.Replicate(c[0], "latest", seq=1))
     w.send(m.Replicate(c[1], "latest", seq=1))
-    # y pipelines from x (no new question); c's grid is another: each trainer shard asked once
-    # more, for both of c's shards.
-    cgrid = grid_key([rows(0), rows(1), cols(0)])
-    assert [n.grid for n in w.pop(t[0])] == [cgrid, grid_key([rows(0), rows(1), cols(1)])]
+    # y pipelines from x (no new question); c's grid is another, one for the whole class (both
+    # of c's shards check against it): each trainer shard asked once more.
+    cgrid = grid_key([rows(0), rows(1), cols(0), cols(1)])
+    assert [n.grid for n in w.pop(t[0])] == [cgrid]
     # Before the holders answer: missing; the answers are kept and merged.
     assert w.send(m.FindCells(x, 1, grid, tuple(t))) == m.CellsAt(missing=tuple(t))
     assert w.send(m.CellSums(t[0], 1, grid, sums(("q", 0, 7), ("k", 0, 8)))) == m.Ok()
@@ -311,6 +313,25 @@ def test_the_holders_of_a_reshard_are_asked_once_for_cell_checksums_and_the_read
                                                                    missing=(t[1],))
     assert w.send(m.CellSums(t[1], 1, grid, sums(("q", 1, 9)))) == m.Ok()
     assert w.send(m.FindCells(x, 1, grid, tuple(t))).cells == sums(("q", 0, 7), ("k", 0, 8), ("q", 1, 9))
+
+
+def test_a_holder_is_asked_at_its_publish_for_the_grid_of_each_other_layout_class():
+    """Rule 0 of tensorhub/core/cells.py: the rollout classes exist when the trainer publishes,
+    so each trainer shard hashes their grids at once (before any reader asks); a reader then
+    finds the checksums without a new question."""
+    w = RW(readers_per_source_max=2)
+    c = w.rollout("c", [cols(0), cols(1)])
+    (x,) = w.rollout("w", [WHOLE])
+    t = w.published_trainer()
+    grids = {grid_key([rows(0), rows(1), cols(0), cols(1)]), grid_key([rows(0), rows(1), WHOLE])}
+    for h in t:
+        assert {n.grid for n in w.pop(h) if isinstance(n, m.HashCells)} == grids
+    a = w.send(m.Replicate(c[0], "latest", seq=1))
+    assert reshard_of(w.send(m.Replicate(x, "latest", seq=1)))
+    for h in t:
+        assert not [n for n in w.pop(h) if isinstance(n, m.HashCells)]  # asked already
+    # the assignment names the placements of its grid: the holder replica's, then the class's
+    assert reshard_of(a) and grid_key(a.placements) == grid_key([rows(0), rows(1), cols(0), cols(1)])
 
 
 def test_cell_checksums_not_asked_or_of_another_version_are_refused_and_nothing_is_kept():
