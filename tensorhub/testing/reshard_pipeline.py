@@ -109,7 +109,7 @@ def run(args) -> dict:
     print(f"{len(ids)} ranks on {args.readers + 1} hosts in {time.perf_counter() - t0:.1f}s; model "
           f"{model_bytes / 2**20:.1f} MiB, {len(schema.tensors)} tensors, TP={args.tp}", file=sys.stderr, flush=True)
     version = 0
-    singles, lasts, exact, ratio, chains, done_s = [], [], True, 1.0, [], []
+    singles, lasts, exact, ratio, chains, done_s, failovers = [], [], True, 1.0, [], [], []
 
     def round_of(group: list[list]) -> tuple[float, list[list[dict]]]:
         nonlocal version, exact, ratio
@@ -130,9 +130,12 @@ def run(args) -> dict:
         singles.append(single)
         lasts.append(last)
         chains = [sorted({ids.get(s, "?") for o in os_ for s in o["sources"]}) for os_ in outs]
+        failovers = [sum(o["failovers"] for o in os_) for os_ in outs]
         done_s = [round(max(o["done_s"] for o in os_), 3) for os_ in outs]
         print(f"rep {rep}: single {single:.2f}s, {args.readers} readers: last {last:.2f}s "
-              f"({last / single:.2f}x); chains {chains}; done {done_s}", file=sys.stderr, flush=True)
+              f"({last / single:.2f}x); chains {chains}; done {done_s}; failovers {failovers}; "
+              f"sources {[[[ids.get(s, '?') for s in o['sources']] for o in os_] for os_ in outs]}",
+              file=sys.stderr, flush=True)
     ray.get([a.close.remote() for ranks in readers for a in ranks])
     ray.get(trainer.close.remote())
     single, last = min(singles), min(lasts)
@@ -141,7 +144,7 @@ def run(args) -> dict:
             "single_s": round(single, 3), "last_s": round(last, 3),
             "last_over_single": round(last / single, 3), "goal_last_over_single": 1.3,
             "line_rate_s": round(model_bytes * 8 / (cluster.spec.gbit * 1e9), 3),
-            "exact": exact, "bytes_ratio": round(ratio, 4), "chains": chains, "done_s": done_s,
+            "exact": exact, "bytes_ratio": round(ratio, 4), "chains": chains, "done_s": done_s, "failovers": failovers,
             "singles_s": [round(x, 3) for x in singles], "lasts_s": [round(x, 3) for x in lasts]}
 
 
