@@ -326,7 +326,16 @@ class World:
     def quiet(self) -> bool:
         return (self.server.up and not any(d.busy for d in self.drivers())
                 and all(c.op is None for c in self.clients.values() if c.alive)
-                and self._all_announced())
+                and self._all_announced() and self._recovered())
+
+    def _recovered(self) -> bool:
+        """The (current) server's recovery window is over. Inside it no drain completes, so a host
+        copy past retention that a holder announced after a restart is listed, draining, until
+        the window ends (:meth:`~tensorhub.core.retention.Retention.announced_host_copy`): end
+        checks run before then would call a copy on its way out a leak (mixed seed 9617: the
+        checks ran 0.57 s before the window closed)."""
+        recovery = getattr(self.server.core, "recovery", None)
+        return recovery is None or self.sim.now >= recovery.until
 
     def _all_announced(self) -> bool:
         """Every live registered client is known to the (current) server: after a restart an idle

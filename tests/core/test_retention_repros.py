@@ -210,6 +210,28 @@ def test_a_host_copy_of_a_forgotten_version_announced_after_a_restart_is_dropped
     assert not any(n.host for n in core.nodes.values())
 
 
+def test_a_host_copy_that_falls_out_of_retention_inside_the_recovery_window_is_dropped_when_it_ends():
+    """Mixed seed 9617, one layout class's part of it: R announces its host copy of version 2
+    first, while 2 is the newest version the restarted server knows (kept, and committed again);
+    R2 then announces a completion of version 4, which pushes 2 out of retention (keep 1). The
+    copy drains at once (hidden from new readers) but is freed only once the recovery window is
+    over, as a copy announced past retention is: a reader copying from it under the old server
+    may not have announced yet."""
+    core, clock, call = _drive(Config(versions_retained=1, lease_timeout_s=10.0, heartbeat_interval_s=1.0))
+    assert call(m.Announce(_reg("R", "r"), m.Holding(host_copies=((2, b"host:R:2"),)))) == (m.Ok(), [])
+    assert core.nodes["R#host2"].state is NodeState.PUBLISHED and core.models["policy"].committed == [2]
+    reply, effects = call(m.Announce(_reg("R2", "r2"), m.Holding(published=4)), dt=0.5)
+    assert reply == m.Ok() and not effects, "not freed inside the recovery window"
+    assert core.models["policy"].forgotten_below == 4 and core.nodes["R#host2"].state is NodeState.DRAINING
+    drops = []
+    for _ in range(48):  # 12 s: past the window (10 s from the first announcement)
+        for cid in ("R", "R2"):
+            call(m.Heartbeat(cid), dt=0.125)
+        drops += [(e.client_id, e.event, clock["now"] >= 10.0) for e in core.tick(clock["now"])]
+    assert drops == [("R", m.DropHostCopy(version=2), True)]
+    assert not any(n.host for n in core.nodes.values())
+
+
 def test_a_host_copy_of_an_uncommitted_version_goes_when_retention_moves_past_it():
     """Sharded (2 shards): R's host copy of version 2 shard 0 alone (never committed) is announced
     first; once commits raise the floor past 2, it drains and is dropped."""

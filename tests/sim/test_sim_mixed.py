@@ -45,7 +45,7 @@ def test_seeds_that_found_defects_run_clean(seed):
     assert res.ok, res.violations
 
 
-@pytest.mark.parametrize("seed", [773, 1706, 3672, 2080, 4092])
+@pytest.mark.parametrize("seed", [773, 1706, 3672, 2080, 4092, 9617, 9649])
 def test_seeds_where_checkers_misjudged_mixed_layouts_run_clean(seed):
     """Checker gaps the 10,000-seed sweep found (the shipped code was right):
     773 ghost: another layout class's copy that is offloading (its process alive) was not
@@ -55,7 +55,11 @@ def test_seeds_where_checkers_misjudged_mixed_layouts_run_clean(seed):
     server cannot know yet) was not counted once restarted processes took their places;
     2080 restart: a read the old server had already revoked (reader failed, holder evicted)
     before it died; 4092 restart: a read whose holder the new server evicted (a sibling's
-    process died)."""
+    process died); 9617 host_leak: the end checks ran inside a restarted server's recovery
+    window, while host copies that fell out of retention there were draining (freed when it
+    ends); 9649 restart: a read that spans one restart, which the next server revoked (failed
+    its reader after its window) before it died too, was still held protected after the second
+    restart."""
     res = run_scenario(seed, "mixed")
     assert res.ok, res.violations
 
