@@ -79,7 +79,7 @@ class Cells:
 
     def ahead(self, holder: Node) -> None:
         """``holder`` published with a placement: ask it for the grid of each other layout class
-        of its model (rule 0), most recent classes last, at most :data:`PER_HOLDER_MAX`."""
+        of its model (rule 0): the first :data:`PER_HOLDER_MAX` classes, in creation order."""
         if not holder.placement or holder.host:
             return
         others = [c for c in self.table.classes.get(logical(holder.model), ()) if c != holder.model]

@@ -49,6 +49,8 @@ IDLE_OK = 0.1
 is kept in flight."""
 _EWMA = 0.3
 _DECAY = 0.8
+_TIME_MIN_S = 1e-6
+"""Least accumulated time a rate is computed from (seconds)."""
 
 
 @dataclasses.dataclass
@@ -119,9 +121,12 @@ class Pacer:
         self._bytes_acc = _DECAY * self._bytes_acc + sum(p.nbytes for p in done)
         self._busy_acc = _DECAY * self._busy_acc + max(0.0, now - max(busy_from, self._busy_mark))
         self._busy_mark = now
-        if self._busy_acc > 0 and self._bytes_acc > 0:
+        # A rate needs some measured time: reads seen done with (almost) none of it would make
+        # the ratio of sums explode (a decayed sum reaching a denormal gave an infinite rate
+        # and an OverflowError in window(): a CI run's spot-wave test).
+        if self._busy_acc > _TIME_MIN_S and self._bytes_acc > 0:
             self.rate_Bps = self._bytes_acc / self._busy_acc
-        if self._serve_s_acc > 0:
+        if self._serve_s_acc > _TIME_MIN_S:
             self.serve_Bps = self._serve_bytes_acc / self._serve_s_acc
             self._serve_bytes_acc *= _DECAY
             self._serve_s_acc *= _DECAY
@@ -141,6 +146,8 @@ class Pacer:
             return 1
         rate = max(self.rate_Bps, self.serve_Bps or 0.0)
         idle = rate * (self.rtt_s + REACT_S) / self.unit_bytes_avg
+        if not math.isfinite(idle):
+            return self.window_max
         return max(1, min(self.window_max, 1 + math.ceil(max(0.0, idle - IDLE_OK))))
 
     def head_due(self) -> Optional[float]:

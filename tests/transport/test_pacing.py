@@ -150,3 +150,20 @@ def test_a_long_link_is_filled_without_posting_everything(case, unit, rate, rtt,
     thr, widest = _fifo_link(Pacer(window_max=8), unit, rate, rtt, 200)
     assert thr >= least * rate, (case, thr / rate)
     assert widest <= widest_max, (case, widest)
+
+
+def test_reads_seen_done_within_their_round_trip_never_make_an_infinite_rate():
+    """Found by a CI run (the spot-wave Ray test): reads seen done before their round trip could
+    have passed add no serve time, so the decayed sum of it reached a denormal and the link's
+    rate became infinite; window() then raised OverflowError in the middle of a pull."""
+    p = Pacer(window_max=8)
+    p.on_rtt(1.0)
+    p.on_post(0, MiB, 0.0)
+    p.on_done([0], 2.0)  # one honest sample: 1 MiB in 1 s after the round trip
+    t = 2.0
+    for u in range(1, 4000):
+        p.on_post(u, MiB, t)
+        t += 1e-3
+        p.on_done([u], t)
+        assert 1 <= p.window() <= 8
+    assert p.serve_Bps is not None and p.serve_Bps < float("inf")
