@@ -75,11 +75,13 @@ class Rollout:
         self.llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=16, seed=0,
                        weight_transfer_config=WeightTransferConfig(backend="tensorhub"))
 
-    def generate(self, starts: list[int]) -> list[list[int]]:
+    def generate(self, starts: list[int], seed: int) -> list[list[int]]:
         from vllm import SamplingParams
 
-        # ignore_eos: every sample has LENGTH tokens; no per-request seed: it would repeat its draws
-        params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
+        # ignore_eos: every sample has LENGTH tokens; one seed per request, distinct across requests,
+        # rollouts and steps, so a run's samples (and its reward curve) are reproducible
+        params = [SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True, seed=seed + i)
+                  for i in range(len(starts))]
         outs = self.llm.generate([{"prompt_token_ids": [s]} for s in starts], params, use_tqdm=False)
         return [[s, *o.outputs[0].token_ids] for s, o in zip(starts, outs)]
 
@@ -121,7 +123,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=32, help="samples per rollout per step")
     ap.add_argument("--rollouts", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--json", action="store_true", help="print the reward curve as one JSON object")
     args = ap.parse_args()
     ray.init(namespace="tensorhub-vllm-rl", log_to_driver=False, **({} if os.environ.get("RAY_ADDRESS") else
@@ -153,8 +155,9 @@ def main() -> None:
             version = sync.send_weights()  # every engine now runs this version
             # --- end tensorhub ---
             update_s.append(time.perf_counter() - t0)
-            batches = ray.get([r.generate.remote(torch.randint(VOCAB, (args.batch,), generator=g).tolist())
-                               for r in rollouts])
+            batches = ray.get([r.generate.remote(torch.randint(VOCAB, (args.batch,), generator=g).tolist(),
+                                                 seed=(step * len(rollouts) + i) * args.batch)
+                               for i, r in enumerate(rollouts)])
             versions = ray.get([r.weight_version.remote() for r in rollouts])
             assert versions == [str(version)] * len(rollouts), f"step {step}: engines run {versions}, not {version}"
             curve.append(round(train_step(policy, opt, [s for b in batches for s in b]), 4))

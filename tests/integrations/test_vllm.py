@@ -194,7 +194,8 @@ def test_the_rl_example_with_vllm_rollouts_improves_its_reward(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(res["reward_curve"]) == 20
-    assert res["reward_last5"] > 2 * res["reward_first5"], res  # sampling is not seeded: 2.6x to 16x seen
+    # sampling is seeded per request: the curve repeats run to run (0.045 -> 0.49 measured, 11x)
+    assert res["reward_last5"] > 3 * res["reward_first5"], res
 
 
 # ----------------------------------------------------------------------------- engines as Ray actors
