@@ -66,11 +66,12 @@ def slice_of(p: P.Placement, full: dict[str, torch.Tensor]) -> list[torch.Tensor
 class Rank:
     """One rank: its tensors, its placement, its handle."""
 
-    def __init__(self, model: str, replica: str, rank: int, ranks: int, placement: P.Placement) -> None:
+    def __init__(self, model: str, replica: str, rank: int, ranks: int, placement: P.Placement, key: str) -> None:
         self.placement = placement
         self.tensors = [torch.zeros(t.shape) for t in placement.tensors]
         self.hub = tensorhub.open(model, replica=replica, shard=rank, num_shards=ranks)
-        self.hub.register(list(zip(placement.names, self.tensors)), placement=placement)
+        # key: the name of this replica's layout; every replica of it gives the same one
+        self.hub.register(list(zip(placement.names, self.tensors)), placement=placement, layout_key=key)
 
     def publish(self, step: int) -> None:                # the trainer: write, then publish
         self.hub.unpublish()
@@ -95,9 +96,9 @@ def main() -> None:
     ray.init(address=None if args.address == "local" else args.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": _REPO}})
     model = "reshard-example"
-    trainer = [Rank.remote(model, "trainer", r, 2, trainer_placement(r)) for r in range(2)]
-    tp2 = [Rank.remote(model, "engine-tp2", r, 2, vllm_placement(r, 2)) for r in range(2)]
-    tp1 = [Rank.remote(model, "engine-tp1", 0, 1, vllm_placement(0, 1))]
+    trainer = [Rank.remote(model, "trainer", r, 2, trainer_placement(r), "fsdp2") for r in range(2)]
+    tp2 = [Rank.remote(model, "engine-tp2", r, 2, vllm_placement(r, 2), "vllm-tp2") for r in range(2)]
+    tp1 = [Rank.remote(model, "engine-tp1", 0, 1, vllm_placement(0, 1), "vllm-tp1")]
     steps = []
     for step in range(1, args.steps + 1):
         ray.get([t.publish.remote(step) for t in trainer])

@@ -209,6 +209,9 @@ def _register(reg: m.Register, served: str, models: Collection[str], known_layou
     check_name("datacenter", reg.datacenter, empty_ok=True)
     check_name("machine", reg.machine, empty_ok=True)
     _client_id("stage_for", reg.stage_for, empty_ok=True)
+    check_name("layout key", reg.layout_key, empty_ok=True)
+    if reg.layout_key and reg.placement is None:
+        raise OutOfBounds("a layout key names a layout of placements: it needs a placement")
     p = reg.process
     for name in ("job_id", "actor_id", "worker_id", "node_id"):
         check_name(f"process {name}", getattr(p, name), max_chars=PROCESS_FIELD_CHARS_MAX, empty_ok=True)

@@ -88,11 +88,12 @@ class Members:
         cls = self._placements.class_of(req)
         mod = self.table.models.get(cls)
         if mod is not None:
+            keyed = f" (layout key {req.layout_key!r})" if req.layout_key and mod.layout_key == req.layout_key else ""
             if mod.num_shards != req.num_shards:
-                raise LayoutMismatch(f"{req.model} has {mod.num_shards} shards per replica, not {req.num_shards}")
+                raise LayoutMismatch(f"{req.model}{keyed} has {mod.num_shards} shards per replica, not {req.num_shards}")
             known = mod.layouts.get(req.shard)
             if known is not None and (known.fingerprint, known.unit_count) != (req.layout.fingerprint, req.layout.unit_count):
-                raise LayoutMismatch(f"{req.model} shard {req.shard}: {_first_difference(known, req.layout)}")
+                raise LayoutMismatch(f"{req.model}{keyed} shard {req.shard}: {_first_difference(known, req.layout)}")
         holder = self._shards.get((req.model, req.replica_id, req.shard))
         if holder is not None:
             raise ShardTaken(f"{req.model} replica {req.replica_id} shard {req.shard} is held by client {holder}")
@@ -108,12 +109,13 @@ class Members:
             mod = table.models[cls] = ModelRecord(cls, req.num_shards)
             table.classes.setdefault(req.model, []).append(cls)
         mod.layouts.setdefault(req.shard, req.layout)
+        mod.layout_key = mod.layout_key or req.layout_key
         self._order += 1
         node = Node(
             id=req.client_id, model=cls, replica_id=req.replica_id, shard=req.shard,
             num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now, heard_at=now,
-            process=req.process, machine=req.machine, stage_for=req.stage_for,
+            process=req.process, machine=req.machine, stage_for=req.stage_for, layout_key=req.layout_key,
         )
         self._placements.add(node, req.placement)
         table.nodes[node.id] = node
@@ -149,7 +151,7 @@ class Members:
             client_id=n.id, model=logical(n.model), replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
             datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
-            stage_for=n.stage_for, placement=self._placements.get(n.placement),
+            stage_for=n.stage_for, placement=self._placements.get(n.placement), layout_key=n.layout_key,
         )
 
     def forget(self, node: Node) -> None:

@@ -100,6 +100,11 @@ class Register(_Msg, frozen=True):
     None (the default, not encoded): today's identical per-shard layout. Its local tensors are
     ``layout.tensors`` (names, dtypes, shapes, order). The server checks it and keeps one copy
     per distinct :meth:`~tensorhub.placement.Placement.digest` (:mod:`tensorhub.core.placements`)."""
+    layout_key: str = ""
+    """With a placement: a name the client gives its replica's whole layout (e.g. ``"vllm-tp2"``),
+    the same in every replica of that layout. Replicas that give one key share one layout class
+    however their shards' registrations interleave (:meth:`~tensorhub.core.placements.Placements.class_of`);
+    "" (the default): the class is found by fit."""
 
     def __repr__(self) -> str:
         # A placement may hold thousands of pieces: its digest stands for it; none, nothing shown

@@ -29,7 +29,11 @@ every rule of the core (rounds, commits, retention, queues, pipelining) applies 
 as it did within the model. :meth:`Placements.class_of` decides a registration's class: its
 replica's class if one of its shards is registered; else the first class (in creation order) it
 fits (shard count, the shard's layout and placement); else a new one. Only a registration with
-a placement opens a class; one without is checked against the first class as before. Across
+a placement opens a class; one without is checked against the first class as before. A
+class found by fit cannot take a shard it has not seen yet, so replicas of one layout whose
+shards register interleaved may open two classes of equal placements; a registration that
+names its replica's layout (``Register.layout_key``) joins that key's class whatever it has
+seen (and a shard that does not fit it is refused). Across
 classes bytes move only by resharded reads (:mod:`tensorhub.core.reading`, reshard
 assignments), so rule 5 holds per class.
 
@@ -134,18 +138,27 @@ class Placements:
         its shard's layout, known there, and placement: a class that has not seen this shard yet
         cannot tell whether it fits its replicas' other shards, so two replicas of one layout may
         open two classes when their shards interleave); else, with a placement, a new class (the first free
-        name); without one, the first class, whose checks then refuse it as before. Changes
-        nothing."""
+        name); without one, the first class, whose checks then refuse it as before. A
+        registration with a ``layout_key`` takes the class of that key if there is one, whether
+        or not it has seen the shard (the checks then refuse a shard that does not fit it), and
+        fits only classes without a key otherwise: replicas that name their layout share one
+        class however their registrations interleave. Changes nothing."""
         classes = self.table.classes.get(req.model, ())
         for c in classes:
             if (c, req.replica_id) in self.table.replicas:
                 return c
         if req.placement is None:
             return classes[0] if classes else req.model
+        if req.layout_key:
+            keyed = next((c for c in classes if self.table.models[c].layout_key == req.layout_key), None)
+            if keyed is not None:
+                return keyed
         digest = req.placement.digest()
         mp = self.models.get(req.model)
         for c in classes:
             mod = self.table.models[c]
+            if req.layout_key and mod.layout_key:
+                continue  # a class of another key
             known = mod.layouts.get(req.shard)
             # A class that does not know this shard's layout yet cannot tell whether the shard
             # fits its replicas' other shards (two layouts of one shard count register their
@@ -185,9 +198,10 @@ class Placements:
                 merge_schemas([[mp.schema[g.name] for g in p.globals if g.name in mp.schema], p.globals])
                 other = mp.shard_digest.get((cls, req.shard), digest)
                 if other != digest:
+                    keyed = f" (layout key {req.layout_key!r})" if req.layout_key else ""
                     raise LayoutMismatch(
                         f"placement {digest[:12]} differs from shard {req.shard}'s placement {other[:12]} in its "
-                        "replica's layout class: a class copies whole shards between equal placements")
+                        f"replica's layout class{keyed}: a class copies whole shards between equal placements")
         except LayoutMismatch as err:
             raise LayoutMismatch(f"{where}: {err}") from None
 

@@ -88,6 +88,8 @@ class Node:
     """The host it runs on (a host copy: its owner's)."""
     stage_for: str = ""
     """A prefetch staging copy: the handle it stages for (``Register.stage_for``)."""
+    layout_key: str = ""
+    """The name its registration gave its replica's layout (``Register.layout_key``)."""
     placement: str = ""
     """The digest of its interned placement ("": none, today's identical layout; a host copy:
     none): :mod:`tensorhub.core.placements`."""
@@ -157,6 +159,8 @@ class ModelRecord:
         self.name = name
         self.num_shards = num_shards
         self.layouts: dict[int, m.LayoutInfo] = {}
+        self.layout_key = ""
+        """A layout class's key: the first ``Register.layout_key`` among its registrations ("" none)."""
         self.committed: list[int] = []  # ascending
         self.forgotten_below = 0  # versions under this are past retention
         self.origin_dc: dict[int, str] = {}

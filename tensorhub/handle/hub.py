@@ -177,7 +177,7 @@ class Hub:
         return self._memory.named()
 
     def register(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None,
-                 placement: Optional[Placement] = None) -> None:
+                 placement: Optional[Placement] = None, layout_key: str = "") -> None:
         """Declare the tensors this shard holds, in order (a state dict works). Registers their
         memory with the transport once. The layout must match the model's layout for this shard
         index (``LayoutMismatch`` otherwise, nothing registered). Call once per handle.
@@ -204,6 +204,14 @@ class Hub:
         receives exactly its slices by resharded reads, checked cell by cell, and the holders
         hash the cells such readers ask for (docs/placements.md). Default: none, as before.
 
+        ``layout_key`` (with a placement): a name for this replica's whole layout, the same in
+        every replica of that layout and only there (e.g. ``"vllm-tp2"``). The server keeps the
+        replicas that give one key in one layout class however their shards' registrations
+        interleave; without a key it finds the class by fit, and replicas whose shards register
+        interleaved may form two classes of one layout (each then reads from the other layout's
+        holders). A shard whose layout or placement does not fit its key's class:
+        ``LayoutMismatch``, nothing registered.
+
         A server too far behind sheds new clients (``Config.register_shed_s``): ``register``
         then pauses as the server asks and tries again, until ``request_timeout_s``
         (``ServerBusy`` then, nothing registered)."""
@@ -216,6 +224,7 @@ class Hub:
             bounds.check_layout(info)
             if placement is not None:
                 placement = registration.check_placement(placement, info)
+            registration.check_layout_key(layout_key, placement)
             spare = None
             if double_buffer is not None:
                 spare = registration.apart(double_buffer, layout, self.config, [t for _, t in items], "double_buffer")
@@ -227,7 +236,7 @@ class Hub:
                     num_shards=self.num_shards, layout=info,
                     endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
                     process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
-                    placement=placement,
+                    placement=placement, layout_key=layout_key,
                 )
             except BaseException:
                 region.close()  # nothing registered: the transport registration goes too
@@ -457,8 +466,9 @@ class Hub:
 
     # asyncio twins
     async def aregister(self, tensors: NamedTensors, *, double_buffer: Optional[NamedTensors] = None,
-                        placement: Optional[Placement] = None) -> None:
-        await asyncio.to_thread(lambda: self.register(tensors, double_buffer=double_buffer, placement=placement))
+                        placement: Optional[Placement] = None, layout_key: str = "") -> None:
+        await asyncio.to_thread(lambda: self.register(tensors, double_buffer=double_buffer, placement=placement,
+                                                      layout_key=layout_key))
 
     async def apublish(self, version: int) -> None:
         await asyncio.to_thread(self.publish, version)

@@ -73,6 +73,17 @@ def check_placement(placement: object, info: m.LayoutInfo) -> Placement:
     return placement
 
 
+def check_layout_key(key: object, placement: Optional[Placement]) -> None:
+    """``layout_key`` as ``register`` takes it: "" or a name within the server's bounds
+    (``OutOfBounds``), given only with a placement (``ConfigError``): it names a layout of
+    placements. Raises before anything is registered; the server checks it again."""
+    if key == "":
+        return
+    bounds.check_name("layout_key", key)
+    if placement is None:
+        raise errors.ConfigError("layout_key names a replica's layout of placements: give a placement too")
+
+
 def named_list(named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs as a list; a mapping, a sequence or a generator, read once."""
     return list(named.items()) if isinstance(named, Mapping) else list(named)

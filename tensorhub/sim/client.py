@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from tensorhub.core import background as bg
 from tensorhub.core import handle as hm
 from tensorhub.core import messages as m
+from tensorhub.sim import mixed
 from tensorhub.sim.transport import SimTransport
 
 DIRTY = ("dirty",)
@@ -183,6 +184,7 @@ class SimClient:
             client_id=self.cid, model=w.params.model, replica_id=self.replica_id, shard=self.shard,
             num_shards=self.num_shards, layout=layout, endpoint=self.endpoint,
             datacenter=self.dc, spot=self.spot, machine=self.host, placement=self.placement,
+            layout_key=self.layout_name if self.layout_name in mixed.KEYED else "",
         )
 
     def want(self, version: int) -> list:

@@ -45,6 +45,9 @@ SCHEMA = Schema.of([
 TRAINER_LAYOUTS = ("rows2", "rows4")
 ROLLOUT_LAYOUTS = ("whole", "tp2", "rows4", "rows2")
 SHARDS = {"rows2": 2, "rows4": 4, "whole": 1, "tp2": 2}
+KEYED = ("tp2", "rows4")
+"""Layouts whose replicas name their layout (``Register.layout_key``: one layout class however
+their shards interleave); the others' classes are found by fit (a seed with both runs both ways)."""
 
 
 def _placement(layout: str, shard: int) -> Placement:

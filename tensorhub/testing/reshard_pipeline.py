@@ -47,14 +47,14 @@ class Rank:
     """One rank of a replica: its tensors in its placement, one handle."""
 
     def __init__(self, schema: P.Schema, placement: P.Placement, replica: str, rank: int, ranks: int,
-                 config: dict) -> None:
+                 config: dict, layout_key: str = "") -> None:
         self.schema, self.placement = schema, placement
         self.tensors = [torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in placement.tensors]
         for t in self.tensors:  # first touch is slow on this VM: not inside a timed read
             t.fill_(1)
         self.hub = tensorhub.open(MODEL, replica=replica, shard=rank, num_shards=ranks,
                                   config=tensorhub.Config(**config))
-        self.hub.register(list(zip(placement.names, self.tensors)), placement=placement)
+        self.hub.register(list(zip(placement.names, self.tensors)), placement=placement, layout_key=layout_key)
 
     def client_id(self) -> str:
         return self.hub.client_id
@@ -100,7 +100,7 @@ def run(args) -> dict:
     trainer = RankActor.options(**cluster.on(0)).remote(schema, layouts.fsdp(schema, 0, 1), "trainer", 0, 1, cfg)
     ray.get(trainer.client_id.remote())  # the trainer opens first: the server sits on its host
     readers = [[RankActor.options(**cluster.on(i + 1)).remote(schema, layouts.vllm_tp(schema, k, args.tp),
-                                                              f"r{i}", k, args.tp, cfg)
+                                                              f"r{i}", k, args.tp, cfg, f"vllm-tp{args.tp}")
                 for k in range(args.tp)] for i in range(args.readers)]
     ids = {ray.get(trainer.client_id.remote()): "T"}
     for i, ranks in enumerate(readers):

@@ -58,9 +58,10 @@ def box(*dims) -> P.Box:
 class World(CoreWorld):
     """test_core's world (a core, its clock, the events it delivered) with a placed Register."""
 
-    def register(self, cid, replica, shard, placement, num_shards=2, layout=None, model="pol"):
+    def register(self, cid, replica, shard, placement, num_shards=2, layout=None, model="pol", layout_key=""):
         lay = layout if layout is not None else layout_of(placement) if placement is not None else None
-        return self.send(m.Register(cid, model, replica, shard, num_shards, lay, cid.encode(), placement=placement))
+        return self.send(m.Register(cid, model, replica, shard, num_shards, lay, cid.encode(), placement=placement,
+                                    layout_key=layout_key))
 
     def reg(self, cid, replica, shard, placement, **kw):
         reply = self.register(cid, replica, shard, placement, **kw)

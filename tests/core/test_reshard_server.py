@@ -408,6 +408,57 @@ def test_interleaved_shards_of_two_layouts_do_not_share_a_class():
     assert w.node("c/0").model == w.node("c/1").model == f"pol{CLASS_SEP}1"
 
 
+def test_replicas_that_name_their_layout_share_one_class_however_their_shards_interleave():
+    """Two TP=2 engines whose ranks register interleaved (engine c's rank 0, then engine d's
+    rank 1, ...): found by fit, d opens a second class of the same placements (c's class has not
+    seen shard 1 when d's arrives), which then waits for the trainer instead of pipelining from c
+    (the emulated pipeline of issue 24, seen in the server's log). With a layout key both join
+    one class; a key's class refuses a shard that does not fit it, naming the key, and nothing
+    changes; another key opens its own class."""
+    order = [("c", 0), ("d", 1), ("d", 0), ("c", 1)]
+    w = RW()
+    w.trainer("t")
+    for r, s in order:
+        w.reg(f"{r}/{s}", r, s, cols(s), num_shards=2)
+    assert {w.node(f"{r}/{s}").model for r, s in order} == {f"pol{CLASS_SEP}1", f"pol{CLASS_SEP}2"}
+
+    w = RW()
+    w.trainer("t")
+    for r, s in order:
+        w.reg(f"{r}/{s}", r, s, cols(s), num_shards=2, layout_key="tp2")
+    assert {w.node(f"{r}/{s}").model for r, s in order} == {f"pol{CLASS_SEP}1"}
+    assert w.core.table.classes["pol"] == ["pol", f"pol{CLASS_SEP}1"]
+    before = w.snapshot()
+    refused(w.register("e/1", "e", 1, cols(0), num_shards=2, layout_key="tp2"),
+            says="differs from shard 1's placement")
+    refused(w.register("e/0", "e", 0, cols(0), num_shards=4, layout_key="tp2"),
+            says="(layout key 'tp2') has 2 shards per replica, not 4")
+    assert w.snapshot() == before
+    w.reg("f/1", "f", 1, cols(1), num_shards=2, layout_key="other")
+    assert w.node("f/1").model == f"pol{CLASS_SEP}2"
+    # A keyed replica fits a class found without a key; the class then carries the key.
+    w.reg("g/0", "g", 0, rows(0), layout_key="rows2")
+    assert w.node("g/0").model == "pol" and w.core.table.models["pol"].layout_key == "rows2"
+    # The key is part of the registration a repeated Register is answered with.
+    assert w.core.members.registration_of(w.node("d/1")).layout_key == "tp2"
+
+
+def test_a_layout_key_is_bounded_and_needs_a_placement():
+    """The server's bounds (run before the core, tensorhub/auth.py) refuse a key without a
+    placement and one past the name bounds."""
+    from tensorhub.core import bounds
+    from tensorhub.errors import OutOfBounds
+
+    def reg(p, key):
+        return m.Register("x/0", "pol", "x", 0, 2, layout_of(p), b"x", placement=p, layout_key=key)
+
+    bounds.check_request(reg(cols(0), "tp2"))
+    with pytest.raises(OutOfBounds, match="needs a placement"):
+        bounds.check_request(m.Register("x/0", "pol", "x", 0, 2, layout_of(rows(0)), b"x", layout_key="tp2"))
+    with pytest.raises(OutOfBounds, match="layout key"):
+        bounds.check_request(reg(cols(0), "k" * 10_000))
+
+
 def test_two_classes_waiting_for_room_at_one_version_do_not_wake_each_other_forever():
     """Found by the simulator (``simulate --workload mixed --seed 42``): readers of two layout
     classes waited at one version for room on the trainer; each class's pump woke the other's

@@ -147,6 +147,45 @@ def test_a_reader_of_the_same_layout_as_a_resharded_one_pipelines_from_it(port, 
         close_all(second, first, trainer)
 
 
+def test_engines_that_name_their_layout_form_one_class_and_the_second_copies_whole_shards_from_the_first(port, cfg):
+    """Two TP=2 engines whose ranks register interleaved (first rank 0, second rank 1, second
+    rank 0, first rank 1) with ``layout_key``: one layout class, so after the first reshards
+    from the trainer the second reads whole shards from it (a plain read per rank)."""
+    trainer = open_replica(port, cfg, "trainer", [rows(0), rows(1)], version=1)
+    first, second = [], []
+    try:
+        for replica, out, k in (("first", first, 0), ("second", second, 1), ("second", second, 0), ("first", first, 1)):
+            hub = tensorhub.open("m", port=port, config=cfg, replica=replica, shard=k, num_shards=2)
+            named = [(n, torch.zeros_like(t)) for n, t in local_of(cols(k), 0)]
+            hub.register(named, placement=cols(k), layout_key="tp2")
+            out.append((k, (hub, named, cols(k))))
+        first = [h for _, h in sorted(first, key=lambda e: e[0])]
+        second = [h for _, h in sorted(second, key=lambda e: e[0])]
+        with port._lock:
+            classes = {port.core.nodes[h.client_id].model for h, _, _ in first + second}
+        assert classes == {f"m{CLASS_SEP}1"}
+        replicate_all(first)
+        stats = replicate_all(second)
+        assert [st.sources for st in stats] == [(h.client_id,) for h, _, _ in first]
+        assert_holds(second, 1)
+    finally:
+        close_all(second, first, trainer)
+
+
+@pytest.mark.parametrize("key, placed, error", [("tp2", False, errors.ConfigError), (7, True, errors.OutOfBounds),
+                                                ("k" * 10_000, True, errors.OutOfBounds)])
+def test_a_bad_layout_key_is_refused_before_anything_is_registered(port, cfg, key, placed, error):
+    hub = tensorhub.open("m", port=port, config=cfg, replica="r", shard=0, num_shards=2)
+    try:
+        with pytest.raises(error):
+            hub.register(local_of(cols(0), 0), placement=cols(0) if placed else None, layout_key=key)
+        with port._lock:
+            assert not port.core.nodes
+        hub.register(local_of(cols(0), 0), placement=cols(0), layout_key="tp2")  # the handle is unchanged
+    finally:
+        hub.close()
+
+
 def test_bytes_damaged_in_transit_fail_the_shard_and_the_read_succeeds_again(port, cfg, monkeypatch, caplog):
     """The first read of a trainer shard flips one float: the cell check names that shard's
     holder (SourceFailed), the server plans again, the second read is clean."""
