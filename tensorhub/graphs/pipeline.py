@@ -134,25 +134,26 @@ class GraphCache:
 
     def get(self, key: tuple) -> Optional[Any]:
         """The cached compiled graph for ``key`` or None (marks it recently used)."""
-        with self._lock:
-            e = self._graphs.get(key)
-            if e is None:
-                return None
-            self._graphs.move_to_end(key)
-            e.uses += 1
-            return e.dag
+        return self._touch(key, hold=False)
 
     def acquire(self, key: tuple) -> Optional[Any]:
         """The cached graph for ``key``, held for an execution until :meth:`release` (not torn
         down for idleness meanwhile), or None."""
+        return self._touch(key, hold=True)
+
+    def _touch(self, key: tuple, hold: bool) -> Optional[Any]:
+        """The cached graph for ``key`` marked recently used, or None; with ``hold`` also held
+        busy and its idle clock restarted (under the lock: the idle watcher cannot take it
+        between the lookup and the hold)."""
         with self._lock:
             e = self._graphs.get(key)
             if e is None:
                 return None
             self._graphs.move_to_end(key)
             e.uses += 1
-            e.busy += 1
-            e.last_used = time.monotonic()
+            if hold:
+                e.busy += 1
+                e.last_used = time.monotonic()
             return e.dag
 
     def release(self, key: tuple) -> None:
