@@ -6,7 +6,9 @@ byte counts on real (emulated) links are in tests/cluster/test_crossdc_cluster.p
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -68,18 +70,55 @@ def test_a_committed_version_is_seeded_into_each_remote_datacenter_once(port):
         h.close(drop_last_copy=True)
 
 
-def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locally(port):
-    trainer, tt = _hub(port, "a", replica="trainer")
-    b0, _ = _hub(port, "b", replica="b0")
-    b1, b1t = _hub(port, "b", replica="b1")
+def _seeded(port, config: Config):
+    """dc a: trainer ; dc b: b0, b1. b0 seeds version 1 and both read it: trainer, its tensors,
+    b0, b1, b1's tensors."""
+    trainer, tt = _hub(port, "a", config=config, replica="trainer")
+    b0, _ = _hub(port, "b", config=config, replica="b0")
+    b1, b1t = _hub(port, "b", config=config, replica="b1")
     _publish(trainer, tt, 1)
     _wait(lambda: _staged(b0, 1))
     assert b1.update("latest").version == 1 and b0.update("latest").prefetched
-    # Hold b0's seed of version 2 half way.
-    stage = b0.staging
-    half, go = inproc.hold_half_way(stage)
-    _publish(trainer, tt, 2)
-    assert half.wait(20)
+    return trainer, tt, b0, b1, b1t
+
+
+class HeldSeed(NamedTuple):
+    """What :func:`held_seed` set up: the hubs, their tensors, b0's staging copy (the seeder)
+    and the event that lets its held read of version 2 go on."""
+    trainer: tensorhub.Hub
+    tt: list
+    b0: tensorhub.Hub
+    b1: tensorhub.Hub
+    b1t: list
+    stage: tensorhub.Hub
+    go: threading.Event
+
+
+@pytest.fixture
+def held_seed():
+    """dc a: trainer ; dc b: b0, b1. b0 seeds version 1 and both read it; then b0's seed of
+    version 2 is held half way (``HeldSeed.go`` lets it on). A factory: call it with the
+    config (one LocalPort of it). At teardown the seed is let go and the hubs closed."""
+    made: list[HeldSeed] = []
+
+    def setup(config: Config = CFG) -> HeldSeed:
+        trainer, tt, b0, b1, b1t = _seeded(LocalPort(config), config)
+        stage = b0.staging
+        half, go = inproc.hold_half_way(stage)
+        _publish(trainer, tt, 2)
+        assert half.wait(20)
+        made.append(HeldSeed(trainer, tt, b0, b1, b1t, stage, go))
+        return made[-1]
+
+    yield setup
+    for h in made:
+        h.go.set()  # a test that failed while the seed was held must not hang the close
+        for hub in (h.b1, h.b0, h.trainer):
+            hub.close(drop_last_copy=True)
+
+
+def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locally(held_seed):
+    trainer, tt, b0, b1, b1t, stage, go = held_seed()
     st = b1.update("latest")
     assert (st.action, st.version, st.skipped_in_flight) == ("noop", 1, 2)
     st = b0.update("latest")  # the seeder's own engine also keeps version 1 meanwhile
@@ -91,27 +130,14 @@ def test_smart_skipping_while_the_seed_is_in_flight_then_the_seed_is_read_locall
     assert st.sources == (stage.client_id,)
     workload.fill_version(tt, 2)
     assert workload.digest(b1t) == workload.digest(tt)
-    for h in (b1, b0, trainer):
-        h.close(drop_last_copy=True)
 
 
-def test_a_smart_skip_is_answered_locally_without_a_call_until_the_seed_landed():
+def test_a_smart_skip_is_answered_locally_without_a_call_until_the_seed_landed(held_seed):
     """With ``noop_staleness_s``, the server pushes dc b's skip to its handles: while b0's seed
     of 2 is held half way, b1's ``update("latest")`` skips 2 with no server call and the same
     ``ReadStats`` as the server's skip; once the news that the seed landed reached b1, its
     update asks the server and reads 2 inside dc b."""
-    cfg = CFG.replace(noop_staleness_s=5.0)
-    port = LocalPort(cfg)
-    trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
-    b0, _ = _hub(port, "b", config=cfg, replica="b0")
-    b1, b1t = _hub(port, "b", config=cfg, replica="b1")
-    _publish(trainer, tt, 1)
-    _wait(lambda: _staged(b0, 1))
-    assert b1.update("latest").version == 1 and b0.update("latest").prefetched
-    stage = b0.staging
-    half, go = inproc.hold_half_way(stage)
-    _publish(trainer, tt, 2)
-    assert half.wait(20)
+    trainer, tt, b0, b1, b1t, stage, go = held_seed(CFG.replace(noop_staleness_s=5.0))
     view = b1._machine.view
     _wait(lambda: (view.in_flight, view.ready) == (2, 1))  # the push of dc b's skip reached b1
     before = b1.server_calls()
@@ -126,8 +152,6 @@ def test_a_smart_skip_is_answered_locally_without_a_call_until_the_seed_landed()
     assert b1.server_calls() > before
     workload.fill_version(tt, 2)
     assert workload.digest(b1t) == workload.digest(tt)
-    for h in (b1, b0, trainer):
-        h.close(drop_last_copy=True)
 
 
 def test_a_landed_seed_stays_in_its_datacenter_while_the_next_one_crosses(port):
@@ -136,13 +160,7 @@ def test_a_landed_seed_stays_in_its_datacenter_while_the_next_one_crosses(port):
     3 (it used to overwrite it). While 3 crosses, "latest" in dc b answers 2, read there from
     that host copy; when 3 lands and 4 follows, the copy of 2 goes (a newer one is kept).
     Without retention copies made ahead (those go to the first reader anywhere)."""
-    cfg = CFG.replace(host_copy_ahead=False)
-    trainer, tt = _hub(port, "a", config=cfg, replica="trainer")
-    b0, _ = _hub(port, "b", config=cfg, replica="b0")
-    b1, b1t = _hub(port, "b", config=cfg, replica="b1")
-    _publish(trainer, tt, 1)
-    _wait(lambda: _staged(b0, 1))
-    assert b1.update("latest").version == 1 and b0.update("latest").prefetched
+    trainer, tt, b0, b1, b1t = _seeded(port, CFG.replace(host_copy_ahead=False))
     _publish(trainer, tt, 2)
     _wait(lambda: _staged(b0, 2))  # landed; nobody in dc b updates
     stage = b0.staging
