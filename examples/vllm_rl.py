@@ -38,6 +38,11 @@ VOCAB, LENGTH = 32, 8
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the --json line only
 
+# --- tensorhub ---
+# imported after the environment above: importing vLLM sets up its logging
+from tensorhub.integrations.vllm import VLLMEngine  # noqa: E402 - a vllm.LLM with backend="tensorhub"
+# --- end tensorhub ---
+
 
 def build_policy():
     import transformers
@@ -65,15 +70,12 @@ def reward(tokens: list[int]) -> float:
 
 
 @ray.remote(num_cpus=0)
-class Rollout:
-    """A vLLM engine. The weight-sync methods are the ones vLLM's RayVLLMWeightSyncClient calls."""
+class Rollout(VLLMEngine):
+    """A vLLM engine that samples. Its weight-sync methods (:class:`VLLMEngine`'s) are the ones
+    vLLM's RayVLLMWeightSyncClient calls."""
 
     def __init__(self, path: str) -> None:
-        from vllm import LLM
-        from vllm.config import WeightTransferConfig
-
-        self.llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=16, seed=0,
-                       weight_transfer_config=WeightTransferConfig(backend="tensorhub"))
+        super().__init__(path, dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=16, seed=0)
 
     def generate(self, starts: list[int], seed: int) -> list[list[int]]:
         from vllm import SamplingParams
@@ -84,24 +86,6 @@ class Rollout:
                   for i in range(len(starts))]
         outs = self.llm.generate([{"prompt_token_ids": [s]} for s in starts], params, use_tqdm=False)
         return [[s, *o.outputs[0].token_ids] for s, o in zip(starts, outs)]
-
-    def init_weight_transfer_engine(self, request) -> None:
-        self.llm.init_weight_transfer_engine(request)
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, request) -> None:
-        self.llm.update_weights(request)
-
-    def finish_weight_update(self) -> None:
-        self.llm.finish_weight_update()
-
-    def update_weight_version(self, version: str) -> None:
-        self.llm.update_weight_version(version)
-
-    def weight_version(self) -> str:
-        return self.llm.get_weight_version()
 
 
 def train_step(policy, opt, samples: list[list[int]]) -> float:
@@ -132,7 +116,7 @@ def main() -> None:
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     path = save(policy, tempfile.mkdtemp(prefix="vllm-rl-"))
     rollouts = [Rollout.remote(path) for _ in range(args.rollouts)]
-    ray.get([r.weight_version.remote() for r in rollouts])  # the engines are up
+    ray.get([r.get_weight_version.remote() for r in rollouts])  # the engines are up
 
     # --- tensorhub ---
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -158,7 +142,7 @@ def main() -> None:
             batches = ray.get([r.generate.remote(torch.randint(VOCAB, (args.batch,), generator=g).tolist(),
                                                  seed=(step * len(rollouts) + i) * args.batch)
                                for i, r in enumerate(rollouts)])
-            versions = ray.get([r.weight_version.remote() for r in rollouts])
+            versions = ray.get([r.get_weight_version.remote() for r in rollouts])
             assert versions == [str(version)] * len(rollouts), f"step {step}: engines run {versions}, not {version}"
             curve.append(round(train_step(policy, opt, [s for b in batches for s in b]), 4))
             print(f"step {step:3d}  version {version}  reward {curve[-1]:.3f}  update {update_s[-1]:.3f}s",

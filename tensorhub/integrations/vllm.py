@@ -348,6 +348,57 @@ def _repack_tied_cpu_gemm(model: torch.nn.Module) -> None:
                 dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
 
 
+# ---------------------------------------------------------------------------------- an engine to put in an actor
+
+
+class VLLMEngine:
+    """A ``vllm.LLM`` whose weights TensorHub moves, with the methods vLLM's
+    ``RayVLLMWeightSyncClient`` calls on an engine's actor, so a trainer drives it::
+
+        Engine = ray.remote(VLLMEngine)          # or subclass it to add generate()
+        engines = [Engine.remote(path, dtype="float32") for _ in range(2)]
+        client = RayVLLMWeightSyncClient(engines)
+
+    Not an actor itself: ``ray.remote(...)`` makes it one (the engine core is then a child
+    process of the actor). ``model`` and ``llm_kwargs``: ``vllm.LLM``'s arguments, but for
+    ``weight_transfer_config`` (always ``backend="tensorhub"``). ``llm``: the engine, for
+    ``generate`` and the rest. Each method forwards to the engine and blocks until every worker
+    rank of it has done the call; a failed update leaves the engine on its previous weights."""
+
+    def __init__(self, model: str, **llm_kwargs: Any) -> None:
+        from vllm import LLM  # not at import: vLLM imports this module while it builds an engine
+        from vllm.config import WeightTransferConfig
+
+        self.llm = LLM(model=model, weight_transfer_config=WeightTransferConfig(backend=BACKEND), **llm_kwargs)
+
+    def init_weight_transfer_engine(self, request) -> None:
+        """Join the trainer's model (``request``: ``{"init_info": ...}`` or vLLM's request)."""
+        self.llm.init_weight_transfer_engine(request)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Leave TensorHub; the engine keeps its weights and goes on generating."""
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, request) -> None:
+        """Read and load a version (``request``: ``{"update_info": {"version": ...}}`` or vLLM's)."""
+        self.llm.update_weights(request)
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        """End the update; with ``weight_version``, also name the version the engine now runs
+        (vLLM's Ray client names it with :meth:`update_weight_version` instead)."""
+        self.llm.finish_weight_update(weight_version)
+
+    def update_weight_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+    def get_weight_version(self) -> str:
+        """The version the engine runs, as the trainer named it."""
+        return self.llm.get_weight_version()
+
+
 # ---------------------------------------------------------------------------------- trainer side
 
 

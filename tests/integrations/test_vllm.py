@@ -65,9 +65,12 @@ def _save(model, path) -> str:
     return str(path)
 
 
+LLM_KW = dict(dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0)
+
+
 def _engine(path: str, backend: bool = True) -> LLM:
     kw = {"weight_transfer_config": WeightTransferConfig(backend=thv.BACKEND)} if backend else {}
-    return LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0, **kw)
+    return LLM(model=path, **LLM_KW, **kw)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -216,13 +219,13 @@ def _engine_actor_class():
     _by_value()
 
     @ray.remote(num_cpus=0)
-    class EngineActor:
+    class EngineActor(thv.VLLMEngine):
         """A stock vLLM engine in a Ray actor (its engine core: a child process), driven by
-        vLLM's RayVLLMWeightSyncClient."""
+        vLLM's RayVLLMWeightSyncClient through :class:`VLLMEngine`'s methods."""
 
         def __init__(self, path: str) -> None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            self.llm = _engine(path)
+            super().__init__(path, **LLM_KW)
 
         def pids(self) -> list[int]:
             """This actor's process and its children (the engine core, where the TensorHub handle lives)."""
@@ -233,24 +236,6 @@ def _engine_actor_class():
 
         def greedy(self) -> list[list[int]]:
             return _greedy(self.llm)
-
-        def init_weight_transfer_engine(self, request) -> None:
-            self.llm.init_weight_transfer_engine(request)
-
-        def start_weight_update(self) -> None:
-            self.llm.start_weight_update()
-
-        def update_weights(self, request) -> None:
-            self.llm.update_weights(request)
-
-        def finish_weight_update(self) -> None:
-            self.llm.finish_weight_update()
-
-        def update_weight_version(self, version: str) -> None:
-            self.llm.update_weight_version(version)
-
-        def get_weight_version(self) -> str:
-            return self.llm.get_weight_version()
 
     return EngineActor
 
