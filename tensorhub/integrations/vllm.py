@@ -405,8 +405,9 @@ class VLLMEngine:
 class LocalLLMClient:
     """vLLM's ``VLLMWeightSyncClient`` over ``vllm.LLM`` objects of this process (vLLM ships
     HTTP and Ray actor clients): each call goes to every engine, one after another, so the later
-    ones may read from the earlier ones. ``engines`` may be replaced between updates (an update
-    of some engines only)."""
+    ones may read from the earlier ones; :meth:`update_each` (what ``send_weights`` uses) drives
+    each engine through a whole update on its own. ``engines`` may be replaced between updates
+    (an update of some engines only)."""
 
     def __init__(self, *engines: Any) -> None:
         self.engines = list(engines)
@@ -427,6 +428,21 @@ class LocalLLMClient:
         for e in self.engines:
             e.finish_weight_update(weight_version)
 
+    def update_each(self, version: int) -> list[tuple[str, BaseException]]:
+        """start / update / finish ``version`` on each engine on its own, one after another:
+        an engine that fails does not keep the later ones from taking the version, and only
+        those that took it are finished with it (their ``get_weight_version()`` then names it).
+        Blocks until the last engine is done. Returns the engines that failed, as
+        ``("engine i", its error)`` (i: the index in ``engines``); ``[]`` when every one took it."""
+        failed: list[tuple[str, BaseException]] = []
+        for i, e in enumerate(self.engines):
+            try:
+                e.start_weight_update()
+                e.update_weights({"update_info": {"version": version}})
+                e.finish_weight_update(str(version))
+            except Exception as err:  # noqa: BLE001 - this engine's error
+                failed.append((f"engine {i}", err))
+        return failed
 
 
 class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHubTrainerInitInfo]):
@@ -545,13 +561,14 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
 def _update_engines(client: VLLMWeightSyncClient, version: int) -> list[tuple[str, BaseException]]:
     """start / update / finish ``version`` on every engine of ``client``; the engines that failed
     (which engine, its error). With vLLM's Ray client (``handles``) or :class:`LocalLLMClient`
-    (``engines``) each engine goes through the calls on its own (the Ray ones at once): one that
-    dies or fails does not keep the others from finishing, and only those that took the version
-    are finished with it (``get_weight_version`` then says the truth on each). Any other client
-    (one engine, e.g. vLLM's HTTP client) is driven as one unit."""
+    (:meth:`~LocalLLMClient.update_each`) each engine goes through the calls on its own (the Ray
+    ones at once): one that dies or fails does not keep the others from finishing, and only those
+    that took the version are finished with it (``get_weight_version`` then says the truth on
+    each). Any other client (one engine, e.g. vLLM's HTTP client) is driven as one unit."""
+    if isinstance(client, LocalLLMClient):
+        return client.update_each(version)
     handles = getattr(client, "handles", None)
-    engines = client.engines if isinstance(client, LocalLLMClient) else None
-    if handles is None and engines is None:
+    if handles is None:
         try:
             client.start_weight_update()
             client.update_weights({"version": version})
@@ -559,19 +576,10 @@ def _update_engines(client: VLLMWeightSyncClient, version: int) -> list[tuple[st
             return [("the engine", e)]
         client.finish_weight_update(str(version))
         return []
-    failed: list[tuple[str, BaseException]] = []
-    if engines is not None:
-        for i, e in enumerate(engines):
-            try:
-                e.start_weight_update()
-                e.update_weights({"update_info": {"version": version}})
-                e.finish_weight_update(str(version))
-            except Exception as err:  # noqa: BLE001 - this engine's error
-                failed.append((f"engine {i}", err))
-        return failed
     import ray
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+    failed: list[tuple[str, BaseException]] = []
     live = list(enumerate(handles))
     for step in ("start", "update", "finish"):
         if step == "start":
