@@ -261,3 +261,25 @@ def test_hub_reads_a_same_host_holder_through_shared_memory_not_nixl(monkeypatch
     t.unpublish(); workload.fill_version(tt, 2); t.publish(2)
     assert r.update("latest").version == 2 and workload.digest(rt) == workload.digest(tt)
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
+
+
+def test_a_checksummed_copy_hashes_slice_by_slice_to_the_whole_unit_checksum():
+    """Issue 27: the tier hashes each 1 MiB slice right after copying it (from the cache); the
+    value is the unit's checksum over the bytes that landed, for pieces of any size (slices
+    cut inside pieces, pieces smaller than a slice, several pieces per unit)."""
+    from tensorhub.layout import checksum_unit
+
+    g = torch.Generator().manual_seed(3)
+    named = [("a", torch.randn((5 << 20) // 4 + 3, generator=g)), ("b", torch.randn(1000, generator=g)),
+             ("c", torch.randint(0, 255, ((1 << 20) + 1,), dtype=torch.uint8, generator=g))]
+    layout = Layout.build(named, 4 << 20, 16 << 10)
+    src = [t for _, t in named]
+
+    class Src:
+        def piece(self, i, offset, nbytes):
+            return src[i].reshape(-1).view(torch.uint8)[offset:offset + nbytes]
+
+    dst = [torch.zeros_like(t) for t in src]
+    got = shm._copy_units(Src(), dst, layout, range(layout.unit_count), checksums=True)
+    assert got == [checksum_unit(src, u) for u in layout.units]
+    assert all(_bytes(a) == _bytes(b) for a, b in zip(src, dst))
