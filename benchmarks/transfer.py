@@ -15,9 +15,11 @@ Paths:
                 received into its preallocated tensors via ``set_target_for_ref`` when possible
   raw_nixl      one NIXL READ of the same bytes with one descriptor list (a descriptor per
                 tensor), by bare NIXL agents: no TensorHub code, the transport's own ceiling
-  replicate     what a user gets: ``hub.replicate(v)`` between two ReplicaActors with the default
-                config (checksums on, reference-server round trips included), timed by the call;
-                both actors run on this host, so this is the same-host tier
+  replicate_same_host[_checksums]
+                what a user gets: ``hub.replicate(v)`` between two ReplicaActors with the default
+                config (reference-server round trips included) but checksums off, then on (the
+                default; ``replicate_gbps`` repeats it), timed by the call; both actors run on
+                this host, so this is the same-host tier
 
 Every NIXL agent in these actors (RDT's and the raw ones too) gets TensorHub's progress-thread
 delay (NIXL's wrapper uses 0 and would spin a core per agent), so no path pays for another's spin.
@@ -251,16 +253,18 @@ def _stats(nbytes: int, secs: list[float]) -> dict:
             "runs": [round(g, 3) for g in gbps]}
 
 
-def _replicate(shapes, nbytes: int, reps: int, say, tick=lambda: None) -> dict:
-    """``hub.replicate(v)`` between two ReplicaActors, default config, timed by the call;
-    ``tick()`` after each of the ``reps + 1`` calls."""
+def _replicate(shapes, nbytes: int, reps: int, say, tick=lambda: None, name: str = "replicate",
+               **config) -> dict:
+    """``hub.replicate(v)`` between two ReplicaActors on this host (the same-host tier), the
+    default config but ``config``, timed by the call; ``tick()`` after each of the ``reps + 1``
+    calls."""
     from tensorhub.testing.replica import ReplicaActor
 
-    spec = [(name, "float32", (n,)) for name, n in shapes]
-    ns = f"tensorhub-bench-transfer-{os.getpid()}"
-    cfg = dict(namespace=ns)
-    trainer, reader = [ReplicaActor.options(name=f"tensorhub-replica-transfer-{n}").remote(
-        "bench-transfer", spec, replica=n, config=cfg) for n in ("trainer", "reader")]
+    spec = [(n, "float32", (k,)) for n, k in shapes]
+    ns = f"tensorhub-bench-transfer-{os.getpid()}-{name}"
+    cfg = dict(namespace=ns, **config)
+    trainer, reader = [ReplicaActor.options(name=f"tensorhub-replica-transfer-{name}-{n}").remote(
+        f"bench-transfer-{name}", spec, replica=n, config=cfg) for n in ("trainer", "reader")]
     ray.get([trainer.ping.remote(), reader.ping.remote()])
     secs = []
     for v in range(1, reps + 2):  # the first run warms up (connects, first touch)
@@ -274,7 +278,7 @@ def _replicate(shapes, nbytes: int, reps: int, say, tick=lambda: None) -> dict:
             secs.append(st["seconds"])
     ray.get([reader.close.remote(), trainer.close.remote()])
     out = _stats(nbytes, secs)
-    say(f"{'replicate':>22}: median {out['median']:.2f} GB/s (min {out['min']:.2f}, max {out['max']:.2f}) "
+    say(f"{name:>22}: median {out['median']:.2f} GB/s (min {out['min']:.2f}, max {out['max']:.2f}) "
         "bytes verified (digest)")
     return out
 
@@ -302,8 +306,8 @@ def main(argv=None) -> int:
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
              object_store_memory=max(2 * nbytes + (256 << 20), 1 << 30))
     paths = ["memcpy", "tensorhub", "tensorhub_checksums", "same_host", "same_host_checksums", "object_store",
-             "rdt_nixl", "raw_nixl", "replicate", "memcpy_end"]
-    planned = [p for p in paths if p.removesuffix("_checksums") not in skip]
+             "rdt_nixl", "raw_nixl", "replicate_same_host", "replicate_same_host_checksums", "memcpy_end"]
+    planned = [p for p in paths if p.removesuffix("_checksums").removesuffix("_same_host") not in skip]
     bar = progress.live(json_mode=args.json)
     task = bar.add_task("transfers", total=len(planned) * (args.reps + 1))  # a warm-up call per path
     bar.start()
@@ -350,8 +354,10 @@ def main(argv=None) -> int:
             md, descs = ray.get(holder.raw_nixl_setup.remote())
             run("raw_nixl", lambda: reader.raw_nixl.remote(md, descs), args.reps)
         if "replicate" not in skip:
-            bar.update(task, description="replicate")
-            results["replicate"] = _replicate(shapes, nbytes, args.reps, say, tick=lambda: bar.advance(task))
+            for name, sums in (("replicate_same_host", False), ("replicate_same_host_checksums", True)):
+                bar.update(task, description=name)
+                results[name] = _replicate(shapes, nbytes, args.reps, say, tick=lambda: bar.advance(task), name=name,
+                                           checksums=sums)
         # memcpy again at the end: the machine drifts; report the better of the two medians
         run("memcpy_end", lambda: reader.memcpy.remote(), args.reps, verify=False)
         ray.get(reader.drop_memcpy.remote())
@@ -378,12 +384,18 @@ def main(argv=None) -> int:
         "object_store_gbps": med("object_store"),
         "rdt_nixl_gbps": med("rdt_nixl"),
         "raw_nixl_gbps": med("raw_nixl"),
-        "replicate_gbps": med("replicate"),
+        "replicate_gbps": med("replicate_same_host_checksums"),
+        "replicate_same_host_gbps": med("replicate_same_host"),
+        "replicate_same_host_checksums_gbps": med("replicate_same_host_checksums"),
         "same_host_gbps": med("same_host"),
         "same_host_checksums_gbps": med("same_host_checksums"),
         "same_host_vs_memcpy": med("same_host") / memcpy if med("same_host") else None,
-        "replicate_vs_memcpy": med("replicate") / memcpy if med("replicate") else None,
-        "replicate_vs_raw_nixl": med("replicate") / med("raw_nixl") if med("raw_nixl") and med("replicate") else None,
+        "replicate_vs_memcpy": med("replicate_same_host_checksums") / memcpy if med("replicate_same_host_checksums") else None,
+        "replicate_same_host_vs_memcpy": med("replicate_same_host") / memcpy if med("replicate_same_host") else None,
+        "replicate_same_host_checksums_vs_memcpy": (med("replicate_same_host_checksums") / memcpy
+                                                    if med("replicate_same_host_checksums") else None),
+        "replicate_vs_raw_nixl": (med("replicate_same_host_checksums") / med("raw_nixl")
+                                  if med("raw_nixl") and med("replicate_same_host_checksums") else None),
         "tensorhub_vs_memcpy": th / memcpy,
         "tensorhub_vs_object_store": th / med("object_store") if med("object_store") else None,
         "tensorhub_vs_rdt": th / med("rdt_nixl") if med("rdt_nixl") else None,

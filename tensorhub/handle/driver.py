@@ -93,6 +93,9 @@ class Driver:
         """The current read's ``progress(units_done, units_total)`` callback, or None."""
         self.verify_left: Optional[int] = None
         """Verify mode, during an update: the version it leaves, checked before its first pull."""
+        self.reading = False
+        """A read call is under way (between :meth:`begin_read` and :meth:`end_read`): background
+        work of the handle that competes with it for the CPU waits (the retention pool's touches)."""
 
     def begin_read(self, verify_left: Optional[int], progress: Optional[Callable[[int, int], None]] = None) -> None:
         """A read starts: nothing measured yet; ``verify_left`` and ``progress`` as the attributes."""
@@ -100,11 +103,13 @@ class Driver:
         self.plain_from = None
         self.progress = progress
         self.verify_left = verify_left
+        self.reading = True
 
     def end_read(self) -> None:
-        """The read's call returns: no callback, nothing left to verify."""
+        """The read's call returns: no callback, nothing left to verify, not reading."""
         self.progress = None
         self.verify_left = None
+        self.reading = False
 
     # ------------------------------------------------------------------ the machine's state
 

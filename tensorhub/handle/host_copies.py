@@ -12,6 +12,10 @@ what it needs of the handle passed in; whether a copy is wanted is the core's ru
   retained version copies it in a background thread, so the later unpublish has nothing to copy.
 - **Pool** (:meth:`HostCopies.start_pool`): ``host_copies_pooled`` registered, touched buffers
   kept ready (first touch of fresh memory is slow), refilled by freed copies before fresh ones.
+  The pool thread touches a fresh buffer only while its handle is not reading (``reading``),
+  unless a copy waits for that buffer: a first touch runs at 0.3-1 GB/s on a VM, takes a core
+  and the memory bus, and made a same-host ``replicate()`` of 1 GiB take 0.7-8 s instead of
+  0.2 s when it overlapped one (issue 27).
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ import torch
 from tensorhub import errors
 from tensorhub import transport as tx
 from tensorhub.core import messages as m
+from tensorhub.transport import storages
 
 log = logging.getLogger("tensorhub.client")
 
+
+TOUCH_BYTES = 16 << 20
+"""The pool thread touches a fresh buffer in pieces of this size, checking between them whether
+its handle reads (a piece takes 15-50 ms here)."""
 
 _NO_RETRY = threading.Event()
 _NO_RETRY.set()
@@ -50,19 +59,22 @@ class HostCopies:
     Owns ``lock`` (guards ``by_version``, ``pool`` and ``unoffered``), the pool thread and the
     background copy thread (``copying``). What it needs of its handle is passed in: who it is,
     its config and server port, what it holds now (``held``), how to take the server's notes
-    (``take_notes``) and how to record a copy's endpoint in the handle's machine (``record``,
-    ``endpoint_of``: the machine's lock is theirs). It calls them holding none of its own locks,
+    (``take_notes``), how to record a copy's endpoint in the handle's machine (``record``,
+    ``endpoint_of``: the machine's lock is theirs) and whether the handle is reading now
+    (``reading``: the pool's background touches wait for it). It calls them holding none of its own locks,
     and takes no lock of the handle's itself."""
 
     def __init__(self, *, model: str, shard: int, client_id: str, spot: bool, config, port,
                  held: Callable[[], Held], take_notes: Callable[[], None],
-                 record: Callable[[int, bytes], None], endpoint_of: Callable[[int], Optional[bytes]]) -> None:
+                 record: Callable[[int, bytes], None], endpoint_of: Callable[[int], Optional[bytes]],
+                 reading: Callable[[], bool] = lambda: False) -> None:
         self.model, self.shard, self.client_id, self.spot, self.config = model, shard, client_id, spot, config
         self._port = port
         self._held = held
         self._take_notes = take_notes
         self._record = record
         self._endpoint_of = endpoint_of
+        self._reading = reading
         self.lock = threading.Lock()
         """Guards ``by_version``, ``pool`` and ``unoffered`` (taken from the pulse thread too)."""
         self.by_version: dict[int, tuple[tx.Region, list[torch.Tensor]]] = {}
@@ -76,6 +88,9 @@ class HostCopies:
         """An offload is waiting for a pooled buffer: the pool thread prepares one at once."""
         self.pool_thread: Optional[threading.Thread] = None
         self._pool_busy = False
+        self._waiters = 0
+        """Copies waiting for a pooled buffer now (:meth:`_pooled_buffer`): the pool thread's
+        touches do not pause for a read while one waits."""
         self._stopped = threading.Event()
         self.copying: Optional[tuple[threading.Thread, threading.Event, threading.Event]] = None
         """The background copy of the version just published, and its cancel flag."""
@@ -236,19 +251,25 @@ class HostCopies:
     def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a
         second fresh buffer would only compete with it for first touches), unless cancelled."""
-        self._urgent.set()
-        self.pool_wake.set()
-        t0 = time.monotonic()
-        while True:
+        with self.lock:
+            self._waiters += 1
+        try:
+            self._urgent.set()
+            self.pool_wake.set()
+            t0 = time.monotonic()
+            while True:
+                with self.lock:
+                    if self.pool:
+                        entry = self.pool.pop()
+                        self.pool_wake.set()
+                        return entry
+                t = self.pool_thread
+                idle = not self._pool_busy and time.monotonic() - t0 > 0.05  # it is not making one
+                if t is None or not t.is_alive() or idle or cancel.wait(0.01):
+                    return None
+        finally:
             with self.lock:
-                if self.pool:
-                    entry = self.pool.pop()
-                    self.pool_wake.set()
-                    return entry
-            t = self.pool_thread
-            idle = not self._pool_busy and time.monotonic() - t0 > 0.05  # it is not making one
-            if t is None or not t.is_alive() or idle or cancel.wait(0.01):
-                return None
+                self._waiters -= 1
 
     def _recycle(self, entry: tuple[tx.Region, list[torch.Tensor]]) -> None:
         """A host buffer no longer needed: kept registered in the pool if it has room, else freed."""
@@ -260,21 +281,43 @@ class HostCopies:
                 return
         entry[0].close()
 
-    def host_like(self, touch: bool) -> list[torch.Tensor]:
+    def host_like(self, touch: bool, background: bool = False) -> list[torch.Tensor]:
         """Host tensors shaped like the registered ones (pinned for CUDA ones); ``touch``: write
-        every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM)."""
-        pin = any(t.is_cuda for t in self._held().tensors) and torch.cuda.is_available()
-        copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in self._held().tensors]
+        every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM). ``background``
+        (the pool thread): between pieces of :data:`TOUCH_BYTES`, wait while the handle reads and
+        no copy waits for a buffer."""
+        held = self._held().tensors
+        pin = any(t.is_cuda for t in held) and torch.cuda.is_available()
+        copies = None
+        if self.config.same_host and not pin:
+            try:  # made in shared memory: registering moves nothing (the same-host tier serves it)
+                copies = storages.shared_empty(held)
+            except (OSError, RuntimeError):
+                copies = None  # /dev/shm full: private memory, moved at registration if it can be
+        if copies is None:
+            copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in held]
         if touch:
             for c in copies:
-                c.zero_()
+                flat = c.view(-1).view(torch.uint8) if c.numel() else c
+                for at in range(0, flat.numel(), TOUCH_BYTES):
+                    if background:
+                        self._wait_not_reading()
+                    flat[at:at + TOUCH_BYTES].zero_()
         return copies
 
-    def new_buffer(self, touch: bool) -> tuple[tx.Region, list[torch.Tensor]]:
+    def _wait_not_reading(self) -> None:
+        """The pool thread: wait while the handle reads, unless a copy waits for a buffer
+        (``_waiters``: an offload inside that very read may be the one waiting) or the handle
+        closes."""
+        while self._reading() and not self._waiters and not self._stopped.is_set():
+            self._stopped.wait(0.005)
+
+    def new_buffer(self, touch: bool, background: bool = False) -> tuple[tx.Region, list[torch.Tensor]]:
         """Host tensors shaped like the registered ones, registered with the transport.
         ``touch``: write every page now (first touch of fresh memory is slow: 0.3-1 GB/s on a VM),
-        so that the offload that uses the buffer later copies at memory speed."""
-        copies = self.host_like(touch)
+        so that the offload that uses the buffer later copies at memory speed; ``background``:
+        as :meth:`host_like`'s."""
+        copies = self.host_like(touch, background)
         region = tx.Region.register(copies, self._held().layout, self.config)
         self.allocated += 1
         return region, copies
@@ -315,7 +358,7 @@ class HostCopies:
                 self._pool_busy = True
                 self._urgent.clear()
                 try:
-                    entry = self.new_buffer(touch=True)
+                    entry = self.new_buffer(touch=True, background=True)
                 except Exception:  # noqa: BLE001 - an offload allocates inline instead
                     log.warning("model=%s shard=%d: could not prepare a retention buffer", self.model,
                                 self.shard, exc_info=True)

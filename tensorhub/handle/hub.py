@@ -99,7 +99,8 @@ class Hub:
             model=model, shard=shard, client_id=self.client_id, spot=self.spot, config=self.config, port=port,
             held=lambda: Held(self._memory.tensors, self._memory.layout, self._memory.region),
             take_notes=lambda: self._background.take_notes(),  # the part made next, which needs this one
-            record=self._driver.record_host_copy, endpoint_of=self._driver.host_copy_endpoint)
+            record=self._driver.record_host_copy, endpoint_of=self._driver.host_copy_endpoint,
+            reading=lambda: self._driver.reading)
         """This handle's host copies and their buffer pool (a part with its own lock and threads)."""
         self._reshard = Resharding(
             client_id=self.client_id, shard=shard, config=self.config, port=port,

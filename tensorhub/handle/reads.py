@@ -173,9 +173,13 @@ class ReadSession:
         d = self._hub._driver
         try:
             res = d.drive(d.feed(hm.Start(hm.ReplicateOp(spec, update))), pause_at_pull=True)
+        except BaseException:
+            d.end_read()
+            raise
         finally:
             d.verify_left = None
         if isinstance(res, hm.Outcome):
+            d.end_read()
             return m.NoChange(version=res.version)
         self._paused = res
         return res.assignment
@@ -185,7 +189,10 @@ class ReadSession:
         the read's :class:`~tensorhub.ReadStats`."""
         pull, self._paused = self._paused, None
         assert pull is not None, "no read paused"
-        st = self._stats(self._hub._driver.drive([pull]))
+        try:
+            st = self._stats(self._hub._driver.drive([pull]))
+        finally:
+            self._hub._driver.end_read()
         metrics.record_read(self._hub.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers,
                             stall_s=st.stall_s)
         return st
@@ -196,7 +203,10 @@ class ReadSession:
         if self._paused is None:
             return
         self._paused = None
-        self._hub._driver.finish_interrupted(errors.TransferError(why))
+        try:
+            self._hub._driver.finish_interrupted(errors.TransferError(why))
+        finally:
+            self._hub._driver.end_read()
 
     # ---- moving bytes between the phases -------------------------------------------------
     def open_source(self, a: m.Assignment) -> tx.Source:

@@ -98,28 +98,55 @@ def _torch_file(st: torch.UntypedStorage) -> SharedFile:
     return SharedFile(int(fd), int(size), s.st_dev, s.st_ino, st.data_ptr())
 
 
-def _new_file(storages: Sequence[torch.UntypedStorage]) -> SharedFile:
-    """Move ``storages`` (not shared, distinct) into one new shared file, in place. Call under
-    ``_lock``."""
+def _aligned(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of pieces of ``sizes`` laid out one after the other, each aligned to
+    :data:`_ALIGN_BYTES`, and the total."""
     offsets, total = [], 0
-    for st in storages:
+    for n in sizes:
         total = -(-total // _ALIGN_BYTES) * _ALIGN_BYTES
         offsets.append(total)
-        total += st.nbytes()
+        total += n
+    return offsets, total
+
+
+def _file_of(total: int):
+    """A new shared file of ``total`` bytes, listed in ``_files``, and a numpy view of it: a
+    ``torch.from_numpy`` of a slice of the view gives a storage of those bytes that keeps the
+    view, hence the file, alive (the file's own storage closes its descriptor). Call under
+    ``_lock``."""
     backing = torch.UntypedStorage._new_using_fd_cpu(max(total, 1))  # noqa: SLF001 - no private copy first
     fd, size = backing._share_fd_cpu_()  # noqa: SLF001
     s = os.fstat(int(fd))
-    # A numpy view of the file: torch.from_numpy of a slice of it gives a storage of those bytes
-    # that keeps the view, hence the file, alive; the file's own storage closes its descriptor.
     flat = torch.empty(0, dtype=torch.uint8).set_(backing).numpy()
     f = SharedFile(int(fd), int(size), s.st_dev, s.st_ino, backing.data_ptr())
     del backing
     _files.append((f, weakref.ref(flat)))
+    return f, flat
+
+
+def _new_file(storages: Sequence[torch.UntypedStorage]) -> SharedFile:
+    """Move ``storages`` (not shared, distinct) into one new shared file, in place. Call under
+    ``_lock``."""
+    offsets, total = _aligned([st.nbytes() for st in storages])
+    f, flat = _file_of(total)
     for st, off in zip(storages, offsets):
         piece = torch.from_numpy(flat[off:off + st.nbytes()]).untyped_storage()
         piece.copy_(st)
         st._swap_data_ptr_(piece)  # noqa: SLF001 - st now lives in the file; piece frees the old memory
     return f
+
+
+def shared_empty(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """New CPU tensors of ``like``'s shapes and dtypes (contiguous, not initialized), made
+    directly in one new shared file: registering them moves nothing (:func:`share_storages`
+    finds them there), and their first touch is the file's, not a private copy's first and
+    then the file's again."""
+    sizes = [t.numel() * t.element_size() for t in like]
+    offsets, total = _aligned(sizes)
+    with _lock:
+        _, flat = _file_of(total)
+    return [torch.from_numpy(flat[off:off + n]).view(t.dtype).view(t.shape) if n else
+            torch.empty(t.shape, dtype=t.dtype) for t, off, n in zip(like, offsets, sizes)]
 
 
 def bytes_to_move(storages: Sequence[torch.UntypedStorage]) -> int:

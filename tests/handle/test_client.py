@@ -349,6 +349,50 @@ def test_a_host_copy_freed_by_a_commit_refills_the_pool_instead_of_a_fresh_buffe
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 
+def test_the_pool_touches_a_fresh_buffer_only_while_its_handle_does_not_read_unless_a_copy_waits(port):
+    """Issue 27: a background first touch overlapping a same-host replicate() made it 3-40x
+    slower. The pool thread pauses its touches while the handle reads; a copy that waits for
+    the buffer (an offload) overrides the pause. The buffer is made in shared memory, so
+    registering it moves nothing."""
+    import threading
+
+    from tensorhub.transport import storages
+
+    cfg = CFG.replace(host_copy_ahead=False, host_pool_refill_delay_s=0.0, same_host=True)
+    r, _ = inproc.open_hub(port, config=cfg, replica="r")
+    try:
+        hc = r.host_copies
+        assert len(hc.pool) == 1
+        region, copies = hc.pool[0]
+        with storages._lock:
+            files = storages._live_files()
+        assert all(storages._file_holding(files, c.data_ptr()) is not None for c in copies if c.numel())
+        r._driver.reading = True
+        with hc.lock:
+            hc.pool.pop()
+        hc.pool_wake.set()
+        time.sleep(0.5)
+        assert hc.pool == [] and hc._pool_busy, "paused while the handle reads"
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(hc._pooled_buffer(threading.Event())))
+        waiter.start()
+        waiter.join(10)
+        assert got and got[0] is not None, "a copy waiting for the buffer gets it while the handle reads"
+        region.close()
+        got[0][0].close()
+        hc.pool_wake.set()  # refill again: paused until the read ends
+        time.sleep(0.3)
+        assert hc.pool == []
+        r._driver.reading = False
+        deadline = time.monotonic() + 10
+        while not hc.pool and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(hc.pool) == 1
+    finally:
+        r._driver.reading = False
+        r.close(drop_last_copy=True)
+
+
 def test_the_first_reader_copies_the_version_ahead_so_the_last_holder_need_not_offload(port):
     """The server asks the first reader to finish version 1 for its retention copy; the reader
     makes it in the background (in its own process, not the trainer's). When it later leaves 1
@@ -380,10 +424,10 @@ def test_unpublish_cancels_a_background_copy_still_waiting_for_a_buffer(port):
     gate = threading.Event()
     real = t.host_copies.new_buffer
 
-    def slow(touch):
+    def slow(touch, background=False):
         if touch:
             gate.wait(10)
-        return real(touch)
+        return real(touch, background)
 
     t.host_copies.new_buffer = slow
     with t.host_copies.lock:
