@@ -93,8 +93,10 @@ class Config:
     """Retention (offload) buffers each non-spot handle keeps ready: allocated, touched and
     registered in the background after ``register`` and refilled after every offload, so an
     offload copies at memory speed instead of paying for fresh memory on a reader's critical
-    path; freed host copies return to the pool. Costs this many shard-sized host buffers per
-    handle on top of the host copies it holds. 0: allocate on demand (slow first touch)."""
+    path; freed host copies return to the pool. The background touches pause while the handle
+    reads (a first touch takes a core and the memory bus), unless a copy waits for the buffer.
+    Costs this many shard-sized host buffers per handle on top of the host copies it holds. 0:
+    allocate on demand (slow first touch)."""
     host_pool_refill_delay_s: float = 5.0
     """After a retention copy takes the pooled buffer, wait this long before preparing another:
     the host copy freed at the next commit usually refills the pool first (no allocation, no
