@@ -164,8 +164,9 @@ class Config:
     """The same-host tier: registered CPU tensors move into shared memory in place at
     ``register`` and readers on the same host copy from them directly, not through NIXL
     (:mod:`tensorhub.transport.shm`)."""
-    same_host_threads: int = 2
-    """Copy threads of a same-host read (units copied and checksummed at once)."""
+    same_host_threads: int = 4
+    """Copy threads of a same-host read (units copied and checksummed at once). More threads than
+    cores pay: the copies wait on memory (benchmarks/RESULTS.md, issue 27)."""
     cuda_ipc: bool = True
     """With ``same_host``: registered CUDA tensors are exported by CUDA IPC, so a reader on the
     same host whose process sees the GPU copies GPU to GPU instead of going through NIXL

@@ -283,3 +283,20 @@ def test_a_checksummed_copy_hashes_slice_by_slice_to_the_whole_unit_checksum():
     got = shm._copy_units(Src(), dst, layout, range(layout.unit_count), checksums=True)
     assert got == [checksum_unit(src, u) for u in layout.units]
     assert all(_bytes(a) == _bytes(b) for a, b in zip(src, dst))
+
+
+def test_copy_threads_run_torch_copies_on_themselves_alone_and_leave_the_process_setting():
+    """Issue 27: copy threads that each split their ``copy_`` over a team of the process's
+    intra-op threads oversubscribe the cores. Each copy thread runs on one OpenMP thread; the
+    caller's and a new thread's setting stay as they were."""
+    import threading
+
+    before = torch.get_num_threads()
+    pool = shm._copier(2)
+    seen = [pool.submit(torch.get_num_threads).result() for _ in range(4)]
+    other = []
+    t = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert seen == [1] * 4
+    assert torch.get_num_threads() == before and other == [before]
