@@ -58,6 +58,10 @@ log = logging.getLogger("tensorhub.client")
 """The handle's log (one name for all its parts, kept for users' log filters)."""
 
 _FIND_POLL_S = (0.002, 0.05)
+_PUBLISH_WAIT_S = 2.0
+"""How long a ``HashCells`` may wait for its handle to record the publish it was sent for: the
+server asks at the publish, and the note can reach the handle (on its pulse) before the
+publish's own reply does."""
 """First and longest pause between ``FindCells`` while holders are still hashing."""
 
 
@@ -202,9 +206,23 @@ class Resharding:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorhub-cells")
             self._pool.submit(self._hash, note)
 
+    def _publishes(self, version: int) -> bool:
+        """Whether the handle publishes ``version``: at once, or within :data:`_PUBLISH_WAIT_S`
+        while it has not recorded that publish yet (no version, or an older one, published)."""
+        deadline = time.monotonic() + _PUBLISH_WAIT_S
+        while True:
+            now = self._published()
+            if now == version:
+                return True
+            if (now is not None and now > version) or self._stopped or time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+
     def _hash(self, note: m.HashCells) -> None:
         own = self._placement()
-        if own is None or self._published() != note.version:
+        # Found by examples/reshard.py in CI: a HashCells dropped because it came before the
+        # reply to the publish that asked for it; the readers then waited for cells that never came.
+        if own is None or not self._publishes(note.version):
             return
         try:
             grid = grid_of(note.placements)

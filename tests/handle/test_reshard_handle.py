@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -393,3 +394,43 @@ def test_a_failover_onto_a_replica_of_a_third_layout_reads_only_the_missing_byte
         assert spy.moved(1) == 256 and st.bytes == SLICE - 128 + 256
     finally:
         close_all(tp1, tp2, trainer)
+
+
+def test_cells_asked_before_the_handle_recorded_its_publish_are_still_hashed_and_sent():
+    """Found by examples/reshard.py in CI: the server asks a holder for cell checksums when it
+    publishes, and the note can reach the handle (on its pulse) before the publish's own reply.
+    Such a note waits for the publish instead of being dropped (the readers waited for cells that
+    never came: 7 failovers, TransferError). A note for a version the handle moved past is
+    dropped at once."""
+    from tensorhub.core import messages as m
+    from tensorhub.core.cells import grid_key
+    from tensorhub.handle.reshard import Resharding
+
+    sent = []
+
+    class Port:
+        def call(self, msg):
+            sent.append(msg)
+            return m.Ok()
+
+    state = {"published": None}
+    named = local_of(rows(0), 3)
+    res = Resharding(client_id="c", shard=0, config=inproc.CONFIG, port=Port(), placement=lambda: rows(0),
+                     published=lambda: state["published"], held=lambda: ([t for _, t in named], None), sources=None)
+    placements = (rows(0), rows(1), cols(0), cols(1))
+    try:
+        res.hash_asked(m.HashCells(3, grid_key(placements), placements))
+        time.sleep(0.2)
+        assert sent == []
+        state["published"] = 3  # the publish's reply is handled now
+        deadline = time.monotonic() + 5
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(s.version, s.grid) for s in sent] == [(3, grid_key(placements))] and sent[0].cells
+        state["published"] = 4
+        res.hash_asked(m.HashCells(3, grid_key(placements), placements))
+        t0 = time.monotonic()
+        res.stop()
+        assert len(sent) == 1 and time.monotonic() - t0 < 1.0
+    finally:
+        res.stop()
