@@ -250,8 +250,17 @@ class HostCopies:
 
     def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a
-        second fresh buffer would only compete with it for first touches), unless cancelled."""
+        second fresh buffer would only compete with it for first touches), unless cancelled.
+
+        A buffer taken from the pool at once is not urgent: the pool refills after
+        ``host_pool_refill_delay_s``, usually from the host copy the next commit frees. Waking the
+        pool thread urgently then made it touch a fresh buffer at once and the freed copy find the
+        pool full and be closed: a fresh 1 GiB buffer and a close every version (issue 27)."""
         with self.lock:
+            if self.pool:
+                entry = self.pool.pop()
+                self.pool_wake.set()
+                return entry
             self._waiters += 1
         try:
             self._urgent.set()

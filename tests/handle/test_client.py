@@ -349,6 +349,30 @@ def test_a_host_copy_freed_by_a_commit_refills_the_pool_instead_of_a_fresh_buffe
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 
+def test_copies_made_ahead_version_after_version_reuse_the_freed_buffers(port):
+    """Issue 27: a copy made ahead that found the pooled buffer ready still woke the pool thread
+    as if it waited, so the pool touched a fresh buffer at once and the copy that the next commit
+    freed found the pool full and was closed: a fresh buffer every version. Now the freed copies
+    come back to the pool and feed the next copies: a reader that copies ahead every version
+    allocates at most the retained copies plus the pooled one, however many versions pass."""
+    cfg = CFG.replace(host_pool_refill_delay_s=60.0)
+    t, tt = inproc.open_hub(port, config=cfg, replica="t")
+    r, _ = inproc.open_hub(port, config=cfg, replica="r")
+    try:
+        for v in range(1, 9):
+            if v > 1:
+                t.unpublish()
+            workload.fill_version(tt, v); t.publish(v)
+            r.update("latest")
+            r.host_copies.stop_copy(cancel_it=False)  # (the test waits for the background copy)
+            assert v in r.host_copies.by_version, "the first reader copied the version ahead"
+        assert r.host_buffers_inline == 0
+        assert r.host_buffers_allocated <= cfg.versions_retained + cfg.host_copies_pooled, \
+            "freed host copies are reused, not replaced by fresh buffers"
+    finally:
+        r.close(drop_last_copy=True); t.close(drop_last_copy=True)
+
+
 def test_the_pool_touches_a_fresh_buffer_only_while_its_handle_does_not_read_unless_a_copy_waits(port):
     """Issue 27: a background first touch overlapping a same-host replicate() made it 3-40x
     slower. The pool thread pauses its touches while the handle reads; a copy that waits for
