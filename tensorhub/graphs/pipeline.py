@@ -31,8 +31,9 @@ same way reuse one graph across versions. Rules the cache keeps, from Ray 2.60's
 Path choice (``path="auto"``): from measurements (:mod:`tensorhub.graphs.choice`): the pull path
 while no graph is cached for the topology (with ``compile="background"`` the graph is compiled
 after the group finished, off the critical path, for the next version), then each path once,
-then whichever measured fewer seconds per byte for this topology, re-measuring the other now and
-then. ``path="graph"`` compiles synchronously on a miss (0.1-3 s measured here).
+then whichever measured fewer seconds per byte for this topology (the other is re-measured now
+and then only while the two measured within 10% of each other: a path measured clearly slower is
+not taken again for that topology). ``path="graph"`` compiles synchronously on a miss (0.1-3 s measured here).
 """
 
 from __future__ import annotations

@@ -28,12 +28,23 @@ def test_choice_table(cached, graph_s, pull_s, expect, why):
     assert path == expect and why in reason
 
 
-def test_the_slower_path_is_re_measured_now_and_then():
+def test_the_slower_path_is_re_measured_now_and_then_when_the_two_are_close():
     c = PathChooser(explore_every=5)
     c.record("k", "graph", 1.0, GB)
-    c.record("k", "pull", 2.0, GB)
+    c.record("k", "pull", 1.05, GB)
     picks = [c.choose("k", True)[0] for _ in range(10)]
     assert picks.count("pull") == 2 and picks[4] == picks[9] == "pull"
+
+
+def test_a_path_measured_clearly_slower_is_never_taken_again():
+    """Issue 27: ``auto`` never picks the slower path for a topology it has measured (the graph
+    at 1.9x the pull path on the emulated cluster): no re-measuring beyond ``explore_within``."""
+    c = PathChooser(explore_every=5, explore_within=1.1)
+    c.record("k", "graph", 1.9, GB)
+    c.record("k", "pull", 1.0, GB)
+    assert {c.choose("k", True)[0] for _ in range(100)} == {"pull"}
+    with pytest.raises(ValueError):
+        PathChooser(explore_within=0.9)
 
 
 def test_measurements_are_per_byte_and_averaged():
