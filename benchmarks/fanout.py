@@ -16,13 +16,19 @@ measured run the trainer publishes a fresh version. Paths:
   rdt        Ray Direct Transport with NIXL: every reader fetches the trainer's tensors.
   broadcast  ``torch.distributed`` gloo broadcast from the trainer (process group set up
              beforehand, like a persistent NCCL group; one call per tensor).
+  pull_live_graph
+             ``pull`` while the same group's compiled graph is cached (compiled, idle): what a
+             live graph's busy-waiting channel readers cost the bytes that move beside it.
+
+Every run also reports ``cpu_busy``: the machine's non-idle share of CPU time during it
+(``/proc/stat``; the emulated hosts share this machine's cores).
 
 Every path verifies bytes (digest of every reader's tensors against the trainer's). ``last_s``:
 from the start of the round until the last reader holds the version; ``mean_s``: the mean over
 readers. Human lines go to stderr, with a live progress display when it is a terminal (not with
 ``--json``); the last stdout line is one JSON object with ``link_gbit``,
 ``bytes``, ``single_s`` (pull at N=1), ``single_line_rate_ratio`` (line-rate time over
-``single_s``) and ``results`` (``{n, path, last_s, mean_s, bytes_ok, runs}``).
+``single_s``) and ``results`` (``{n, path, last_s, mean_s, cpu_busy, bytes_ok, runs}``).
 """
 
 from __future__ import annotations
@@ -43,12 +49,20 @@ if _REPO not in sys.path:  # run as a script from a checkout
 
 from benchmarks.bench_actors import parse_bytes  # noqa: E402 - after the sys.path line
 
-PATHS = ("pull", "graph", "none", "rdt", "broadcast")
+PATHS = ("pull", "graph", "none", "rdt", "broadcast", "pull_live_graph")
 MODEL = "bench-fanout"
 
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU of this machine so far (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -107,8 +121,9 @@ class Bench:
             self.gloo_n = n
         if path == "rdt":
             ray.get([a.rdt_register.remote() for a in [self.trainer, *group]])
+        cpu0 = cpu_times()
         t0 = time.time()
-        if path == "pull":
+        if path in ("pull", "pull_live_graph"):
             outs = ray.get([r.update.remote(v) for r in group])
             done, digests = [o["done_at"] for o in outs], [o["digest"] for o in outs]
             names = {o["client_id"]: f"r{i}" for i, o in enumerate(outs)}
@@ -136,6 +151,8 @@ class Bench:
             done, digests = [o[0] for o in outs], [o[1] for o in outs]
         else:
             raise ValueError(path)
+        cpu1 = cpu_times()
+        extra["cpu_busy"] = round((cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]), 3)
         ok = digests == [digest] * n
         last, mean = max(done) - t0, statistics.mean(d - t0 for d in done)
         say(f"n={n} {path:9s} last {last:7.3f}s mean {mean:7.3f}s bytes {'ok' if ok else 'DIFFER'} {extra or ''}")
@@ -162,9 +179,9 @@ def drive(args) -> dict:
     results = []
 
     def reps_of(path: str) -> int:
-        return args.reps if path in ("pull", "graph") else args.baseline_reps
+        return args.reps if path in ("pull", "graph", "pull_live_graph") else args.baseline_reps
 
-    rounds = len(args.ns) * sum(reps_of(p) + (p == "graph") for p in args.paths)
+    rounds = len(args.ns) * sum(reps_of(p) + (p in ("graph", "pull_live_graph")) for p in args.paths)
     try:
         with progress.live(json_mode=args.quiet) as bar:
             task = bar.add_task("rounds", total=rounds)
@@ -179,20 +196,21 @@ def drive(args) -> dict:
             for n in args.ns:
                 # The graph last, and torn down after: a live compiled graph's readers busy-wait on
                 # their channels (Ray), which would slow every path measured while it is cached.
-                for path in sorted(args.paths, key=lambda p: p == "graph"):
+                for path in sorted(args.paths, key=lambda p: p in ("graph", "pull_live_graph")):
                     reps = reps_of(path)
-                    if path == "graph":
+                    if path in ("graph", "pull_live_graph"):
                         try:
                             step("graph", n, "graph (compiling)")  # compiles this topology (not measured)
                         except RuntimeError as e:  # a fallback here is reported, the measured runs decide
                             say(f"n={n} graph compile run: {e}")
                     runs = [step(path, n, f"{path} {i + 1}/{reps}") for i in range(reps)]
-                    if path == "graph":
+                    if path in ("graph", "pull_live_graph"):
                         bench.cache.clear()
                     lasts = [r["last_s"] for r in runs]
                     best = min(range(len(runs)), key=lambda i: lasts[i])
                     results.append({"n": n, "path": path, "last_s": round(statistics.median(lasts), 4),
                                     "mean_s": round(statistics.median(r["mean_s"] for r in runs), 4),
+                                    "cpu_busy": round(statistics.median(r["cpu_busy"] for r in runs), 3),
                                     "bytes_ok": all(r["bytes_ok"] for r in runs),
                                     "runs": [round(x, 4) for x in lasts], "best_s": round(lasts[best], 4)})
     finally:
