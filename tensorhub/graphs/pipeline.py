@@ -84,6 +84,7 @@ class _Entry:
     compile_s: float
     max_inflight: int
     uses: int = 0
+    """Executions it was held for (:meth:`GraphCache.acquire`; a lookup is not a use)."""
     busy: int = 0
     """Executions running on it now (:meth:`GraphCache.acquire`): never torn down while idle."""
     last_used: float = dataclasses.field(default_factory=time.monotonic)
@@ -151,8 +152,8 @@ class GraphCache:
             if e is None:
                 return None
             self._graphs.move_to_end(key)
-            e.uses += 1
             if hold:
+                e.uses += 1
                 e.busy += 1
                 e.last_used = time.monotonic()
             return e.dag

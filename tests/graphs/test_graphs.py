@@ -90,6 +90,7 @@ def test_chain_of_three_graph_is_byte_exact_and_reused_across_versions(ray_clust
     res2 = replicate_group(readers, "latest", path="graph", batches=6, cache=cache)
     assert res2.path == "graph" and not res2.compiled, res2.error
     assert cache.compiles == 1, "same members, same wiring: the compiled graph is reused"
+    assert [e.uses for e in cache._graphs.values()] == [2], "one use per execution, not per lookup"
     assert [ray.get(r.digest.remote()) for r in readers] == [d2] * 3
     assert [ray.get(r.version.remote()) for r in readers] == [2] * 3
     cache.clear()
