@@ -100,7 +100,7 @@ BOUNDS = {
 def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
     """Choose faults for this scenario: (time, kind, knobs). Returns the plan (also scheduled)."""
     p = world.params
-    kinds = [k for k in FAULT_KINDS if (k != "spot_preemption" or p.workload == "elastic")
+    kinds = [k for k in FAULT_KINDS if (k != "spot_preemption" or p.workload in ("elastic", "mixed_spot"))
              and (k != "interrupt" or world.interrupts)]
     plan: list[tuple[float, str, dict]] = []
     if rng.random() < 0.12:

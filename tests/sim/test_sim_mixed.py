@@ -181,3 +181,33 @@ def test_planted_resharding_bug_is_caught_on_its_seed(monkeypatch, plant, kind, 
     with monkeypatch.context() as mp:
         plant(mp)
         assert kind in _kinds(seeds)
+
+
+# ---------------------------------------------------------------------------- mixed_spot
+
+
+def spot_or_dead_copies_of_another_class_count(mp):
+    """Retention counts a replica of another layout class that holds the version whole as a copy
+    even when it is spot or not heard from lately (the filter of ``held_in_other_layout`` dropped)."""
+    mp.setattr(Retention, "held_in_other_layout",
+               lambda self, node, attended=False: self._others.holds(node, lambda n: True))
+
+
+def test_spot_copies_of_another_layout_are_no_copies_for_retention(monkeypatch):
+    """``mixed_spot`` (``mixed`` plus a spot replica of each rollout layout and spot preemptions)
+    catches a plant that ``mixed`` missed in 200 seeds (it has no spot replicas): on this code the
+    plant gave violations on 72 of 300 seeds, the first of them seed 2 (last_copy); the shipped
+    code runs seed 2 clean."""
+    assert run_scenario(2, "mixed_spot").ok
+    with monkeypatch.context() as mp:
+        spot_or_dead_copies_of_another_class_count(mp)
+        assert "last_copy" in {kind for kind, _, _ in run_scenario(2, "mixed_spot").violations}
+
+
+@pytest.mark.xfail(strict=True, reason="open (found by the first mixed_spot sweep, 1 of 400 seeds, not analysed "
+                   "yet): after a server restart rwhole-0/s0 lets go of retained version 1 while the rows2 "
+                   "replica that held it whole has one shard offloading it and the other already reading "
+                   "version 2; either the server's last-copy rule or the checker misjudges that")
+def test_mixed_spot_seed_109_runs_clean():
+    res = run_scenario(109, "mixed_spot")
+    assert res.ok, res.violations
