@@ -445,23 +445,25 @@ def _build_mixed(w: World, rng: random.Random, spot: bool = False) -> None:
     copy for retention)."""
     p, mm = w.params, w.mixed
     used = p.num_shards
-    for lay in mm.rollouts:
-        for i in range(rng.randint(1, 2)):
-            n = SHARDS[lay]
-            if used + n > p.max_clients:
-                break
-            used += n
-            name = f"r{lay}-{i}"
-            w.rollouts.append(RolloutDriver(w, name, [w.add_host("dc0") for _ in range(n)], "dc0", False,
-                                            w.sim.rng(name), layout=lay))
-    for lay in mm.rollouts if spot else ():
+
+    def add(name: str, lay: str, is_spot: bool) -> bool:
+        """One replica of ``lay`` on hosts of its own, if ``max_clients`` has room for it."""
+        nonlocal used
         n = SHARDS[lay]
         if used + n > p.max_clients:
-            break
+            return False
         used += n
-        name = f"spot{lay}"
-        w.rollouts.append(RolloutDriver(w, name, [w.add_host("dc0") for _ in range(n)], "dc0", True,
+        w.rollouts.append(RolloutDriver(w, name, [w.add_host("dc0") for _ in range(n)], "dc0", is_spot,
                                         w.sim.rng(name), layout=lay))
+        return True
+
+    for lay in mm.rollouts:
+        for i in range(rng.randint(1, 2)):
+            if not add(f"r{lay}-{i}", lay, False):
+                break
+    for lay in mm.rollouts if spot else ():
+        if not add(f"spot{lay}", lay, True):
+            break
 
 
 def run_scenario(seed: int, workload: Optional[str] = None, *, core_factory: Optional[CoreFactory] = None,
