@@ -114,7 +114,8 @@ class GraphCache:
             raise ValueError("idle_teardown_s must be >= 0 (0: never)")
         self.idle_teardown_s = idle_teardown_s
         self.idle_teardowns = 0
-        """Graphs torn down for idleness so far (counted in ``teardowns`` too)."""
+        """Graphs torn down for idleness so far (counted in ``teardowns`` too). A graph leaves the
+        cache before its teardown ends; it is counted once the teardown has ended."""
         self._idle_thread: Optional[threading.Thread] = None
         self._idle_wake = threading.Condition()
         self.graphs_max = graphs_max
@@ -181,7 +182,8 @@ class GraphCache:
                 wait = min((limit - (now - e.last_used) for e in self._graphs.values() if not e.busy), default=limit)
             for e in due:
                 self._teardown(e)
-                self.idle_teardowns += 1
+                with self._lock:
+                    self.idle_teardowns += 1
                 log.info("tore down a compiled graph idle for %.0fs", limit)
             if not due:
                 with self._idle_wake:
@@ -257,7 +259,8 @@ class GraphCache:
             e.dag.teardown()
         except Exception:  # noqa: BLE001 - a member may be dead; the graph is gone either way
             log.warning("teardown of a compiled graph failed", exc_info=True)
-        self.teardowns += 1
+        with self._lock:  # the idle watcher and callers tear down from different threads
+            self.teardowns += 1
 
     def drop_actor(self, actor) -> int:
         """Tear down every graph over ``actor`` (membership changed). Returns how many."""

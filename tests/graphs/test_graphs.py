@@ -287,8 +287,10 @@ def test_an_idle_graph_is_torn_down_and_its_members_stop_spinning(ray_cluster, m
         res = replicate_group(readers, 1, update=False, path="graph", batches=4, cache=cache)
         assert res.path == "graph" and len(cache) == 1, res.error
         spinning = _cpu_seconds(pids, 1.0)
+        # The watcher takes the graph out of the cache, then tears it down and counts it: wait
+        # for the count (the members are quiet once it is there), not for the empty cache.
         deadline = time.time() + 20
-        while len(cache) and time.time() < deadline:
+        while cache.idle_teardowns < 1 and time.time() < deadline:
             time.sleep(0.2)
         assert len(cache) == 0 and cache.idle_teardowns == 1 and cache.teardowns == 1
         quiet = _cpu_seconds(pids, 1.0)
@@ -306,7 +308,7 @@ def test_an_idle_graph_is_torn_down_and_its_members_stop_spinning(ray_cluster, m
         assert len(cache) == 1
         cache.release(key)
         deadline = time.time() + 20
-        while len(cache) and time.time() < deadline:
+        while cache.idle_teardowns < 2 and time.time() < deadline:
             time.sleep(0.2)
         assert len(cache) == 0 and cache.idle_teardowns == 2
     finally:
