@@ -166,14 +166,15 @@ class ReadRequests:
     def complete(self, node: Node) -> None:
         """The reader has every unit (verified by itself); it is a holder now. Also legal while
         WAITING: its source may have died just as the last unit arrived."""
-        # A holder first, then detach: the drain of the source may end here, and its
-        # retention check must count this reader as a holder already.
+        # A holder first, its class's commit next, then detach: the drain of the source may end
+        # here, and its retention check must count this reader as a holder already (one of
+        # another layout class counts once that class retains the version).
         self.table.set_version(node, node.version, NodeState.PUBLISHED, node.units)
+        self._versions.maybe_commit(node)
         self._reading.detach(node)
         node.suspects.clear()
         node.awaiting_source = None
         self.table.index.mark(node)
-        self._versions.maybe_commit(node)
         self._retention.ask_host_copy(node)
 
     def on_Swap(self, req: m.Swap, now: float) -> m.Reply:

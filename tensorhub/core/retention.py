@@ -23,8 +23,9 @@ A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it
   in error loses the version;
 - across layout classes (:mod:`tensorhub.core.placements`): a holder's version also counts as
   held elsewhere when a replica of another class of its model holds it whole (every shard
-  complete, non-spot, heard from lately) and could fill this holder's placement by a resharded
-  read (``held_in_other_layout``): a trainer whose rollouts hold the version in their own layout
+  complete, non-spot, heard from lately), that class retains the version too (its retention
+  keeps that copy), and it could fill this holder's placement by a resharded read
+  (``held_in_other_layout``): a trainer whose rollouts hold the version in their own layout
   does not copy it to host memory at every step.
 """
 
@@ -192,9 +193,12 @@ class Retention:
 
     def held_in_other_layout(self, node: Node, attended: bool = False) -> bool:
         """A replica of another layout class of ``node``'s model holds ``node``'s version whole
-        (every shard complete, non-spot, heard from lately; ``attended``: a held pulse counts)
-        and could fill ``node``'s placement by a resharded read."""
-        return self._others.holds(node, lambda n: not n.spot and self.heard_lately(n, attended))
+        (every shard complete, non-spot, heard from lately; ``attended``: a held pulse counts),
+        its own class retains that version (else nothing keeps that copy: it may be read over
+        without an offload, each class counting on the other), and it could fill ``node``'s
+        placement by a resharded read."""
+        return self._others.holds(node, lambda n: (not n.spot and n.version in self.table.retained(n.model)
+                                                   and self.heard_lately(n, attended)))
 
     def _other_copies(self, node: Node) -> Iterator[Node]:
         """The visible non-spot copies of ``node``'s version and shard other than ``node`` (in

@@ -169,6 +169,27 @@ def test_a_trainer_offloads_when_no_other_layout_holds_its_shard_whole():
     assert w.node(t[0]).state is NodeState.OFFLOADING
 
 
+def test_another_layouts_copy_counts_only_while_its_own_class_retains_the_version():
+    """The drain of the last trainer copy of version 1, while the rollout that holds version 1
+    whole belongs to a class that has committed version 2 and forgotten version 1
+    (``versions_retained`` 1): nothing keeps the rollout's copy (it may read version 2 over it
+    without an offload), so it is no copy for the trainer either, and the trainer offloads
+    (the simulator's mixed_spot seed 109 lost version 1 this way, each class counting on the
+    other)."""
+    w = RW(versions_retained=1)
+    t = w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
+    (p,) = w.rollout("p", [WHOLE])  # the rollout's class: version 2 published there
+    assert w.send(m.Publish(p, 2)) == m.Ok()
+    whole = w.node(x).model
+    assert w.core.retained(whole) == [2] and w.core.retained("pol") == [1]
+    assert w.node(x).version == 1 and w.node(x).state is NodeState.PUBLISHED
+    assert isinstance(w.send(m.Unpublish(t[0])), m.OffloadOrder)
+    assert w.node(t[0]).state is NodeState.OFFLOADING
+
+
 def test_a_failed_reshard_source_moves_the_read_to_another_replica_of_that_class():
     w = RW()
     w.published_trainer("t")
