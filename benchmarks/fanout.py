@@ -50,6 +50,9 @@ if _REPO not in sys.path:  # run as a script from a checkout
 from benchmarks.bench_actors import parse_bytes  # noqa: E402 - after the sys.path line
 
 PATHS = ("pull", "graph", "none", "rdt", "broadcast", "pull_live_graph")
+GRAPH_PATHS = ("graph", "pull_live_graph")
+"""The paths that keep a compiled graph cached: measured last for each N, compiled before their
+timed runs and torn down after them."""
 MODEL = "bench-fanout"
 
 
@@ -179,9 +182,9 @@ def drive(args) -> dict:
     results = []
 
     def reps_of(path: str) -> int:
-        return args.reps if path in ("pull", "graph", "pull_live_graph") else args.baseline_reps
+        return args.reps if path == "pull" or path in GRAPH_PATHS else args.baseline_reps
 
-    rounds = len(args.ns) * sum(reps_of(p) + (p in ("graph", "pull_live_graph")) for p in args.paths)
+    rounds = len(args.ns) * sum(reps_of(p) + (p in GRAPH_PATHS) for p in args.paths)
     try:
         with progress.live(json_mode=args.quiet) as bar:
             task = bar.add_task("rounds", total=rounds)
@@ -196,15 +199,15 @@ def drive(args) -> dict:
             for n in args.ns:
                 # The graph last, and torn down after: a live compiled graph's readers busy-wait on
                 # their channels (Ray), which would slow every path measured while it is cached.
-                for path in sorted(args.paths, key=lambda p: p in ("graph", "pull_live_graph")):
+                for path in sorted(args.paths, key=lambda p: p in GRAPH_PATHS):
                     reps = reps_of(path)
-                    if path in ("graph", "pull_live_graph"):
+                    if path in GRAPH_PATHS:
                         try:
                             step("graph", n, "graph (compiling)")  # compiles this topology (not measured)
                         except RuntimeError as e:  # a fallback here is reported, the measured runs decide
                             say(f"n={n} graph compile run: {e}")
                     runs = [step(path, n, f"{path} {i + 1}/{reps}") for i in range(reps)]
-                    if path in ("graph", "pull_live_graph"):
+                    if path in GRAPH_PATHS:
                         bench.cache.clear()
                     lasts = [r["last_s"] for r in runs]
                     best = min(range(len(runs)), key=lambda i: lasts[i])

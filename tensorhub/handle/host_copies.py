@@ -248,6 +248,15 @@ class HostCopies:
             if endpoint is not None:
                 self._offer(version, endpoint, _NO_RETRY)
 
+    def _take_pooled(self) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
+        """A pooled buffer taken out (the pool thread woken to refill in its own time), or None.
+        Called under the lock."""
+        if not self.pool:
+            return None
+        entry = self.pool.pop()
+        self.pool_wake.set()
+        return entry
+
     def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a
         second fresh buffer would only compete with it for first touches), unless cancelled.
@@ -257,9 +266,8 @@ class HostCopies:
         pool thread urgently then made it touch a fresh buffer at once and the freed copy find the
         pool full and be closed: a fresh 1 GiB buffer and a close every version (issue 27)."""
         with self.lock:
-            if self.pool:
-                entry = self.pool.pop()
-                self.pool_wake.set()
+            entry = self._take_pooled()
+            if entry is not None:
                 return entry
             self._waiters += 1
         try:
@@ -268,10 +276,9 @@ class HostCopies:
             t0 = time.monotonic()
             while True:
                 with self.lock:
-                    if self.pool:
-                        entry = self.pool.pop()
-                        self.pool_wake.set()
-                        return entry
+                    entry = self._take_pooled()
+                if entry is not None:
+                    return entry
                 t = self.pool_thread
                 idle = not self._pool_busy and time.monotonic() - t0 > 0.05  # it is not making one
                 if t is None or not t.is_alive() or idle or cancel.wait(0.01):
