@@ -21,7 +21,11 @@ A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it
   the proof) and waits up to ``2.5 * heartbeat_interval_s`` before it skips the offload; no
   proof, it offloads (``awaits_proof``). Offloading in doubt costs a host copy; skipping it
   in error loses the version;
-- across layout classes (:mod:`tensorhub.core.placements`): a holder's version also counts as
+- across layout classes (:mod:`tensorhub.core.placements`) a version is retained when its class
+  retains it and it is one of the newest ``versions_retained`` the classes retain together
+  (``kept``): an engine class that has not committed the trainer's newest version yet does not
+  offload the one before, which the model has moved past (its readers reshard the newer one);
+- across layout classes a holder's version also counts as
   held elsewhere when a replica of another class of its model holds it whole (every shard
   complete, non-spot, heard from lately), that class retains the version too (its retention
   keeps that copy), and it could fill this holder's placement by a resharded read
@@ -37,6 +41,7 @@ from typing import Callable, Iterator
 
 from tensorhub.core import messages as m
 from tensorhub.core.other_layouts import OtherLayouts
+from tensorhub.core.placements import logical
 from tensorhub.core.state import COMPLETE, VISIBLE_SOURCE, Node, NodeState
 from tensorhub.core.table import Table
 from tensorhub.errors import InvalidState
@@ -76,7 +81,7 @@ class Retention:
         background (MakeHostCopy), unless a copy exists or another holder was asked already."""
         if self.table.config.versions_retained < 2 or node.spot or node.host:
             return
-        if node.version not in self.table.retained(node.model):
+        if not self.kept(node.model, node.version):
             return
         g = self.table.index.group(node.key)
         if g is not None and (g.hosts or g.asked - {node.id}):
@@ -112,8 +117,7 @@ class Retention:
         if self._own_host_copy(node, req.version):
             return m.Ok()  # listed already (announced, or this report came twice): keep it
         wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
-                  and req.version in self.table.retained(node.model)
-                  and not self.table.group(node.key).hosts)
+                  and self.kept(node.model, req.version) and not self.table.group(node.key).hosts)
         node.copy_asked = -1
         self.table.index.mark(node)
         if wanted:
@@ -185,11 +189,27 @@ class Retention:
     def needs_offload(self, node: Node) -> bool:
         """``node`` holds a retained version with no other visible non-spot copy whose process
         proved lately that it is alive (or a datacenter copy to keep)."""
-        if node.spot or node.host or node.version not in self.table.retained(node.model):
+        if node.spot or node.host or not self.kept(node.model, node.version):
             return False
         if self._keeps_dc_copy(node):
             return True
         return not (any(self.heard_lately(o) for o in self._other_copies(node)) or self.held_in_other_layout(node))
+
+    def kept(self, model: str, version: int) -> bool:
+        """Retention keeps ``version`` of layout class ``model``: its class retains it, and it is
+        one of the newest ``versions_retained`` versions the model's classes retain together.
+        One layout class: its own retention. Several: a class that has not committed the
+        trainer's newest version yet still retains the one before, but the model has moved on
+        (its readers reach the newer one by resharded reads); keeping the older one would cost
+        an engine class a host copy at every step that a one-layout model does not pay."""
+        retained = self.table.retained(model)
+        if version not in retained:
+            return False
+        classes = self.table.classes.get(logical(model), ())
+        if len(classes) < 2:
+            return True
+        across = set(retained).union(*(self.table.retained(c) for c in classes))
+        return version in sorted(across)[-self.table.config.versions_retained:]
 
     def held_in_other_layout(self, node: Node, attended: bool = False) -> bool:
         """A replica of another layout class of ``node``'s model holds ``node``'s version whole
@@ -259,11 +279,10 @@ class Retention:
         copy, while clients other than ``node`` remain in its model (else nobody could read them)."""
         if self._clients_in(node.model) <= 1:
             return []  # node is the model's only client
-        retained = self.table.retained(node.model)
         mine = [node] + [self.table.nodes[h] for h in self.table.hosts_of.get(node.id, ())]
         held = set()
         for n in mine:
-            if n.spot or n.version not in retained or n.state not in COMPLETE:
+            if n.spot or not self.kept(n.model, n.version) or n.state not in COMPLETE:
                 continue
             # A held pulse counts here: a leave cannot wait for a probe, and refusing it whenever
             # the other holders are idle would keep every close() open.

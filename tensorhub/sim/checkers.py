@@ -75,7 +75,7 @@ from tensorhub.core.state import COMPLETE, NodeState
 from tensorhub.placement import _subtract_all
 from tensorhub.sim.freshness import NoopFreshnessChecker
 from tensorhub.sim.known import KNOWN_OPEN
-from tensorhub.sim.observer import CoreObserver
+from tensorhub.sim.observer import CoreObserver, model_retains
 
 
 
@@ -625,8 +625,9 @@ class GhostCopyChecker:
 
     def _check(self, core, holder: str, version: int, now: float) -> None:
         node = core.nodes[holder]
-        if version not in core.retained(node.model) or f"{holder}#host{version}" in core.nodes:
-            return
+        if (version not in core.retained(node.model) or f"{holder}#host{version}" in core.nodes
+                or not model_retains(core, node.model, version, self.world.config.versions_retained)):
+            return  # not retained (by its class, or by the model: its classes together)
         own = [core.nodes[i] for i in sorted(core.groups.get((node.model, version, node.shard), ()))]
         # Another layout class's copies count too (the core's retention counts a replica of
         # another layout that holds the version whole): every shard of theirs, any one alive

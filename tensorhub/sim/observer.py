@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 
 from tensorhub.core import messages as m
+from tensorhub.core.placements import logical
 from tensorhub.core.state import COMPLETE, NodeState
 from tensorhub.sim.known import KNOWN_OPEN
 
@@ -250,21 +251,25 @@ class CoreObserver:
 
     def _matters(self, core, releaser: str, v: int, retained: list[int]) -> bool:
         """Whether letting go of ``v`` can lose it. Outside ``mixed``: ``v`` is retained. In
-        ``mixed`` retention is a layout class's, and a class is filled from another only by a
-        replica of that class holding the version whole (every shard: a resharded read's
-        source): the release matters when ``v`` is retained in the releaser's own class, or
-        retained in another class while the releaser's replica holds ``v`` whole in truth (it may
-        be that class's copy). A shard of a replica that does not hold ``v`` whole, of a version
-        its own class does not retain, is no copy any reader could ever be given."""
+        ``mixed`` the model retains the newest ``versions_retained`` versions its layout classes
+        retain together (a class that has not caught up with a newer version still retains an
+        older one, which the model has moved past: its readers reach the newer one by resharded
+        reads, as a one-layout model's readers find only the newer one), and a class is filled
+        from another only by a replica of that class holding the version whole (every shard: a
+        resharded read's source). So the release matters when the model retains ``v`` and ``v``
+        is retained in the releaser's own class, or in another class while the releaser's
+        replica holds ``v`` whole in truth (it may be that class's copy). A shard of a replica
+        that does not hold ``v`` whole, of a version its own class does not retain, is no copy
+        any reader could ever be given."""
         w = self.world
         if w.mixed is None:
             return v in retained
+        if not model_retains(core, w.params.model, v, w.config.versions_retained):
+            return False
         node = core.nodes.get(releaser)
         own = node.model if node is not None else w.params.model
         if v in core.retained(own):
             return True
-        if not any(v in core.retained(cls) for cls in core.models):
-            return False
         c = w.clients.get(releaser.split("#", 1)[0])
         allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
         return c is not None and c.driver is not None and self._replica_holds(c.driver, v, allow_s)
@@ -320,6 +325,13 @@ class CoreObserver:
                     and self._replica_holds(d, v, allow_s)):
                 return True
         return False
+
+
+def model_retains(core, model: str, v: int, keep: int) -> bool:
+    """Whether ``v`` is one of the newest ``keep`` versions the layout classes of ``model``
+    retain together (the contract; the core's ``Retention.kept`` is the rule)."""
+    classes = [c for c in core.models if logical(c) == logical(model)]
+    return v in sorted(set().union(*(core.retained(c) for c in classes)))[-keep:]
 
 
 def _known_last_copy(checker) -> str:

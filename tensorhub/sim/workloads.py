@@ -17,6 +17,9 @@ from tensorhub.sim.client import SimClient
 from tensorhub.sim.faults import restart_mid_read
 
 
+_TRANSIENT = frozenset({"ServerUnavailable", "ServerRecovering", "RequestTimeout"})
+"""Registration failures a starting process retries (the server comes back)."""
+
 class Barrier:
     def __init__(self, sim, n: int, then: Callable[[], None]) -> None:
         self.sim, self.left, self.then, self.fired = sim, set(range(n)), then, False
@@ -85,6 +88,14 @@ class ReplicaDriver:
             self.world.sim.after(self.world.params.restart_delay_s, self._restart, c.index)
         else:
             self.gone = True
+            if self.spot:
+                # A spot engine whose rank is preempted or dies is not restarted, and its other
+                # ranks end with it (their collectives fail: the engine exits). Left running, a
+                # rank in an update would wait ``request_timeout_s`` for the dead sibling's
+                # registration (ReplicaIncomplete), a bounded wait that outlives the run.
+                for x in self.members:
+                    if x is not c and x.alive:
+                        self.world.crash(x, restart=False)
 
     def _restart(self, i: int) -> None:
         self.gen += 1
@@ -106,6 +117,11 @@ class ReplicaDriver:
                 if code == "ok":
                     go()
                 elif code == "ShardTaken" and c.alive:  # the dead predecessor has not expired yet
+                    self.world.sim.after(1.0, self.ensure_registered, c, go, done)
+                elif code in _TRANSIENT and c.alive:
+                    # The server was down or recovering: a process that starts keeps trying to
+                    # join (given up, its siblings in a round would wait for it until their
+                    # request timeout: mixed seed 111).
                     self.world.sim.after(1.0, self.ensure_registered, c, go, done)
                 else:
                     done()

@@ -169,20 +169,44 @@ def test_a_trainer_offloads_when_no_other_layout_holds_its_shard_whole():
     assert w.node(t[0]).state is NodeState.OFFLOADING
 
 
-def test_another_layouts_copy_counts_only_while_its_own_class_retains_the_version():
-    """The drain of the last trainer copy of version 1, while the rollout that holds version 1
-    whole belongs to a class that has committed version 2 and forgotten version 1
-    (``versions_retained`` 1): nothing keeps the rollout's copy (it may read version 2 over it
-    without an offload), so it is no copy for the trainer either, and the trainer offloads
-    (the simulator's mixed_spot seed 109 lost version 1 this way, each class counting on the
-    other)."""
+def test_an_engine_class_behind_the_trainer_reads_the_new_version_without_an_offload():
+    """``versions_retained`` 1: the trainer's class has committed version 2, the engine's class
+    still retains version 1 (it has not caught up). The model has moved past version 1, so the
+    engine's last copy of it is read over without a host copy, as with one layout (before, the
+    last engine of a layout class offloaded the old version at every step)."""
     w = RW(versions_retained=1)
     t = w.published_trainer()
     (x,) = w.rollout("w", [WHOLE])
     w.send(m.Replicate(x, "latest", seq=1))
     assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
-    (p,) = w.rollout("p", [WHOLE])  # the rollout's class: version 2 published there
-    assert w.send(m.Publish(p, 2)) == m.Ok()
+    for cid in t:
+        assert w.send(m.Unpublish(cid)) == m.UnpublishDone(version=1)  # the engine holds it
+        assert w.send(m.Publish(cid, 2)) == m.Ok()
+    assert w.core.retained("pol") == [2] and w.core.retained(w.node(x).model) == [1]
+    a = w.send(m.Replicate(x, "latest", seq=2, update=True))
+    assert reshard_of(a) == ["t/0", "t/1"] and a.version == 2
+    assert w.node(x).state is NodeState.READING and not w.core.nodes.get(f"{x}#host1")
+    # The engine cannot leave meanwhile only because of version 1 either.
+    assert w.core.retention.last_copies(w.node(x)) == []
+
+
+def test_another_layouts_copy_counts_only_while_its_own_class_retains_the_version():
+    """``versions_retained`` 2. The trainer's last copy of version 1 drains while an engine
+    replica holds version 1 whole, in a class that committed versions 2 and 3 (forgetting 1)
+    and then lost 3: the model still retains 1 (with 2), but nothing keeps the engine's copy
+    (it may read over it without an offload), so it is no copy for the trainer: the trainer
+    offloads. Counting it, each class relied on the other (the simulator's mixed_spot seed
+    109, under the rule of that time)."""
+    w = RW(versions_retained=2)
+    t = w.published_trainer()
+    (x,) = w.rollout("w", [WHOLE])
+    w.send(m.Replicate(x, "latest", seq=1))
+    assert w.send(m.ReplicateDone(x, 1)) == m.Ok()
+    (p2,) = w.rollout("p2", [WHOLE])
+    assert w.send(m.Publish(p2, 2)) == m.Ok()
+    (p3,) = w.rollout("p3", [WHOLE])
+    assert w.send(m.Publish(p3, 3)) == m.Ok()
+    assert w.send(m.Leave(p3, drop_last_copy=True)) == m.Ok()  # version 3 lost
     whole = w.node(x).model
     assert w.core.retained(whole) == [2] and w.core.retained("pol") == [1]
     assert w.node(x).version == 1 and w.node(x).state is NodeState.PUBLISHED
