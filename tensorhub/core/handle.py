@@ -352,6 +352,20 @@ class HandleMachine:
             self.read.open = False
             cmds.append(Send(m.ReplicateAbort(s.client_id), fire=True))
         op = s.op
+        done = s.req if isinstance(s.req, m.ReplicateDone) else None
+        if (isinstance(op, ReplicateOp) and code == "ServerUnavailable" and done is not None
+                and s.region_version == done.version and s.region_progress >= s.unit_count
+                and s.published != done.version):
+            # The completion got no answer: the server may have applied it (its reply lost) and
+            # be sending readers here (mixed_spot seed 5092: a reader was). As with a publish
+            # that got no answer, the handle holds the version as published, its region shown:
+            # the user must unpublish() before writing the tensors (idempotent at the server if
+            # the completion never arrived; then the abort above ended the read there).
+            s.published = done.version
+            s.phase = Phase.PUBLISHED
+            return self._end(cmds + [Fail(code, f"{message} (the completion of version {done.version} may have "
+                                                "been applied: the handle holds it as published; unpublish() "
+                                                "before writing the tensors)")])
         if isinstance(op, ReplicateOp) and s.region_version >= 0 and s.region_version != s.published:
             # Hide the partial copy from its followers before the user may write the idle
             # tensors (their reads check the control block), whoever ended the read (this

@@ -91,6 +91,8 @@ from tensorhub.errors import (
 log = logging.getLogger(__name__)
 
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
+_RETRIED_IN_ROUND = frozenset({"ReplicaIncomplete", "ServerRecovering", "VersionLost", "UnknownClient"})
+"""Error answers to ``Replicate`` that its handle follows with the same request (same seq)."""
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
 
 
@@ -203,6 +205,16 @@ class ReferenceCore:
                 if node.state is NodeState.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
                     return m.ErrorReply(code=node.failure.code, message=node.failure.message), []
+                if name == "Replicate" and req.seq > 0 and node.answered is not None and req.seq <= node.answered[0]:
+                    # A Replicate answered for good already, again: a duplicate in transit, or
+                    # a resend whose first reply was lost. The same answer, and nothing else:
+                    # taken afresh it could start a read its handle never follows (the handle
+                    # ended that call), and the read's sources could never drain.
+                    seq, answer = node.answered
+                    if req.seq == seq:
+                        return answer, []
+                    return m.ErrorReply(code="InvalidState", message=f"{self._describe(node)}: Replicate "
+                                                                       f"{req.seq} arrived after {seq} was answered"), []
                 if name == "Replicate" and req.seq > 0 and req.seq == node.round_seq:
                     retried = self.read_requests.retried(node)
                     if retried is not None:
@@ -216,7 +228,9 @@ class ReferenceCore:
                 self.retention.proved(client_id)
         except TensorHubError as err:
             assert not self.table.effects, "a rejected request must not have effects"
-            return m.ErrorReply(code=code_of(err), message=str(err)), []
+            reply = m.ErrorReply(code=code_of(err), message=str(err))
+            self._note_answered(req, reply)
+            return reply, []
         node = self.nodes.get(getattr(req, "client_id", None) or getattr(getattr(req, "register", None), "client_id", ""))
         self._settle(node.model if node is not None else None)
         effects = self.table.take_effects()
@@ -229,7 +243,20 @@ class ReferenceCore:
                     reply = eff.event
                     del effects[i]
                     break
+        self._note_answered(req, reply)
         return reply, effects
+
+    def _note_answered(self, req: m.Request, reply: object) -> None:
+        """Keep a ``Replicate``'s final answer (``NoChange``, or an error its handle does not
+        retry with the same seq: not ``ReplicaIncomplete``/``ServerRecovering``, asked again,
+        nor ``VersionLost``, which an update retries once in its round)."""
+        if not isinstance(req, m.Replicate) or req.seq <= 0:
+            return
+        node = self.nodes.get(req.client_id)
+        if node is None or node.host:
+            return
+        if isinstance(reply, m.NoChange) or (isinstance(reply, m.ErrorReply) and reply.code not in _RETRIED_IN_ROUND):
+            node.answered = (req.seq, reply)
 
     def _dispatch(self, req: m.Request, now: float) -> m.Reply:
         """Apply ``req`` (its client checked by :meth:`handle`) by its type: the part that applies

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 from tensorhub.core import messages as m
 from tensorhub.core.messages import LayoutInfo
@@ -97,6 +97,10 @@ class Node:
     """Smart skipping chose this node's current read/version: this newer one was seeding."""
     round_seq: int = -1
     """The replicate round this node's current read belongs to (sharded replicas)."""
+    answered: Optional[tuple[int, Any]] = None
+    """(seq, reply) of this client's last ``Replicate`` that got a final answer (``NoChange`` or an
+    error its handle does not retry in the same round): the same request again gets the same
+    answer (:meth:`tensorhub.core.reference.ReferenceCore.handle`)."""
     copy_asked: int = -1
     """The version this holder was asked to copy to host memory ahead (MakeHostCopy)."""
 

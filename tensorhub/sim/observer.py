@@ -6,7 +6,8 @@ one after a restart) has its ``handle``, ``tick`` and ``declare_dead`` observed.
 heartbeats and progress reports are not (they change no version, holder or round).
 
 (j) ``fresh``          a ``"latest"`` replicate that resolves a new read (not a retry of the read
-                       it already has, not a later shard of a round another shard resolved) gets
+                       it already has, not a later shard of a round another shard resolved, not
+                       a request answered for good already, which gets that answer again) gets
                        the newest available version, unless the server says it skipped
                        (smart skipping: ``in_flight >= 0``), checked by (k).
 (k) ``skip``           a smart skip answers no version older than the newest one complete in the
@@ -39,7 +40,7 @@ from tensorhub.sim.known import KNOWN_OPEN
 
 PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "prefetch_in_dc", "default_rounds",
          "checksums_off", "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
-         "msg_lost", "msg_duplicated", "local_noop", "local_skip")
+         "msg_lost", "msg_duplicated", "local_noop", "local_skip", "answer_replayed")
 """Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""
 
 ERROR_PATHS = frozenset({"LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable"})
@@ -122,6 +123,7 @@ class CoreObserver:
             node = core.nodes.get(req.client_id)
             if node is not None and not node.host:
                 pre["node"] = (node.state, node.version, node.round_seq, node.pending_read)
+                pre["answered"] = node.answered[0] if node.answered is not None else None
                 pre["in_txn"] = node.num_shards > 1 and (node.model, node.replica_id, req.seq) in core.txns
                 avail = core.available(node.model) if node.model in core.models else []
                 pre["avail"] = avail
@@ -174,6 +176,9 @@ class CoreObserver:
 
     def _check_fresh(self, core, req: m.Replicate, reply, pre: dict) -> None:
         state, version, seq, pending = pre["node"]
+        if req.seq > 0 and pre["answered"] is not None and req.seq <= pre["answered"]:
+            self.path("answer_replayed")  # answered for good already: the same answer again
+            return
         if req.seq > 0 and req.seq == seq and (state in (NodeState.READING, NodeState.WAITING) or pending is not None):
             self.path("reply_retry")  # the same request again: it keeps the read it has
             return

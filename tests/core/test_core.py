@@ -1325,6 +1325,37 @@ def test_query_answers_the_shard_layouts_only_when_asked():
     assert m.decode_reply(m.encode(w.send(m.Query("pol", layouts=True)))).models[0].layouts == mv.layouts
 
 
+def test_a_replicate_answered_for_good_gets_the_same_answer_again_and_starts_no_read():
+    """A Replicate delivered twice (Ray may retry a call; the simulator's msg_dup): the first
+    copy found no version (VersionNotFound) and its handle ended the call; a version was
+    published before the second copy arrived. Taken afresh, the second started a read nobody
+    followed: its source's readers stayed full, and another replica waited for it for good
+    (mixed_spot seed 4730). It gets the first answer again, and changes nothing. The same for
+    NoChange. VersionLost is not final: an update asks once more in its round."""
+    core = ReferenceCore(Config())
+    layout = m.LayoutInfo("fp", 4, 4 << 16, (m.TensorMeta("w", "float32", (1 << 16,), 4 << 16),))
+    for cid in ("t", "r"):
+        assert not isinstance(core.handle(m.Register(cid, "pol", cid, 0, 1, layout, cid.encode()), 0.0)[0], m.ErrorReply)
+    first, _ = core.handle(m.Replicate("r", "latest", 3), 0.0)
+    assert isinstance(first, m.ErrorReply) and first.code == "VersionNotFound"
+    core.handle(m.Publish("t", 1), 0.5)
+    again, effects = core.handle(m.Replicate("r", "latest", 3), 1.0)
+    assert again == first and not effects
+    assert core.nodes["r"].state is NodeState.IDLE and core.nodes["t"].readers == set()
+    older, _ = core.handle(m.Replicate("r", "latest", 2), 1.0)  # an older one, arriving late
+    assert isinstance(older, m.ErrorReply) and older.code == "InvalidState" and core.nodes["t"].readers == set()
+    # The handle's next call reads.
+    a, _ = core.handle(m.Replicate("r", "latest", 4), 1.0)
+    assert isinstance(a, m.Assignment) and a.source_id == "t"
+    core.handle(m.ReplicateDone("r", 1), 2.0)
+    noop, _ = core.handle(m.Replicate("r", "latest", 5, update=True), 2.0)
+    assert isinstance(noop, m.NoChange)
+    core.handle(m.Unpublish("t"), 2.5)
+    core.handle(m.Publish("t", 2), 2.5)
+    assert core.handle(m.Replicate("r", "latest", 5, update=True), 3.0) == (noop, [])
+    assert core.nodes["r"].state is NodeState.PUBLISHED and core.nodes["r"].version == 1
+
+
 def test_a_retried_replicate_gets_the_outcome_of_the_read_it_started_not_invalid_state():
     """The link to the server was cut: the client's Replicate arrived, its reply did not, and
     the client sent the same request (same seq) after reconnecting. The retry gets the read's
