@@ -221,8 +221,12 @@ def test_mixed_spot_seeds_of_the_first_sweeps_run_clean():
       spot engine's other ranks with it, as a real engine's collectives would;
     - mixed seed 111 (hang), found on the way: a restarted rank whose registration failed while
       the server was down gave up for the round, its sibling waiting for it in the round's
-      replicate until its request timeout. A starting rank now keeps trying to register."""
-    for seed in (109, 1544, 489, 860):
+      replicate until its request timeout. A starting rank now keeps trying to register;
+    - seed 4730 (hang): a duplicated Replicate whose first copy found no version started a read
+      its handle never followed (tests/core/test_core.py; the plant below);
+    - seed 5092 (split): a completion without an answer left the handle hiding a version the
+      server served (tests/core/test_handle_machine.py)."""
+    for seed in (109, 1544, 489, 860, 4730, 5092):
         res = run_scenario(seed, "mixed_spot")
         assert res.ok, (seed, res.violations)
     res = run_scenario(111, "mixed")
@@ -247,3 +251,13 @@ def test_a_too_lax_retention_across_classes_is_caught(monkeypatch):
     with monkeypatch.context() as mp:
         the_model_keeps_only_its_newest_version(mp)
         assert "retention" in {kind for kind, _, _ in run_scenario(8, "mixed").violations}
+
+
+def test_a_replicate_answered_again_starts_nothing_or_a_reader_waits_for_good(monkeypatch):
+    """The plant: the server forgets its final answers to Replicate (a duplicate is taken
+    afresh). Seed 4730 then hangs, as it did before the fix."""
+    from tensorhub.core.reference import ReferenceCore
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ReferenceCore, "_note_answered", lambda self, req, reply: None)
+        assert "hang" in {kind for kind, _, _ in run_scenario(4730, "mixed_spot").violations}
