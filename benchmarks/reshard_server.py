@@ -65,13 +65,14 @@ def open_replica(port, cfg, name, placements, random=False):
     return hubs
 
 
-def replicate_all(hubs) -> float:
-    """Every shard replicates at once; the wall time until the last is done."""
+def replicate_all(hubs, call: str = "replicate") -> float:
+    """Every shard replicates (or ``call``: ``"update"``) at once; the wall time until the last
+    is done."""
     errs: list[BaseException] = []
 
     def one(h):
         try:
-            h.replicate("latest")
+            getattr(h, call)("latest")
         except BaseException as e:  # noqa: BLE001 - raised below
             errs.append(e)
     threads = [threading.Thread(target=one, args=(h,)) for h in hubs]
