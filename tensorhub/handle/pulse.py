@@ -15,7 +15,10 @@ has an event for one of the members, early when a new handle of the process regi
 reader reports one of the members failed, and otherwise at the end of the hold; the next pulse
 then leaves at once. So an idle process costs the server one call per hold, not one per
 interval, and events still arrive without delay. Pulses never leave closer together than
-``heartbeat_interval_s`` (a server that does not hold them gets one per interval). While members
+``heartbeat_interval_s`` (a server that does not hold them gets one per interval), except that
+one whose reply brought events is followed after 10 ms: events come in bursts (a step's
+publishes each ask the holders for cell checksums), and each later one would otherwise wait up
+to an interval. While members
 read, a second, unheld pulse carries their progress once per ``heartbeat_interval_s``
 (:meth:`Pulse._progress_loop`); the held one stays where it is. With ``pulse_hold_s = 0`` the
 one pulse per interval carries the progress itself.
@@ -117,7 +120,12 @@ class Pulse:
                 return
             last = time.monotonic()
             try:
-                self.once(members)
+                if self.once(members):
+                    # The server answered early with events: more may follow within the interval
+                    # (a step's notes come in bursts: a holder's cell-checksum request after each
+                    # shard's publish). Waiting out the interval delayed each later one by up to
+                    # a heartbeat (an engine's resharded update took a heartbeat, not 0.2 s).
+                    last = time.monotonic() - interval + min(interval, _AFTER_EVENTS_S)
             except Exception:  # noqa: BLE001 - liveness must survive a flaky server
                 log.debug("pulse failed", exc_info=True)
 
@@ -142,10 +150,11 @@ class Pulse:
                 except Exception:  # noqa: BLE001
                     log.debug("progress pulse failed", exc_info=True)
 
-    def once(self, members: Optional[list[Member]] = None) -> None:
+    def once(self, members: Optional[list[Member]] = None) -> bool:
         """One liveness pulse now, for ``members`` (default: all). Members whose pulses may be
         held send plain heartbeats (their progress goes by :meth:`_progress_loop`) and ask the
-        server to hold it; the others send their progress and are answered at once."""
+        server to hold it; the others send their progress and are answered at once. True: the
+        reply brought events."""
         members = self.members() if members is None else members
         beats = []
         for x in members:
@@ -156,15 +165,16 @@ class Pulse:
                 b = m.Beat(b.client_id, acked=b.acked)
             beats.append((x, b))
         if not beats:
-            return
+            return False
         held = [x._pulse_hold() for x, b in beats if b.reading_units < 0]
-        self._send(beats, min(held) if len(held) == len(beats) else 0.0)
+        return self._send(beats, min(held) if len(held) == len(beats) else 0.0)
 
-    def _send(self, beats: list, hold: float, announce: bool = True) -> None:
+    def _send(self, beats: list, hold: float, announce: bool = True) -> bool:
         """One pulse of ``beats`` ((member, beat) pairs). ``announce``: members the server does
         not know announce again; the progress stream leaves that to the liveness stream (one
         announcement per restart, not two racing each other), which learns it at once: a held
-        pulse fails with its server, and a handle forgotten while held gets an event."""
+        pulse fails with its server, and a handle forgotten while held gets an event. True: the
+        reply brought events."""
         by_id = {b.client_id: x for x, b in beats}
         port = beats[0][0]._port
         self.calls += 1
@@ -173,12 +183,12 @@ class Pulse:
             reply = port.call(m.Pulse(beats=tuple(b for _, b in beats)), hold)
         except errors.ServerUnavailable:
             if not announce:
-                return
+                return False
             port.reconnect()
             reply = m.PulseReply(unknown=tuple(by_id))
         if isinstance(reply, m.ErrorReply):  # a server that predates pulses, or a bug: say so
             log.warning("pulse refused: %s %s", reply.code, reply.message)
-            return
+            return False
         unknown = set(reply.unknown)
         for cid, x in by_id.items():
             try:
@@ -186,7 +196,11 @@ class Pulse:
                               may_announce=announce, viewed=viewed(reply, cid, sent_at))
             except Exception:  # noqa: BLE001 - one member's trouble is not the others'
                 log.warning("handle %s: handling its pulse failed", cid, exc_info=True)
+        return any(reply.notes.get(cid) for cid in by_id)
 
+
+_AFTER_EVENTS_S = 0.01
+"""The gap before the next pulse after one whose reply brought events (instead of the interval)."""
 
 _pulses: dict[Hashable, Pulse] = {}
 _registry_lock = threading.Lock()

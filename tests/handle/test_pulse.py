@@ -408,3 +408,58 @@ def test_the_progress_stream_loses_no_event_with_its_reply():
     assert x.taken == [m.DropHostCopy(2)] and x.acked == 1
     p._send([(x, x._beat())], 0.0, announce=False)
     assert x.taken == [m.DropHostCopy(2)] and not mail.background.get("r"), "acknowledged: not again"
+
+
+class _Member:
+    """A pulse member without a handle: records what its pulses brought."""
+
+    def __init__(self, port, interval: float) -> None:
+        self.client_id, self._port, self._interval = "m", port, interval
+        self.notes: list = []
+
+    def _beat(self):
+        return m.Beat(self.client_id)
+
+    def _after_beat(self, known, notes, acked=-1, may_announce=True, viewed=None):
+        self.notes += notes
+
+    def _beat_interval(self):
+        return self._interval
+
+    def _pulse_hold(self):
+        return 0.0
+
+
+class _Bursty:
+    """A server whose first two pulse replies bring an event each (a burst), then none."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def call(self, request, wait_s=0.0):
+        self.times.append(time.monotonic())
+        notes = {"m": [m.Probe()]} if len(self.times) <= 2 else {}
+        return m.PulseReply(notes=notes)
+
+    def pulse_key(self):
+        return ("bursty", id(self))
+
+
+def test_a_pulse_whose_reply_brought_events_is_followed_at_once_not_after_the_interval():
+    """Events come in bursts (each publish of a step asks the holders for cell checksums): the
+    pulse after one that brought events leaves after 10 ms, not a heartbeat later, which made
+    an engine's resharded update take a heartbeat (benchmarks/reshard_updates.py: 1.0 s, then
+    0.03 s for 33 MiB). Without events the interval holds."""
+    port = _Bursty()
+    member = _Member(port, interval=1.0)
+    pulse.join(member)
+    try:
+        deadline = time.monotonic() + 5.0
+        while len(port.times) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        pulse.leave(member)
+    t = port.times
+    assert len(t) >= 4 and len(member.notes) == 2, (t, member.notes)
+    assert t[1] - t[0] < 0.3 and t[2] - t[1] < 0.3, "after events: at once"
+    assert t[3] - t[2] > 0.8, "no events: the interval"
