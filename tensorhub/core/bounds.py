@@ -286,6 +286,7 @@ def _fields(req: m.Request) -> None:
             check_version("seq", req.seq)
             check_version("resume_version", req.resume_version, unset_ok=True)
             check_int("resume_units", req.resume_units, 0, UNITS_MAX)
+            check_version("call", req.call)
         case m.Swap():
             _known_id("stage_id", req.stage_id)
             check_version("version", req.version)

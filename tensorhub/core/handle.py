@@ -203,7 +203,7 @@ class HandleMachine:
         op = s.op
         assert isinstance(op, ReplicateOp)
         return m.Replicate(s.client_id, op.spec, seq=s.seq, update=op.update,
-                           resume_version=s.region_version, resume_units=s.partial_units())
+                           resume_version=s.region_version, resume_units=s.partial_units(), call=s.calls)
 
     def holding(self, request: Optional[m.Request] = None, reading_units: Optional[int] = None) -> m.Holding:
         """What this handle holds, for a (re-)announcement to a fresh server; ``request``: the

@@ -69,6 +69,7 @@ class Replicating:
     def start(self, op: ReplicateOp, now: float) -> Commands:
         s = self.state
         s.seq = op.round if op.round is not None else s.seq + 1
+        s.calls += 1  # this call's number (``Replicate.call``): its resends carry the same
         local = self.view.answer(op.spec, s.published, now, sharded=s.register_msg is not None
                                  and s.register_msg.num_shards > 1) if op.update else None
         if local is not None:

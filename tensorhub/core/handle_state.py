@@ -62,6 +62,8 @@ class HandleState:
         self.region_progress = 0
         self.host_copies: dict[int, bytes] = {}
         self.seq = 0
+        self.calls = 0
+        """Replicate calls so far (``Replicate.call``)."""
         self.round: tuple[int, int] = (-1, -1)
         """(seq, version) of the last round the server resolved for this handle."""
         self.register_msg: Optional[m.Register] = None

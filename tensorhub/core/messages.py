@@ -162,7 +162,10 @@ class Replicate(_Msg, frozen=True):
     counts them); shards of one replica with equal ``seq`` form one transaction. ``update=True``
     makes it atomic: no-op when already published at the resolved version, else drain and
     unpublish the current version first. ``resume_version``/``resume_units`` say how much of a
-    version this client already has in place (after a failure), so the read resumes there."""
+    version this client already has in place (after a failure), so the read resumes there.
+    ``call`` numbers the client's replicate calls (0: unnumbered): a request the server answered
+    for good comes back (a duplicate in transit, a resend after a lost reply) with the same
+    ``call`` and gets the same answer; a new call of the same round has a new one."""
 
     client_id: str
     spec: VersionSpec = "latest"
@@ -170,6 +173,7 @@ class Replicate(_Msg, frozen=True):
     update: bool = False
     resume_version: int = -1
     resume_units: int = 0
+    call: int = 0
 
 
 class SourceFailed(_Msg, frozen=True):

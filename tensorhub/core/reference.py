@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 
 _READ_FOLLOW_UPS = frozenset({"SourceFailed", "ReplicateDone", "Progress"})
 _RETRIED_IN_ROUND = frozenset({"ReplicaIncomplete", "ServerRecovering", "VersionLost", "UnknownClient"})
-"""Error answers to ``Replicate`` that its handle follows with the same request (same seq)."""
+"""Error answers to ``Replicate`` that its handle follows with the same request (same call)."""
 _OUTCOMES = (m.Assignment, m.UnpublishDone, m.OffloadOrder, m.Failed)
 
 
@@ -205,16 +205,16 @@ class ReferenceCore:
                 if node.state is NodeState.IDLE and node.failure is not None and name in _READ_FOLLOW_UPS:
                     # The read already failed (the event may not have reached the reader).
                     return m.ErrorReply(code=node.failure.code, message=node.failure.message), []
-                if name == "Replicate" and req.seq > 0 and node.answered is not None and req.seq <= node.answered[0]:
-                    # A Replicate answered for good already, again: a duplicate in transit, or
-                    # a resend whose first reply was lost. The same answer, and nothing else:
+                if name == "Replicate" and req.call > 0 and node.answered is not None and req.call <= node.answered[0]:
+                    # A call answered for good already, again: a duplicate in transit, or a
+                    # resend whose first reply was lost. The same answer, and nothing else:
                     # taken afresh it could start a read its handle never follows (the handle
                     # ended that call), and the read's sources could never drain.
-                    seq, answer = node.answered
-                    if req.seq == seq:
+                    call, answer = node.answered
+                    if req.call == call:
                         return answer, []
-                    return m.ErrorReply(code="InvalidState", message=f"{self._describe(node)}: Replicate "
-                                                                       f"{req.seq} arrived after {seq} was answered"), []
+                    return m.ErrorReply(code="InvalidState", message=f"{self._describe(node)}: replicate call "
+                                                                       f"{req.call} arrived after call {call} was answered"), []
                 if name == "Replicate" and req.seq > 0 and req.seq == node.round_seq:
                     retried = self.read_requests.retried(node)
                     if retried is not None:
@@ -247,16 +247,16 @@ class ReferenceCore:
         return reply, effects
 
     def _note_answered(self, req: m.Request, reply: object) -> None:
-        """Keep a ``Replicate``'s final answer (``NoChange``, or an error its handle does not
-        retry with the same seq: not ``ReplicaIncomplete``/``ServerRecovering``, asked again,
+        """Keep a numbered ``Replicate``'s final answer (``NoChange``, or an error its handle does
+        not follow within the call: not ``ReplicaIncomplete``/``ServerRecovering``, asked again,
         nor ``VersionLost``, which an update retries once in its round)."""
-        if not isinstance(req, m.Replicate) or req.seq <= 0:
+        if not isinstance(req, m.Replicate) or req.call <= 0:
             return
         node = self.nodes.get(req.client_id)
         if node is None or node.host:
             return
         if isinstance(reply, m.NoChange) or (isinstance(reply, m.ErrorReply) and reply.code not in _RETRIED_IN_ROUND):
-            node.answered = (req.seq, reply)
+            node.answered = (req.call, reply)
 
     def _dispatch(self, req: m.Request, now: float) -> m.Reply:
         """Apply ``req`` (its client checked by :meth:`handle`) by its type: the part that applies

@@ -98,9 +98,9 @@ class Node:
     round_seq: int = -1
     """The replicate round this node's current read belongs to (sharded replicas)."""
     answered: Optional[tuple[int, Any]] = None
-    """(seq, reply) of this client's last ``Replicate`` that got a final answer (``NoChange`` or an
-    error its handle does not retry in the same round): the same request again gets the same
-    answer (:meth:`tensorhub.core.reference.ReferenceCore.handle`)."""
+    """(call, reply) of this client's last numbered ``Replicate`` (``Replicate.call``) that got a
+    final answer (``NoChange`` or an error its handle does not retry in the same call): that
+    request again gets the same answer (:meth:`tensorhub.core.reference.ReferenceCore.handle`)."""
     copy_asked: int = -1
     """The version this holder was asked to copy to host memory ahead (MakeHostCopy)."""
 

@@ -123,7 +123,7 @@ class CoreObserver:
             node = core.nodes.get(req.client_id)
             if node is not None and not node.host:
                 pre["node"] = (node.state, node.version, node.round_seq, node.pending_read)
-                pre["answered"] = node.answered[0] if node.answered is not None else None
+                pre["answered"] = node.answered[0] if node.answered is not None else None  # its call
                 pre["in_txn"] = node.num_shards > 1 and (node.model, node.replica_id, req.seq) in core.txns
                 avail = core.available(node.model) if node.model in core.models else []
                 pre["avail"] = avail
@@ -176,7 +176,7 @@ class CoreObserver:
 
     def _check_fresh(self, core, req: m.Replicate, reply, pre: dict) -> None:
         state, version, seq, pending = pre["node"]
-        if req.seq > 0 and pre["answered"] is not None and req.seq <= pre["answered"]:
+        if req.call > 0 and pre["answered"] is not None and req.call <= pre["answered"]:
             self.path("answer_replayed")  # answered for good already: the same answer again
             return
         if req.seq > 0 and req.seq == seq and (state in (NodeState.READING, NodeState.WAITING) or pending is not None):

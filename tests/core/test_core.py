@@ -1330,30 +1330,35 @@ def test_a_replicate_answered_for_good_gets_the_same_answer_again_and_starts_no_
     copy found no version (VersionNotFound) and its handle ended the call; a version was
     published before the second copy arrived. Taken afresh, the second started a read nobody
     followed: its source's readers stayed full, and another replica waited for it for good
-    (mixed_spot seed 4730). It gets the first answer again, and changes nothing. The same for
-    NoChange. VersionLost is not final: an update asks once more in its round."""
+    (mixed_spot seed 4730). It gets the first answer again, and changes nothing; so does an
+    older call arriving late. The same for NoChange. A new call of the same round (its own
+    ``call`` number: verl's rollouts call again with the step as the round) is a new request,
+    and VersionLost is not final (an update asks once more within the call)."""
     core = ReferenceCore(Config())
     layout = m.LayoutInfo("fp", 4, 4 << 16, (m.TensorMeta("w", "float32", (1 << 16,), 4 << 16),))
     for cid in ("t", "r"):
         assert not isinstance(core.handle(m.Register(cid, "pol", cid, 0, 1, layout, cid.encode()), 0.0)[0], m.ErrorReply)
-    first, _ = core.handle(m.Replicate("r", "latest", 3), 0.0)
+    first, _ = core.handle(m.Replicate("r", "latest", 3, call=2), 0.0)
     assert isinstance(first, m.ErrorReply) and first.code == "VersionNotFound"
     core.handle(m.Publish("t", 1), 0.5)
-    again, effects = core.handle(m.Replicate("r", "latest", 3), 1.0)
+    again, effects = core.handle(m.Replicate("r", "latest", 3, call=2), 1.0)
     assert again == first and not effects
     assert core.nodes["r"].state is NodeState.IDLE and core.nodes["t"].readers == set()
-    older, _ = core.handle(m.Replicate("r", "latest", 2), 1.0)  # an older one, arriving late
+    older, _ = core.handle(m.Replicate("r", "latest", 3, call=1), 1.0)  # an older call, arriving late
     assert isinstance(older, m.ErrorReply) and older.code == "InvalidState" and core.nodes["t"].readers == set()
-    # The handle's next call reads.
-    a, _ = core.handle(m.Replicate("r", "latest", 4), 1.0)
+    # The handle's next call reads, in the same round.
+    a, _ = core.handle(m.Replicate("r", "latest", 3, call=3), 1.0)
     assert isinstance(a, m.Assignment) and a.source_id == "t"
     core.handle(m.ReplicateDone("r", 1), 2.0)
-    noop, _ = core.handle(m.Replicate("r", "latest", 5, update=True), 2.0)
+    noop, _ = core.handle(m.Replicate("r", "latest", 5, update=True, call=4), 2.0)
     assert isinstance(noop, m.NoChange)
     core.handle(m.Unpublish("t"), 2.5)
     core.handle(m.Publish("t", 2), 2.5)
-    assert core.handle(m.Replicate("r", "latest", 5, update=True), 3.0) == (noop, [])
+    assert core.handle(m.Replicate("r", "latest", 5, update=True, call=4), 3.0) == (noop, [])
     assert core.nodes["r"].state is NodeState.PUBLISHED and core.nodes["r"].version == 1
+    # Unnumbered requests (call 0) are taken as they come.
+    w, _ = core.handle(m.Replicate("r", "latest", 6, update=True), 3.0)
+    assert isinstance(w, (m.Waiting, m.Assignment, m.OffloadOrder)), w
 
 
 def test_a_retried_replicate_gets_the_outcome_of_the_read_it_started_not_invalid_state():

@@ -134,7 +134,7 @@ def test_a_read_the_server_failed_is_not_announced_complete_to_its_successor(los
     mc = _machine()
     _reading(mc)
     cmds = lose(mc)
-    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4),
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4, call=1),
                             wait=True)], cmds
     cmds = mc.handle(hm.Replied(m.Failed(code="VersionLost", message="gone again")), 0.0)
     assert isinstance(cmds[-1], hm.Fail) and cmds[-1].code == "VersionLost", cmds
@@ -218,7 +218,7 @@ def test_a_finished_read_the_server_failed_retries_a_relative_update():
     assert isinstance(mc.handle(hm.Pulled(4), 0.0)[-1].request, m.ReplicateDone)
     cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="no holder is left")), 0.0)
     # The same round; the region still holds the finished version, offered for a resume
-    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4),
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4, call=1),
                             wait=True)], cmds
     # Once only: a second loss in the same call ends it.
     cmds = mc.handle(hm.Replied(m.Failed(code="VersionLost", message="gone again")), 0.0)
@@ -238,7 +238,7 @@ def test_a_completion_refused_by_a_restarted_server_retries_a_relative_update_in
     cmds = mc.handle(hm.Replied(m.ErrorReply(code="UnknownClient", message="restarted")), 0.0)
     assert isinstance(cmds[-1].request, m.Announce) and not cmds[-1].request.holding.confirmed
     cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="round 1 completed version 0")), 0.0)
-    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4),
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=4, call=1),
                             wait=True)], cmds
     # An absolute spec has no retry: that version is what the user asked for.
     mc = _machine()
@@ -255,7 +255,7 @@ def test_retry_after_version_lost_stays_in_the_round_and_a_new_call_starts_the_n
     mc = _machine()
     mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
     cmds = mc.handle(hm.Replied(m.Failed(code="VersionLost", message="gone")), 0.0)
-    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True), wait=True)]
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, call=1), wait=True)]
     mc.handle(hm.Replied(m.NoChange(version=3)), 0.0)
     cmds = mc.handle(hm.Start(hm.ReplicateOp("latest", True)), 0.0)
     assert cmds[-1].request.seq == 2
@@ -290,7 +290,7 @@ def test_version_lost_reported_for_a_failed_source_is_retried_in_the_round():
     _reading(mc)
     mc.handle(hm.Pulled(1, "unreachable", unreachable=True), 0.0)
     cmds = mc.handle(hm.Replied(m.ErrorReply(code="VersionLost", message="no holder")), 0.0)
-    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=1),
+    assert cmds == [hm.Send(m.Replicate("c", "latest", seq=1, update=True, resume_version=1, resume_units=1, call=1),
                             wait=True)]
     assert mc.handle(hm.Replied(m.NoChange(version=0)), 0.0)[-1] == hm.Done(hm.Outcome(action="noop", version=0))
 
