@@ -352,38 +352,26 @@ class HandleMachine:
             self.read.open = False
             cmds.append(Send(m.ReplicateAbort(s.client_id), fire=True))
         op = s.op
-        done = s.req if isinstance(s.req, m.ReplicateDone) else None
-        if (isinstance(op, ReplicateOp) and code == "ServerUnavailable" and done is not None
-                and s.region_version == done.version and s.region_progress >= s.unit_count
-                and s.published != done.version):
-            # The completion got no answer: the server may have applied it (its reply lost) and
-            # be sending readers here (mixed_spot seed 5092: a reader was). As with a publish
-            # that got no answer, the handle holds the version as published, its region shown:
-            # the user must unpublish() before writing the tensors (idempotent at the server if
-            # the completion never arrived; then the abort above ended the read there).
-            s.published = done.version
+        unanswered = self._maybe_applied(code)
+        if unanswered is not None:
+            # No reply: the server may have applied the request (its reply lost, or a restart
+            # after it) and be sending readers here (mixed_spot seed 5092: after a completion,
+            # a reader was). The handle holds the version as published, its region shown: the
+            # user must unpublish() before writing the tensors (idempotent at the server if it
+            # never applied it; a reconnect announces it). Hiding it instead would let the user
+            # overwrite bytes the server still hands out, and refuse the next publish.
+            what, version = unanswered
+            s.published = version
             s.phase = Phase.PUBLISHED
-            return self._end(cmds + [Fail(code, f"{message} (the completion of version {done.version} may have "
-                                                "been applied: the handle holds it as published; unpublish() "
-                                                "before writing the tensors)")])
+            return self._end(cmds + [Fail(code, f"{message} (the {what} of version {version} may have been "
+                                                "applied: the handle holds it as published; unpublish() before "
+                                                "writing the tensors)")])
         if isinstance(op, ReplicateOp) and s.region_version >= 0 and s.region_version != s.published:
             # Hide the partial copy from its followers before the user may write the idle
             # tensors (their reads check the control block), whoever ended the read (this
             # handle, or the server: VersionLost, a refused resume); the units and their
             # checksums stay, for a later call to resume on after a recheck.
             cmds.append(SetRegion(-1, 0))
-        if isinstance(op, PublishOp) and s.published != op.version and code == "ServerUnavailable" \
-                and s.region_version == op.version and s.restoring is None:
-            # No reply: the server may have applied it (a reply lost, or a restart after it)
-            # and may be sending readers here. The handle holds the version as published, and
-            # the user must unpublish() before writing the tensors (idempotent at the server if
-            # it never applied it); a reconnect announces it. Hiding it instead would let the
-            # user overwrite bytes the server still hands out, and refuse the next publish.
-            s.published = op.version
-            s.phase = Phase.PUBLISHED
-            return self._end(cmds + [Fail(code, f"{message} (the publish of version {op.version} may have been "
-                                                "applied: the handle holds it as published; unpublish() before "
-                                                "writing the tensors)")])
         if isinstance(op, PublishOp) and s.published != op.version:
             # A publish the server refused advertises nothing: the user may write the tensors next.
             cmds.append(SetRegion(-1, 0))
@@ -399,6 +387,22 @@ class HandleMachine:
                 return cmds + [Send(s.req)]
             s.unpublish()
         return self._end(cmds + [Fail(code, message)])
+
+    def _maybe_applied(self, code: str) -> Optional[tuple[str, int]]:
+        """("publish" | "completion", version) when the request in flight got no answer
+        (``ServerUnavailable``) and may have been applied: a publish, or a read's completion
+        (``ReplicateDone``) after every unit landed."""
+        s, op = self.state, self.state.op
+        if code != "ServerUnavailable":
+            return None
+        done = s.req if isinstance(s.req, m.ReplicateDone) else None
+        if (isinstance(op, ReplicateOp) and done is not None and s.region_version == done.version
+                and s.region_progress >= s.unit_count and s.published != done.version):
+            return "completion", done.version
+        if (isinstance(op, PublishOp) and s.published != op.version and s.region_version == op.version
+                and s.restoring is None):
+            return "publish", op.version
+        return None
 
     def _end(self, cmds: list[Command]) -> list[Command]:
         s = self.state
