@@ -54,13 +54,15 @@ def say(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def open_replica(port, cfg, name, placements, random=False):
-    """A replica of ``placements`` registered (random bytes for a holder; else ones, touched)."""
+def open_replica(port, cfg, name, placements, random=False, tensors=None):
+    """A replica of ``placements`` registered: ``tensors`` (one list per shard) if given, else
+    random bytes for a holder and ones (touched) for a reader."""
     hubs = []
     for k, p in enumerate(placements):
         hub = tensorhub.open("policy", port=port, config=cfg, replica=name, shard=k, num_shards=len(placements))
-        tensors = [(torch.randn(t.shape) if random else torch.ones(t.shape)).to(torch.bfloat16) for t in p.tensors]
-        hub.register(list(zip(p.names, tensors)), placement=p)
+        local = tensors[k] if tensors is not None else [
+            (torch.randn(t.shape) if random else torch.ones(t.shape)).to(torch.bfloat16) for t in p.tensors]
+        hub.register(list(zip(p.names, local)), placement=p)
         hubs.append(hub)
     return hubs
 

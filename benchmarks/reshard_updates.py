@@ -22,6 +22,9 @@ Figures, medians over the steps after the first (the engine's first read has not
   offloads        offload orders the server gave the engine's ranks (per step): a copy of the
                   rank's old weights to host memory before its update may read over them
   ratio           per_class update_s / model_wide update_s
+  exact           every rank held exactly its slice of the trainer's version after every update
+                  (checked outside the timed part; the trainer negates its weights each step, so
+                  a stale or torn byte shows)
 
 Human lines go to stderr; the last stdout line is one JSON object.
 """
@@ -35,6 +38,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, _REPO)
@@ -42,6 +47,7 @@ if _REPO not in sys.path:  # run as a script from a checkout
 from tensorhub.config import Config  # noqa: E402
 from tensorhub.core.retention import Retention  # noqa: E402
 from tensorhub.ports import LocalPort  # noqa: E402
+from tensorhub.testing import layouts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reshard import TRAINER_SHARDS, schema, trainer, vllm  # noqa: E402
@@ -76,6 +82,8 @@ def main() -> None:
         if yes and node.replica_id == "engine":
             offloads.add((node.id, node.version))
         return yes
+    full = layouts.model_at(s, 1)  # the model; step k publishes (-1) ** (k - 1) * full (exact in bf16)
+    exact = True
     times: dict[str, list[float]] = {r: [] for r in RULES}
     copies: dict[str, list[int]] = {r: [] for r in RULES}
     Retention.needs_offload = counted
@@ -83,19 +91,28 @@ def main() -> None:
         for rule in RULES:  # each with a server of its own: one engine, the only copy of its class
             Retention.kept = shipped if rule == "model_wide" else own_class_only
             port = LocalPort(cfg)
-            train = open_replica(port, cfg, "trainer", [trainer(s, r) for r in range(TRAINER_SHARDS)], random=True)
-            engine = open_replica(port, cfg, "engine", [vllm(s, r, 2) for r in range(2)])
+            held = [layouts.slice_of(trainer(s, r), full) for r in range(TRAINER_SHARDS)]
+            train = open_replica(port, cfg, "trainer", [trainer(s, r) for r in range(TRAINER_SHARDS)], tensors=held)
+            engine_pl = [vllm(s, r, 2) for r in range(2)]
+            ranks = [[torch.ones(t.shape, dtype=torch.bfloat16) for t in p.tensors] for p in engine_pl]
+            engine = open_replica(port, cfg, "engine", engine_pl, tensors=ranks)
             offloads.clear()
             try:
                 for step in range(1, args.steps + 1):
-                    for h in train:
+                    for h, tensors in zip(train, held):
                         if step > 1:
                             h.unpublish()
+                            for t in tensors:
+                                t.neg_()
                         h.publish(step)
                     before = len(offloads)
                     dt = replicate_all(engine, "update")
                     n = len(offloads) - before
-                    say(f"{rule} step {step}: {dt:.3f} s, offload orders to the engine's ranks {n}")
+                    sign = 1 if step % 2 else -1
+                    ok = all(torch.equal(t, sign * w) for p, got in zip(engine_pl, ranks)
+                             for t, w in zip(got, layouts.slice_of(p, full)))
+                    exact = exact and ok
+                    say(f"{rule} step {step}: {dt:.3f} s, offload orders to the engine's ranks {n}, exact {ok}")
                     if step > 1:
                         times[rule].append(dt)
                         copies[rule].append(n)
@@ -111,6 +128,7 @@ def main() -> None:
         "update_s_all": {r: [round(x, 4) for x in times[r]] for r in RULES},
         "offloads": {r: statistics.median(copies[r]) for r in RULES},
         "ratio": round(med["per_class"] / med["model_wide"], 3),
+        "exact": exact,
     }
     print(json.dumps(out))
 

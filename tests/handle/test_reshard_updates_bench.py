@@ -21,6 +21,9 @@ def test_an_engine_behind_the_trainer_updates_without_offloading_its_old_version
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["versions_retained"] == 1 and res["steps"] == 3
+    # Every rank held exactly its slice of each step's version (the trainer negates its weights
+    # each step, so a stale byte would show).
+    assert res["exact"] is True, res
     # Each rank of the TP=2 engine: no offload now; one per step under the rule before.
     assert res["offloads"] == {"model_wide": 0, "per_class": 2}, res
     assert all(t > 0 for ts in res["update_s_all"].values() for t in ts) and len(res["update_s_all"]["model_wide"]) == 2
