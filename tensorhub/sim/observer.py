@@ -24,6 +24,13 @@ heartbeats and progress reports are not (they change no version, holder or round
                        that holds it whole in memory or in a host copy, or that crashed so
                        recently that the server cannot know yet (``2.5 * heartbeat_interval_s``
                        plus the largest message delay).
+(v) ``replayed``       a new replicate call (one whose ``Replicate.call`` the server has not
+                       answered ``VersionNotFound`` before: not a duplicate of an answered request,
+                       nor a resend after its reply was lost) that asks for a version the server
+                       has available is not answered ``VersionNotFound``: the final answer of an
+                       earlier call of the same named round must not be replayed to it (a sharded
+                       replica asks again in its round after ``VersionNotFound``, as verl's
+                       rollouts do: a stale answer would keep it waiting for good).
 
 Rare paths are counted as they are taken (:data:`PATHS`): the simulator's JSON reports across
 how many seeds each was taken.
@@ -40,7 +47,8 @@ from tensorhub.sim.known import KNOWN_OPEN
 
 PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "prefetch_in_dc", "default_rounds",
          "checksums_off", "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
-         "msg_lost", "msg_duplicated", "local_noop", "local_skip", "answer_replayed")
+         "msg_lost", "msg_duplicated", "local_noop", "local_skip", "answer_replayed", "round_asked_again",
+         "round_waited")
 """Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""
 
 ERROR_PATHS = frozenset({"LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable"})
@@ -63,6 +71,11 @@ class CoreObserver:
         self.crashes: dict[str, tuple[float, int, set[int], bool, str, int]] = {}
         """Crashed clients: cid -> (when, shard, versions it held whole then (memory or host
         copy), spot, replica, shards): the server may list what they held until it learns."""
+        self.not_found: set[tuple[str, int]] = set()
+        """(client, call) of the replicate calls some server answered ``VersionNotFound`` (v): the
+        same call again may get that answer again."""
+        self.round_misses: set[tuple[str, int]] = set()
+        """(client, named round) answered ``VersionNotFound`` (the ``round_waited`` path)."""
 
     def path(self, name: str) -> None:
         self.paths[name] += 1
@@ -127,6 +140,8 @@ class CoreObserver:
                 pre["in_txn"] = node.num_shards > 1 and (node.model, node.replica_id, req.seq) in core.txns
                 avail = core.available(node.model) if node.model in core.models else []
                 pre["avail"] = avail
+                # What a version spec resolves against: every layout class of the model (v).
+                pre["avail_all"] = core.versions.available_all(node.model) if node.model in core.models else []
                 pre["complete_here"] = {v for v in avail if _complete_in(core, node.model, v, node.datacenter)}
                 if node.num_shards > 1:
                     sib = [n.round_seq for n in core.nodes.values() if not n.host and n.model == node.model
@@ -160,6 +175,8 @@ class CoreObserver:
         self._check_released(core, req, reply, pre, retained)
         if isinstance(req, m.Replicate) and "node" in pre and not isinstance(reply, m.ErrorReply):
             self._check_fresh(core, req, reply, pre)
+        if isinstance(req, m.Replicate) and "node" in pre:
+            self._check_not_found(req, reply, pre)
 
     def _note_prefetched(self, core, req, reply, effects) -> None:
         """The ``prefetch`` path: a read assigned the reader's own staging copy (the Hub's
@@ -207,6 +224,24 @@ class CoreObserver:
             self.checker.violate("skip", f"{req.client_id} asked 'latest' and skipped version {skipped} to {got}; "
                                          f"the rule allows {local} (complete in its datacenter: "
                                          f"{sorted(pre['complete_here'])}, its own {own})")
+
+    # ------------------------------------------------------------------ (v)
+
+    def _check_not_found(self, req: m.Replicate, reply, pre: dict) -> None:
+        key = (req.client_id, req.call)
+        missed = isinstance(reply, m.ErrorReply) and reply.code == "VersionNotFound"
+        if (req.client_id, req.seq) in self.round_misses and not missed and req.call > 0 and key not in self.not_found:
+            self.path("round_waited")  # a named round asked again after VersionNotFound, resolved now
+        if not missed:
+            return
+        if req.call <= 0 or key in self.not_found:
+            return  # unnumbered, or this very call answered so before: the same answer again
+        self.not_found.add(key)
+        self.round_misses.add((req.client_id, req.seq))
+        if isinstance(req.spec, int) and req.spec in pre["avail_all"]:
+            self.checker.violate("replayed", f"{req.client_id}'s replicate call {req.call} (round {req.seq}) for "
+                                             f"version {req.spec} answered VersionNotFound while the server has it "
+                                             f"available (available {pre['avail_all']})")
 
     # ------------------------------------------------------------------ (l)
 

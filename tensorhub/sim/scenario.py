@@ -40,6 +40,12 @@ USER_PREFETCH_SHARE = 0.3
 """Of the standalone seeds, about this share prefetch into staging copies (``Hub.prefetch``)."""
 QUIET_GRACE_BEATS = 3
 """The world ends after this many heartbeat intervals of quiet (the end checks run then)."""
+STEPPED_SHARE = 0.5
+"""Of the seeds, about this share run their sharded rollouts as verl's rollout adapter does
+(``World.stepped``; not across datacenters, whose rollouts ask "latest")."""
+STEPPED_WAIT_S = (4.0, 12.0)
+"""A stepped rollout waits this long (drawn per seed) for its step's version to be published
+(verl's ``wait_timeout_s``), asking again after each ``VersionNotFound``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +172,14 @@ class World:
                               and self.params.workload == "standalone")
         """The prefetching standalone rollouts registered a double buffer: their prefetches land in it and an update
         swaps to a complete one (``Staging.swap``) instead of copying."""
+        steps = self.sim.rng("stepped")  # its own stream: the other draws of a seed stay as they were
+        self.stepped = steps.random() < STEPPED_SHARE
+        """Sharded rollouts that name their rounds, once they hold the trainer's step, update to its next
+        step, a version not published yet, as verl's rollout adapter does (``receive_weights(global_steps)``):
+        a shard answered ``VersionNotFound`` asks again in the SAME named round after a short sleep
+        (a new call), until the version comes or :attr:`stepped_wait_s` has passed
+        (:meth:`~tensorhub.sim.workloads.RolloutDriver._stepped_target`)."""
+        self.stepped_wait_s = steps.uniform(*STEPPED_WAIT_S)
         if seed_deltas:
             self.config = dataclasses.replace(self.config, seed_deltas=True)
         self.deltas: Optional[SimDeltas] = (SimDeltas(self, wrong_base=delta_wrong_base, check_base=delta_check_base)

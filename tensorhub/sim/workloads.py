@@ -19,6 +19,9 @@ from tensorhub.sim.faults import restart_mid_read
 
 _TRANSIENT = frozenset({"ServerUnavailable", "ServerRecovering", "RequestTimeout"})
 """Registration failures a starting process retries (the server comes back)."""
+_NOT_PUBLISHED_YET = frozenset({"VersionNotFound", "UnknownModel", "DeltaPending"})
+"""The codes of ``errors.VersionNotFound`` and its subclasses: what verl's rollout adapter waits
+out, asking again (``tensorhub.integrations.verl``, ``_update_all``)."""
 
 class Barrier:
     def __init__(self, sim, n: int, then: Callable[[], None]) -> None:
@@ -212,7 +215,10 @@ class TrainerDriver(ReplicaDriver):
 
 
 class RolloutDriver(ReplicaDriver):
-    """Rounds of update("latest") on every shard (one transaction), then generate, repeat."""
+    """Rounds of update("latest") on every shard (one transaction), then generate, repeat. A
+    stepped replica (``World.stepped``) asks for the trainer's next step once it holds the
+    current one, and a shard answered ``VersionNotFound`` asks again in the same named round
+    (:meth:`_stepped_target`), as verl's rollout adapter does."""
 
     role = "rollout"
 
@@ -221,6 +227,11 @@ class RolloutDriver(ReplicaDriver):
         self.seq = 0
         self.leaving = False
         self.retry: dict[str, int] = {}
+        self.got = -1
+        """The version of this replica's last round that ended ok on every shard (-1: none)."""
+        self._steps_rng: Optional[random.Random] = None
+        """The sleeps of a stepped replica between its calls (a stream of its own: the driver's
+        draws stay as they were)."""
 
     def start(self, delay: float = 0.0) -> None:
         self.world.sim.after(delay + self.rng.uniform(0, 0.5), self._round)
@@ -243,27 +254,82 @@ class RolloutDriver(ReplicaDriver):
         seq = self.seq
         self.broken = False
         results: dict[int, tuple[str, int]] = {}
+        target = self._stepped_target()
+        deadline = w.sim.now + w.stepped_wait_s
 
         def one(c: SimClient, done) -> None:
             def replicated(code: str, v: int) -> None:
+                if target is not None and code in _NOT_PUBLISHED_YET and self._waits_for(c, target, deadline):
+                    # verl's ``_update_all``: the same spec, the SAME named round, after a sleep;
+                    # a new call (its own ``Replicate.call``) that the server must resolve afresh.
+                    w.checker.observer.path("round_asked_again")
+                    w.sim.after(self._sleep_s(), ask)
+                    return
                 results[c.index] = (code, v)
                 done()
+
+            def ask() -> None:
+                if not c.alive or c is not self.members[c.index]:
+                    done()  # the shard died while it waited: the round is void (``broken``)
+                    return
+                self.ensure_registered(c, lambda: c.replicate(spec, True, replicated, round=rnd), done)
             # A sharded replica names its rounds (the recommended use: its shards restart
             # independently); a one-shard replica lets the handle count them.
             rnd = seq if self.num_shards > 1 and not w.default_rounds else None
             if self.num_shards > 1 and rnd is None:
                 w.checker.observer.path("default_rounds")
-            # After an interrupted call a one-shard replica asks again for the version it was
-            # reading (a user retrying the call), which resumes on its partial units.
-            spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 or w.pinned_retry else "latest"
-            self.ensure_registered(c, lambda: c.replicate(spec, True, replicated, round=rnd), done)
+            if target is not None:
+                spec = target
+            else:
+                # After an interrupted call a one-shard replica asks again for the version it was
+                # reading (a user retrying the call), which resumes on its partial units.
+                spec = self.retry.pop(c.cid, "latest") if self.num_shards == 1 or w.pinned_retry else "latest"
+            ask()
 
         self.each(one, lambda: self._round_done(results), w.params.shard_skew_s)
+
+    def _stepped_target(self) -> Optional[int]:
+        """The version a stepped replica (``World.stepped``: a sharded one naming its rounds) asks
+        for in this round, None: "latest". Once it holds the trainer's step it asks for the next
+        one, as verl's manager asks its rollouts for the step the trainer is taking
+        (``receive_weights(global_steps)``): not published until the trainer has trained and
+        published it, so its shards are answered ``VersionNotFound`` and ask again in the same
+        round. Behind the trainer (or once the trainer takes no more steps) it catches up with
+        "latest", as verl's ``receive_weights()`` without a step does: the newest version, which a
+        round re-resolves if it is lost (the paths of "latest" stay covered in these seeds)."""
+        w = self.world
+        if not w.stepped or self.num_shards == 1 or w.default_rounds or not w.trainers:
+            return None
+        if w.params.workload == "crossdc":
+            return None  # its rollouts ask "latest": smart skipping and offload seeding are its paths
+        trainer = w.trainers[-1]  # a replaced trainer's successor resumes its steps
+        step = trainer.version
+        if (step <= self.got and not trainer.idle and not trainer.gone and step < trainer.max_versions
+                and w.sim.now < w.active_end):
+            return step + 1
+        return None
+
+    def _waits_for(self, c: SimClient, target: int, deadline: float) -> bool:
+        """After ``VersionNotFound``: this shard asks again (verl sleeps ``_POLL_S`` and does)
+        while it lives, the wait (verl's ``wait_timeout_s``) has not run out, and the trainer may
+        still publish ``target`` (verl's manager asks for no step its trainer never takes: the
+        simulated one stops at the end of the active phase)."""
+        w = self.world
+        if not c.alive or c is not self.members[c.index] or w.sim.now >= deadline:
+            return False
+        return any(not d.idle or d.version >= target for d in w.trainers)
+
+    def _sleep_s(self) -> float:
+        if self._steps_rng is None:
+            self._steps_rng = self.world.sim.rng(f"{self.replica_id}-steps")
+        return self._steps_rng.uniform(0.05, 0.5)
 
     def _round_done(self, results: dict[int, tuple[str, int]]) -> None:
         w = self.world
         w.checker.on_round(self, results)
         ok = len(results) == self.num_shards and all(code == "ok" for code, _ in results.values())
+        if ok and not self.broken:
+            self.got = max(v for _, v in results.values())
         if not ok:
             self._scribble()
             for i, (code, _v) in results.items():

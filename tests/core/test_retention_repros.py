@@ -276,7 +276,7 @@ def _held_pulse_trusted(*args, **kwargs) -> ReferenceCore:
     return core
 
 
-@pytest.mark.parametrize("seed", [1, 28])  # 28: re-found when pulses came to be held at most noop_staleness_s - 2 intervals
+@pytest.mark.parametrize("seed", [31, 125])  # re-found (were 1 and 28) when seeds of named rounds came to wait for the trainer's next step (tensorhub.sim STEPPED_SHARE)
 def test_ghost_checker_flags_an_offload_skipped_for_copies_on_crashed_held_processes(seed):
     """sim_held_pulse_ghost_holders_unflagged.py: the simulator's ``ghost`` checker. With the
     old rule an unpublish skipped the offload while its only other copies were on processes dead for seconds, kept 'heard from' by their

@@ -164,7 +164,7 @@ def any_other_class_counts(mp):
 CASES = [
     (reshard_counts_first_holder_only, "mutate", [2]),  # trainer/s1 writes under rwhole-0/s0's read
     (leave_first_source_only, "hang", [2]),  # the trainer's unpublish never finishes
-    (reshard_from_partial_holders, "reshard", [1]),  # a rows4 replica holding 1/5 units
+    (reshard_from_partial_holders, "reshard", [2]),  # was 1 (a rows4 replica holding 1/5 units): stepped now
     (assignment_lists_needed_shards_only, "reshard", [1]),  # 2 shards of a 4-shard trainer listed
     (other_class_counts_while_silent, "last_copy", [14]),  # 8 in 300 seeds
     (any_other_class_counts, "ghost", [100]),  # 3 in 200 seeds (retention 67, last_copy 9)

@@ -21,6 +21,7 @@ from tensorhub.core import messages as m
 from tensorhub.core.crossdc import CrossDatacenter
 from tensorhub.core.holders import Holders
 from tensorhub.core.read_requests import ReadRequests
+from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import Rounds
 from tensorhub.core.state import VISIBLE_SOURCE
@@ -173,6 +174,20 @@ def lost_completion_not_retried(mp):
     mp.setattr(hm.HandleMachine, "_replied_to", bad)
 
 
+def replays_answer_by_round(mp):
+    """The server replays a final ``Replicate`` answer to every request of its round (keyed on
+    ``seq``, as before ``Replicate.call``) instead of only to the same call: a sharded replica's
+    new call in the same named round after ``VersionNotFound`` (verl's rollouts: the step) gets
+    the stale ``VersionNotFound`` again, for good (verl's sharded-trainer test hung)."""
+    orig = ReferenceCore.handle
+
+    def bad(self, req, now):
+        if isinstance(req, m.Replicate) and req.seq > 0:
+            req = msgspec.structs.replace(req, call=req.seq)  # the server sees the round, not the call
+        return orig(self, req, now)
+    mp.setattr(ReferenceCore, "handle", bad)
+
+
 # ---------------------------------------------------------------------------- pinned seeds
 
 # (bug, checker kind, [(seed, workload)]): seeds found by the sweep below with this code.
@@ -186,10 +201,16 @@ CASES = [
     (skip_to_oldest, "skip", [(1, "crossdc")]),  # was 5: seeds as rounds version + 1 moved its trajectory
     (partial_region_not_hidden, "control", [(1, None)]),
     (failed_note_ignored, "txn", [(786, "sharded")]),  # reached by the restart_after_failed_read fault
-    (no_round_check_at_done, "txn", [(130, "sharded")]),  # reached by the restart_after_round_moved fault
+    # reached by the restart_after_round_moved fault; was 130 (sharded seeds 44, 67, 130 and 282 of
+    # 300): its rollouts are stepped now (World.stepped), whose rounds of a named version never move
+    (no_round_check_at_done, "txn", [(44, "sharded")]),
     (swap_ignores_stage_readers, "mutate", [(45, "standalone")]),
-    (unconfirmed_not_held_back, "txn", [(8622, None), (8753, None)]),  # 2 in 10,000: not in the sweep
+    # was default seeds 8622 and 8753 (2 in 10,000: not in the sweep), both stepped now (World.stepped);
+    # 1 in sharded seeds 0-1,499
+    (unconfirmed_not_held_back, "txn", [(1039, "sharded")]),
     (lost_completion_not_retried, "lost", [(5, None)]),  # reached by the source_dies_at_done fault
+    # reached by stepped rollouts (World.stepped): caught on 60 of default seeds 0-999, 245 of mixed
+    (replays_answer_by_round, "replayed", [(1, None), (1, "mixed")]),
 ]
 
 
@@ -219,6 +240,7 @@ def test_planted_bug_is_caught_on_its_seeds(monkeypatch, plant, kind, seeds):
     (failed_note_ignored, "txn", "sharded"),
     (swap_ignores_stage_readers, "mutate", "standalone"),
     (lost_completion_not_retried, "lost", None),
+    (replays_answer_by_round, "replayed", "mixed"),
 ])
 def test_planted_bug_is_found_within_1000_seeds(monkeypatch, plant, kind, workload):
     """The long sweep: the first seed (of 1,000) on which each planted bug is caught."""
@@ -227,6 +249,29 @@ def test_planted_bug_is_found_within_1000_seeds(monkeypatch, plant, kind, worklo
         if any(k == kind for k, _, _ in run_scenario(s, workload).violations):
             return
     pytest.fail(f"{plant.__name__}: no {kind} violation in 1,000 seeds")
+
+
+STEPPED_SEEDS = [(1, None), (28, None), (1, "mixed")]
+"""Seeds whose sharded rollouts update to the trainer's step as verl's do (``World.stepped``):
+a sharded one (1), a colocated one (28), a mixed one (1)."""
+
+
+def test_a_new_call_of_a_named_round_is_answered_afresh(monkeypatch):
+    """verl's rollout adapter asks again with the SAME named round after ``VersionNotFound``
+    (``_update_all``). On the shipped code each such seed runs clean, and some shard of it asked
+    again in its round and got the version (``round_waited``). With the server replaying a final
+    answer by round instead of by call (the bug that hung verl's sharded-trainer test and passed
+    10,000 seeds before the simulator asked again), the new call gets the stale answer while
+    the version is available: the ``replayed`` checker catches it on every one of these seeds."""
+    for seed, wl in STEPPED_SEEDS:
+        res = run_scenario(seed, wl)
+        assert res.ok, (seed, wl, res.violations[:2])
+        assert res.paths.get("round_asked_again") and res.paths.get("round_waited"), (seed, wl, res.paths)
+    with monkeypatch.context() as mp:
+        replays_answer_by_round(mp)
+        for seed, wl in STEPPED_SEEDS:
+            res = run_scenario(seed, wl)
+            assert "replayed" in {kind for kind, _, _ in res.violations}, (seed, wl, res.violations[:2])
 
 
 def test_cli_json_reports_paths_known_open_and_time_per_seed(capsys):
