@@ -3,7 +3,7 @@
 A reader of another layout class (:mod:`tensorhub.core.placements`) reads byte ranges that are
 neither its holders' transfer units nor its own, so it checks them cell by cell
 (:mod:`tensorhub.core.grid`, :mod:`tensorhub.gridsums`) against checksums its *holders* computed.
-The grid of a resharded read is that of the holder replica's placements and the reader's layout
+The grid of a resharded read is that of the holder class's placements and the reader's layout
 class's (all its shards': ``grid_of``, every box of each is a union of cells), so the ranks of
 one engine share one grid and a holder hashes once per (version, reader layout class), not once
 per rank. Which grids a holder must hash over depends on who reads it, so the server matches
@@ -71,11 +71,14 @@ class Cells:
 
     def grid_digests(self, holder: Node, reader_class: str, reader_placement: str = "") -> tuple[str, ...]:
         """The placements (digests, sorted) of the grid a reader of ``reader_class`` checks a
-        resharded read from ``holder``'s replica against: the holder replica's and the reader
-        class's (with ``reader_placement``, the reader's own, in case its class lost the record)."""
+        resharded read from ``holder``'s class against: the holder class's (one per shard, every
+        replica's: a read may take its shards from several replicas, and a replica that lost a
+        shard must not change the grid) and the reader class's (with ``reader_placement``, the
+        reader's own, in case its class lost the record)."""
         shards = self.table.replica_nodes(holder.model, holder.replica_id)
         own = {reader_placement} if reader_placement else set()
-        return tuple(sorted({n.placement for n in shards if n.placement} | set(self._class_digests(reader_class)) | own))
+        return tuple(sorted({n.placement for n in shards if n.placement} | set(self._class_digests(holder.model))
+                            | set(self._class_digests(reader_class)) | own))
 
     def ahead(self, holder: Node) -> None:
         """``holder`` published with a placement: ask it for the grid of each other layout class
@@ -89,7 +92,8 @@ class Cells:
                 self._ask_one(holder, tuple(self._placement_of(d) for d in digests))
 
     def ask(self, reader: Node, holders: list[Node]) -> None:
-        """``reader`` reads its version from ``holders`` (all of one replica of another class):
+        """``reader`` reads its version from ``holders`` (shards of one other class, of one
+        replica or several):
         each that has not sent or been asked for that grid gets ``HashCells``."""
         digests = self.grid_digests(holders[0], reader.model, reader.placement)
         placements = tuple(self._placement_of(d) for d in digests)

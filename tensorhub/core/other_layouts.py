@@ -8,9 +8,19 @@ planner finds every byte of the node's placement in them
 ``spread``: the shards it would read, exactly as the reader plans them). Read only: it changes
 nothing, and owns nothing but what it is given.
 
-Cost of a question: the other classes' nodes of that version's shard 0 and their replicas (no
-index yet: fine for a few trainer replicas; linear in a class's replicas), and one cached plan
-per distinct pair of layouts.
+A resharded read's sources (:meth:`OtherLayouts.sources`) are chosen shard by shard: every
+replica of a class holds the same placement per shard (rule 5 of
+:mod:`tensorhub.core.placements`), so the plan depends on the class, not the replica, and each
+shard the reader needs may come from another replica of the class: the best holder of that
+shard (same datacenter, least loaded, registration order). So a failed holder shard is replaced
+by an equivalent shard of another replica while the read keeps the others (the per-shard
+failover swap), and a replica whose other shard is down still serves the shards it has.
+Retention's question (:meth:`OtherLayouts.holds`) still asks for a whole replica: it keeps a
+copy rather than count on shards of several replicas that move on separately.
+
+Cost of a question: the other classes' nodes of that version (no index yet: fine for a few
+trainer replicas; linear in a class's replicas), and one cached plan per distinct pair of
+layouts.
 """
 
 from __future__ import annotations
@@ -79,15 +89,52 @@ class OtherLayouts:
     def _best(self, reader: Node, level: int) -> Optional[list[Node]]:
         cap = self.table.config.readers_per_source_max
         best: Optional[tuple[tuple, list[Node]]] = None
-        for shards, needed in self.fillers(reader, reader.version, lambda n: serves(n, reader, level)):
-            srcs = [shards[i] for i in needed]
-            busy = max(self.replicas_reading(s, reader.replica_id) for s in srcs)
-            if level != IN_TIME and busy >= cap:
+        for needed, by_shard in self._classes(reader):
+            srcs: list[Node] = []
+            for k in needed:
+                ranked = []
+                for n in by_shard[k]:
+                    if not serves(n, reader, level):
+                        continue
+                    busy = self.replicas_reading(n, reader.replica_id)
+                    if level != IN_TIME and busy >= cap:
+                        continue
+                    ranked.append(((n.datacenter != reader.datacenter, busy, n.order), n))
+                if not ranked:
+                    break
+                srcs.append(min(ranked, key=lambda r: r[0])[1])
+            if len(srcs) != len(needed):
                 continue
-            rank = (any(s.datacenter != reader.datacenter for s in srcs), busy, shards[0].order)
+            rank = (any(s.datacenter != reader.datacenter for s in srcs),
+                    max(self.replicas_reading(s, reader.replica_id) for s in srcs), min(s.order for s in srcs))
             if best is None or rank < best[0]:
                 best = (rank, srcs)
         return None if best is None else best[1]
+
+    def _classes(self, reader: Node) -> Iterator[tuple[tuple[int, ...], dict[int, list[Node]]]]:
+        """(the shards ``reader`` would read, each such shard's nodes at its version) of every
+        other class of its model that can fill it: the class's placement per shard is taken from
+        any of its nodes at that version (one per shard in a class, rule 5); a class with a shard
+        that has none there is skipped. In a fixed order."""
+        if not reader.placement or reader.host:
+            return
+        table, version = self.table, reader.version
+        for cls in table.classes.get(logical(reader.model), ()):
+            if cls == reader.model or cls not in table.models:
+                continue
+            by_shard: dict[int, list[Node]] = {}
+            digests: list[str] = []
+            for k in range(table.models[cls].num_shards):
+                nodes = [table.nodes[i] for i in sorted(table.groups.get((cls, version, k), ()))]
+                nodes = [n for n in nodes if not n.host and n.placement]
+                if not nodes:
+                    break
+                by_shard[k] = nodes
+                digests.append(nodes[0].placement)
+            else:
+                needed = self._needed(reader.placement, tuple(digests), reader.shard)
+                if needed is not None:
+                    yield needed, by_shard
 
     def replicas_reading(self, src: Node, own: str) -> int:
         """Reader replicas other than ``own`` among ``src``'s readers: a replica's shards count

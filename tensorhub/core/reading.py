@@ -17,8 +17,9 @@ few functions of the core it acts through passed in, and owns the queue order of
 - smart skipping's read that would have to cross datacenters after all fails instead (a
   ``latest`` caller retries and resolves anew);
 - a reader whose layout class (:mod:`tensorhub.core.placements`) holds no free source of its
-  version gets a *resharded read* (:meth:`Reading.reshard`): the holder shards it needs of one
-  replica of another class complete at that version, each of which counts it among its readers
+  version gets a *resharded read* (:meth:`Reading.reshard`): the holder shards it needs of
+  another class, each published at that version and chosen shard by shard among the class's
+  replicas (:class:`~tensorhub.core.other_layouts.OtherLayouts`), each of which counts it among its readers
   (their drains wait for it). One such reader per group at a time while it has room: the
   class's other readers pipeline from it, unit by unit of their own layout, as from any partial
   holder. A group with no holder of its own class is not lost while another class can still
@@ -168,10 +169,12 @@ class Reading:
         src = self.table.nodes[node.source]
         gone, node.failed_gone = node.failed_gone, False
         if node.reshard_from:
-            # Every shard of the holder replica (the reader plans over all of them), each
-            # distinct placement once; it reads only those in reshard_from. Then the reader
-            # class's (the checksum grid is over both: tensorhub.core.cells).
-            shards = sorted(self.table.replica_nodes(src.model, src.replica_id), key=lambda n: n.shard)
+            # Every shard of the holder class (the reader plans over all of them), each
+            # distinct placement once; it reads only those in reshard_from, which may be of
+            # several replicas of the class (OtherLayouts: chosen shard by shard), the others
+            # listed from src's replica for their placements. Then the reader class's (the
+            # checksum grid is over both: tensorhub.core.cells).
+            shards = self._reshard_listing(src, node.reshard_from)
             digests = list(dict.fromkeys([*(n.placement for n in shards),
                                           *self._grid_digests(src, node.model, node.placement)]))
             return m.Assignment(
@@ -189,6 +192,23 @@ class Reading:
         )
 
     # ------------------------------------------------------------------ resharded reads
+
+    def _reshard_listing(self, src: Node, chosen_ids: tuple[str, ...]) -> list[Node]:
+        """One node per shard of ``src``'s class, in shard order: the chosen holder of each
+        shard a resharded read takes, else ``src``'s replica's node of that shard (else any of
+        the class at ``src``'s version): only its placement counts there."""
+        nodes = self.table.nodes
+        chosen = {nodes[i].shard: nodes[i] for i in chosen_ids if i in nodes}
+        own = {n.shard: n for n in self.table.replica_nodes(src.model, src.replica_id)}
+        out = []
+        for k in range(self.table.models[src.model].num_shards):
+            n = chosen.get(k) or own.get(k)
+            if n is None:
+                n = next((nodes[i] for i in sorted(self.table.groups.get((src.model, src.version, k), ()))
+                          if nodes[i].placement and not nodes[i].host), None)
+            if n is not None:
+                out.append(n)
+        return out
 
     def reshard(self, reader: Node, srcs: list[Node]) -> None:
         """``reader`` reads its version from the holder shards ``srcs`` (another layout class):

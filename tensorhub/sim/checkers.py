@@ -226,8 +226,11 @@ class Checker:
                 and rd.source in got[2])
 
     def _check_reshard(self, cid: str, a: m.Assignment) -> tuple[str, ...]:
-        """(u) a resharded read's assignment lists every shard of one holder replica (shard
-        order, their placements), names as its source the first shard the reader needs, and
+        """(u) a resharded read's assignment lists one holder per shard of one layout (shard
+        order, each its own placement: shards of several replicas of a layout class may serve
+        one read, the per-shard choice of ``OtherLayouts``), names as its source the first
+        shard the reader needs, the needed ones are exactly those the server counts it a
+        reader of, and
         every needed shard holds the version whole when assigned (its memory; a holder whose
         process is dead, which the server cannot know yet, excepted). Returns the needed
         holders' client ids: the sources of (b) for this read."""
@@ -237,11 +240,12 @@ class Checker:
         holders = [w.clients.get(x) for x in listed]
         by_digest = {p.digest(): p for p in a.placements}
         shards = [s.shard for s in a.reshard]
-        replicas = {h.replica_id for h in holders if h is not None}
-        if (shards != list(range(len(shards))) or len(replicas) > 1
-                or any(h is not None and h.num_shards != len(shards) for h in holders)):
+        if shards != list(range(len(shards))) or any(
+                h is not None and (h.num_shards != len(shards) or h.shard != s.shard or h.placement is None
+                                   or h.placement.digest() != s.placement) for h, s in zip(holders, a.reshard)):
             self.violate("reshard", f"{cid} assigned version {a.version} by a resharded read from {listed} "
-                                    f"(shards {shards}): not every shard of one replica, in order")
+                                    f"(shards {shards}): not one holder per shard of a layout, in order, "
+                                    "each with its placement")
             return tuple(listed)
         placements = tuple(by_digest.get(s.placement) for s in a.reshard)
         if reader is None or reader.placement is None or any(p is None for p in placements):
@@ -252,6 +256,17 @@ class Checker:
             self.violate("reshard", f"{cid} assigned version {a.version} from {listed}, which do not hold all it needs")
             return tuple(listed)
         needed = tuple(listed[s] for s in deps.shards)
+        core = w.server.core
+        node = core.nodes.get(cid) if core is not None else None
+        if node is not None and node.assign_no == a.assign_no and (
+                set(node.reshard_from) != set(needed)
+                or any(h in core.nodes and cid not in core.nodes[h].readers for h in needed)):
+            # The holders the reader will read are those the server counts it a reader of (their
+            # drains wait for it): else one could overwrite the bytes under the read.
+            self.violate("reshard", f"{cid} assigned version {a.version} from {needed}, but the server counts it "
+                                    f"a reader of {list(node.reshard_from)}")
+        if len({holders[s].replica_id for s in deps.shards if holders[s] is not None}) > 1:
+            self.observer.path("reshard_across_replicas")  # the per-shard choice (or swap) of OtherLayouts
         if a.source_id != needed[0]:
             self.violate("reshard", f"{cid}'s resharded read names source {a.source_id}, not its first needed "
                                     f"holder {needed[0]}")

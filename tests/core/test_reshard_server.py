@@ -214,21 +214,51 @@ def test_another_layouts_copy_counts_only_while_its_own_class_retains_the_versio
     assert w.node(t[0]).state is NodeState.OFFLOADING
 
 
-def test_a_failed_reshard_source_moves_the_read_to_another_replica_of_that_class():
+def test_a_failed_reshard_source_is_swapped_for_the_same_shard_of_another_replica_of_that_class():
+    """The per-shard failover swap: only the failed holder shard is replaced, by the same shard
+    of another replica of its class (same placement, rule 5); the read keeps the shards that
+    were fine."""
     w = RW()
     w.published_trainer("t")
     w.published_trainer("u")
     (x,) = w.rollout("w", [WHOLE])
-    first = reshard_of(w.send(m.Replicate(x, "latest", seq=1)))
-    assert first == ["t/0", "t/1"]
+    first = w.send(m.Replicate(x, "latest", seq=1))
+    assert reshard_of(first) == ["t/0", "t/1"]
     reply = w.send(m.SourceFailed(x, "t/1", units_done=0))
     events = [reply] + w.pop(x)
     again = [e for e in events if isinstance(e, m.Assignment)]
-    assert again and reshard_of(again[-1]) == ["u/0", "u/1"], events
-    assert w.node("t/0").readers == set() == w.node("t/1").readers
-    assert w.node("u/0").readers == {x} == w.node("u/1").readers
+    assert again and reshard_of(again[-1]) == ["t/0", "u/1"], events
+    assert [s.placement for s in again[-1].reshard] == [s.placement for s in first.reshard]
+    assert w.node(x).reshard_from == ("t/0", "u/1")
+    assert w.node("t/0").readers == {x} == w.node("u/1").readers
+    assert w.node("t/1").readers == set() == w.node("u/0").readers
     # A SourceFailed naming a shard it no longer reads repeats the current assignment.
-    assert reshard_of(w.send(m.SourceFailed(x, "t/0", units_done=0))) == ["u/0", "u/1"]
+    assert reshard_of(w.send(m.SourceFailed(x, "t/1", units_done=0))) == ["t/0", "u/1"]
+    # The other shard fails too: it moves to u as well; t/1 stays suspected by this reader.
+    reply = w.send(m.SourceFailed(x, "t/0", units_done=0))
+    again = [e for e in [reply] + w.pop(x) if isinstance(e, m.Assignment)]
+    assert again and reshard_of(again[-1]) == ["u/0", "u/1"]
+    # The holders of the swapped read are asked for the grid's cell checksums, and the reader
+    # may ask for them from exactly the holders it reads.
+    grid = grid_key(again[-1].placements)
+    for h in ("u/0", "u/1"):
+        assert any(isinstance(e, m.HashCells) and e.grid == grid for e in w.pop(h)), h
+    found = w.send(m.FindCells(x, version=1, grid=grid, holders=("u/0", "u/1")))
+    assert isinstance(found, m.CellsAt) and set(found.missing) == {"u/0", "u/1"}, found
+
+
+def test_a_replica_whose_other_shard_is_gone_still_serves_the_shard_it_holds():
+    """Shards of a reshard's holders come from any replica of the class: t lost its shard 1
+    (it left), u lost its shard 0; a reader of the whole model still reads t/0 and u/1."""
+    w = RW()
+    w.published_trainer("t")
+    w.published_trainer("u")
+    assert w.send(m.Leave("t/1", drop_last_copy=True)) == m.Ok()
+    assert w.send(m.Leave("u/0", drop_last_copy=True)) == m.Ok()
+    (x,) = w.rollout("w", [WHOLE])
+    a = w.send(m.Replicate(x, "latest", seq=1))
+    assert reshard_of(a) == ["t/0", "u/1"], a
+    assert w.node("t/0").readers == {x} == w.node("u/1").readers
 
 
 def test_a_reshard_reader_whose_trainer_leaves_fails_version_lost_when_no_class_holds_the_version():
@@ -404,12 +434,13 @@ def test_a_holder_that_leaves_or_moves_on_is_gone_for_the_reader():
     w.send(m.Replicate(x, "latest", seq=1))
     grid = grid_key([rows(0), rows(1), WHOLE])
     assert w.send(m.CellSums(t[0], 1, grid, sums(("q", 0, 1)))) == m.Ok()
-    # t/1 leaves while x reads from it: x is re-planned onto u.
+    # t/1 leaves while x reads from it: x's shard 1 is swapped onto u's; t/0 stays, and what
+    # it sent is still found.
     assert w.send(m.Leave(t[1], drop_last_copy=True)) == m.Ok()
     assert w.core.cells.kept.get(t[1]) is None
-    assert w.node(x).reshard_from == ("u/0", "u/1")
-    refused(w.send(m.FindCells(x, 1, grid, tuple(t))), "InvalidState")  # no longer its holders
-    assert w.send(m.FindCells(x, 1, grid, ("u/0", "u/1"))) == m.CellsAt(missing=("u/0", "u/1"))
+    assert w.node(x).reshard_from == ("t/0", "u/1")
+    refused(w.send(m.FindCells(x, 1, grid, tuple(t))), "InvalidState")  # t/1: no longer its holder
+    assert w.send(m.FindCells(x, 1, grid, ("t/0", "u/1"))) == m.CellsAt(cells=sums(("q", 0, 1)), missing=("u/1",))
 
 
 def test_what_the_server_keeps_of_cell_checksums_is_bounded_per_holder():

@@ -341,8 +341,9 @@ def test_a_damaged_range_rereads_only_its_cell_from_the_one_holder_shard_that_wr
 
 def test_a_holder_shard_failing_mid_read_is_replaced_and_only_the_missing_bytes_move(port, big_cfg, monkeypatch):
     """Trainer shard 1 fails reading B (W is in place and checked): the reader reads B alone
-    again, from a second replica of the trainer's layout; then a float of B damaged from that
-    replica is caught and read again. Every byte ends exact; ReadStats counts what moved."""
+    again, from trainer shard 0 and the second replica's shard 1 (the failed shard swapped
+    alone); then a float of B damaged from trainer shard 0 is caught and read again, from the
+    second replica. Every byte ends exact; ReadStats counts what moved."""
     trainer = open_big(port, big_cfg, "trainer", [big_rows(0), big_rows(1)], version=2)
     spare = open_big(port, big_cfg, "spare", [big_rows(0), big_rows(1)], version=2)
     tp1 = open_big(port, big_cfg, "tp1", [P.whole_placement(BIG)])
@@ -366,7 +367,11 @@ def test_a_holder_shard_failing_mid_read_is_replaced_and_only_the_missing_bytes_
         assert spy.moved(0) == SLICE - 128  # B's second half never came
         assert spy.moved(1) == spy.moved(2) == 256 < SLICE  # B alone, twice (the second time damaged)
         assert st.bytes == SLICE - 128 + 256 + 256
-        assert any(s.startswith("m/spare/") for s in st.sources), st.sources
+        # The per-shard swap: the failover kept trainer shard 0 and took shard 1 from spare (a
+        # read over shards of two replicas); B damaged from trainer shard 0 then moved shard 0
+        # to spare as well.
+        assert [s.split("/")[1:3] for s in st.sources] == [["trainer", "0"], ["trainer", "0"], ["spare", "0"]], \
+            st.sources
     finally:
         close_all(tp1, spare, trainer)
 
