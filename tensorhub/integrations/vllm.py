@@ -37,9 +37,13 @@ names, dtypes and shapes, and loads them with the model's own ``load_weights``):
                         failed or abandoned update never leaves layers half reloaded)
 
 Every vLLM worker rank receives the whole checkpoint into its buffer (with TP > 1, TP copies
-of the model in host memory, one per rank): the *direct* path, which registers vLLM's own
-parameters with their placements and reads only each rank's slice into them, needs the server
-to plan resharded reads (issue 24's next stage) and is not built yet.
+of the model in host memory, one per rank). The *direct* path, which would register vLLM's own
+parameters with their placements and read only each rank's slice into them (the server plans
+such resharded reads: docs/placements.md), is not built: vLLM's CPU build, the only one here,
+packs every linear layer's weight into its GEMM's own format after loading and frees the
+parameter (``dispatch_cpu_unquantized_gemm(remove_weight=True)``; measured: a oneDNN handle
+does not follow writes to the original tensor), so a read into the live parameters would not
+reach the kernels without a repack per layer, and it could not be tested on a GPU here.
 """
 
 from __future__ import annotations
