@@ -342,7 +342,7 @@ class SimClient:
             match cmd:
                 case hm.Done(outcome):
                     self._machine_done("ok", outcome)
-                case hm.Fail(code, _message):
+                case hm.Fail(code, _):
                     self._machine_done(code, None)
                 case hm.SetRegion(version, progress):
                     self.region_version, self.region_progress = version, progress
