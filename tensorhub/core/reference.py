@@ -219,6 +219,16 @@ class ReferenceCore:
                     retried = self.read_requests.retried(node)
                     if retried is not None:
                         return retried, []
+                if (name == "OffloadDone" and node.state in (NodeState.WAITING, NodeState.READING)
+                        and req.version != node.version):
+                    # An update's OffloadDone again, after the server applied it (its reply lost,
+                    # or a duplicate): the node reads the new version now (whether the host copy
+                    # was kept or not). That read's answer again, changing nothing, not
+                    # InvalidState: the handle would end the call without aborting a read it
+                    # never saw start, and its source could never drain (mixed_spot seed 569).
+                    retried = self.read_requests.retried(node)
+                    if retried is not None:
+                        return retried, []
                 if name in ("Publish", "Replicate"):
                     node.failure = None
                 if node.state not in LEGAL[name]:

@@ -677,6 +677,27 @@ def test_update_with_retained_old_version_offloads_then_reads():
     assert w.core.available("pol") == [1, 2]
 
 
+def test_an_update_offload_done_sent_again_gets_the_reads_answer_not_invalid_state():
+    """An update's OffloadDone whose reply was lost (or that arrived twice) and is sent again
+    after the server applied it: the node is reading the new version by then. Answered
+    InvalidState, the handle ended the call without aborting a read it never saw start, and the
+    server kept it as a reader of its source for good: the source's unpublish never finished
+    (simulator, mixed_spot seed 569). The resend gets the read's current answer instead."""
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("r")
+    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
+    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
+    assert w.send(m.Replicate("r", "latest", update=True)) == m.OffloadOrder(version=1)
+    a = w.send(m.OffloadDone("r", 1, b"host"))
+    assert isinstance(a, m.Assignment) and a.version == 2
+    assert w.send(m.OffloadDone("r", 1, b"host")) == a  # the same read, answered again
+    w.send(m.Unpublish("t"))  # the source drains for its one reader
+    w.send(m.ReplicateDone("r", 2))
+    assert w.state("r") == ("published", 2) and w.pop("t")[-1] == m.UnpublishDone(version=2)
+    # Outside a read, a report of an offload the server never ordered is still refused.
+    assert w.send(m.OffloadDone("r", 1, b"host")).code == "InvalidState"
+
+
 def test_source_failed_for_stale_source_repeats_current_assignment():
     w = World()
     w.reg("t"); w.reg("r")
