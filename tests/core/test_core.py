@@ -665,8 +665,9 @@ def test_source_failure_reassigns_and_resumes_from_reader_progress():
     assert (a.start_unit, a.assign_no) == (2, 2) and a.source_id in ("t", "r1")
 
 
-def test_update_with_retained_old_version_offloads_then_reads():
-    """r is the last non-spot holder of version 1 (retained, k=2): update() offloads it first."""
+def _update_after_offload() -> tuple["World", m.Assignment]:
+    """r is the last non-spot holder of version 1 (retained, k=2) and updates to version 2:
+    offloaded first (OffloadOrder, OffloadDone), then reading from t."""
     w = World(versions_retained=2)
     w.reg("t"); w.reg("r")
     w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
@@ -674,6 +675,12 @@ def test_update_with_retained_old_version_offloads_then_reads():
     assert w.send(m.Replicate("r", "latest", update=True)) == m.OffloadOrder(version=1)
     a = w.send(m.OffloadDone("r", 1, b"host"))
     assert isinstance(a, m.Assignment) and a.version == 2
+    return w, a
+
+
+def test_update_with_retained_old_version_offloads_then_reads():
+    """r is the last non-spot holder of version 1 (retained, k=2): update() offloads it first."""
+    w, _ = _update_after_offload()
     assert w.core.available("pol") == [1, 2]
 
 
@@ -683,13 +690,7 @@ def test_an_update_offload_done_sent_again_gets_the_reads_answer_not_invalid_sta
     InvalidState, the handle ended the call without aborting a read it never saw start, and the
     server kept it as a reader of its source for good: the source's unpublish never finished
     (simulator, mixed_spot seed 569). The resend gets the read's current answer instead."""
-    w = World(versions_retained=2)
-    w.reg("t"); w.reg("r")
-    w.send(m.Publish("t", 1)); w.send(m.Replicate("r", 1)); w.send(m.ReplicateDone("r", 1))
-    w.send(m.Unpublish("t")); w.send(m.Publish("t", 2))
-    assert w.send(m.Replicate("r", "latest", update=True)) == m.OffloadOrder(version=1)
-    a = w.send(m.OffloadDone("r", 1, b"host"))
-    assert isinstance(a, m.Assignment) and a.version == 2
+    w, a = _update_after_offload()
     assert w.send(m.OffloadDone("r", 1, b"host")) == a  # the same read, answered again
     w.send(m.Unpublish("t"))  # the source drains for its one reader
     w.send(m.ReplicateDone("r", 2))
