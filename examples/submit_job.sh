@@ -64,9 +64,21 @@ done
 
 JOB_ID="rl-loop-$(date +%s)-$RANDOM"
 # --no-wait, then follow the logs: the same as a submit that waits, but the id is ours to query.
-ray job submit --address "$ADDR" --submission-id "$JOB_ID" --no-wait \
-  --working-dir . --runtime-env-json '{"excludes": [".git", "*.egg-info", "benchmarks", "tests"]}' \
-  -- python examples/rl_loop.py --json "$@"
+# The job API answers before the head's job agent has registered; until then a submit fails
+# with "No available agent to submit job, please try again later" (seen in CI): try again.
+for attempt in $(seq 1 60); do
+  if OUT="$(ray job submit --address "$ADDR" --submission-id "$JOB_ID" --no-wait \
+      --working-dir . --runtime-env-json '{"excludes": [".git", "*.egg-info", "benchmarks", "tests"]}' \
+      -- python examples/rl_loop.py --json "$@" 2>&1)"; then
+    echo "$OUT"
+    break
+  fi
+  if [[ "$OUT" != *"No available agent"* ]] || [ "$attempt" -eq 60 ]; then
+    echo "$OUT" >&2
+    exit 1
+  fi
+  sleep 1
+done
 ray job logs --address "$ADDR" --follow "$JOB_ID" || true
 if [ -n "${TENSORHUB_SHOW_SESSION:-}" ]; then ps -o pid=,sid=,cmd= --sid "$HEAD_PID" | cut -c1-100; fi
 STATUS="$(ray job status --address "$ADDR" "$JOB_ID" 2>&1)"
