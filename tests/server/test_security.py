@@ -105,6 +105,24 @@ def server():
 # --------------------------------------------------------------------------- the repro, unit tier
 
 
+def test_a_readers_query_gives_the_placements_digests_and_still_no_client(server):
+    """A vLLM engine decides its path from ``Query``: whether the trainer registered a placement
+    (``ModelView.placements``: digests and how many clients use each), which the reader's view
+    keeps; holders and client ids stay out of it."""
+    from tensorhub import placement as P
+
+    s = server()
+    trainer = auth.Keyring()
+    lay = m.LayoutInfo(fingerprint="w", unit_count=1, total_bytes=64, tensors=(m.TensorMeta("w", "float32", (4, 4), 64),))
+    placement = P.whole_placement([P.GlobalTensor("w", "float32", (4, 4))])
+    reg = m.Register(client_id="policy/trainer/0/aaaaaa", model="policy", replica_id="trainer", shard=0,
+                     num_shards=1, layout=lay, endpoint=b"placed", placement=placement)
+    assert isinstance(s.call(reg, trainer), m.Registered)
+    (view,) = s.call(m.Query(model="policy", layouts=True)).models
+    assert view.holders == ()
+    assert [(u.digest, u.nodes) for u in view.placements] == [(placement.digest(), 1)]
+
+
 def test_a_foreign_caller_cannot_act_for_the_trainer_and_changes_nothing(server):
     """``server_accepts_any_caller.py``: a process of another job, with no credential beyond
     cluster membership, reads the trainer's id and the layout, then sends Unpublish, Leave,
