@@ -16,34 +16,48 @@ in TensorHub's package metadata), so every vLLM process finds it with nothing co
     # or an engine on its own, between generate() calls (pull mode, no trainer RPC):
     llm.update_weights({"update_info": {"version": "latest"}})
 
-What each call does (the *checkpoint-format* path: the engine receives the trainer's tensors,
-names, dtypes and shapes, and loads them with the model's own ``load_weights``)::
+Two paths, chosen when an engine joins (``TensorHubInitInfo.path``: ``"auto"``, the default,
+takes the direct one when it can, and :func:`report` says which was taken and why):
+
+- *direct*: each worker rank derives, from vLLM's own layers, which boxes of which checkpoint
+  tensors every parameter holds (:mod:`tensorhub.integrations.vllm_layout`: fused ``qkv_proj``
+  and ``gate_up_proj``, column and row splits by TP rank, replicated KV heads, a padded
+  vocabulary), registers a *slice buffer* with that placement, and reads exactly its own bytes,
+  resharded from the trainer's layout by the server's plan and checked cell by cell
+  (docs/placements.md); then it copies them into the live parameters and, on vLLM's CPU build,
+  re-packs the linear layers (the build packs their weights for its GEMM and frees them). The
+  ranks of one engine are the shards of one replica, and engines of one layout share a layout
+  class: they pipeline from each other. No ``load_weights``, and per rank 1/TP of the model.
+- *checkpoint format*: the engine receives the trainer's tensors, names, dtypes and shapes into
+  a buffer of the whole checkpoint per rank, and loads them with the model's own
+  ``load_weights`` inside vLLM's layerwise reload. Taken when the direct path cannot express a
+  parameter (quantized, an unknown layer class, a name the checkpoint does not have), or asked
+  for.
+
+What each call does::
 
     trainer_init        sender (rank 0): a staging buffer shaped as source.metadata() (the
                         registered copy buffer of the paper's RDMA-copy mode), registered as
-                        shard 0 of replica "vllm-trainer"; then the engines' init over the client
-    init_transfer_engine  worker: connect to the cluster, wait for the trainer's layout, allocate
-                        a buffer of that layout (host memory) and register it: a holder too, so
-                        engines read from each other (TensorHub's pipeline)
+                        shard 0 of replica "vllm-trainer" with a whole placement (the schema);
+                        then the engines' init over the client
+    init_transfer_engine  worker: connect to the cluster, wait for the trainer's layout, choose
+                        the path, allocate its buffer (the rank's slice, or the whole checkpoint)
+                        and register it: a holder too, so engines read from each other
     send_weights        sender: stop serving the last version (drain), copy what the source yields
                         into the buffer, publish version v, then start_weight_update,
                         update_weights({"version": v}), finish_weight_update(str(v)) through the
                         client; other trainer ranks iterate the source (its collectives)
     receive_weights     worker: update(version) into its buffer: every byte verified before the
-                        model is touched; then vLLM's layerwise reload around
-                        model.load_weights(buffer views). A failed read leaves the model as it
-                        was (all or nothing) and raises
-    start/finish_weight_update   worker: nothing (the reload runs inside receive_weights, so a
-                        failed or abandoned update never leaves layers half reloaded)
+                        model is touched; then the copy and re-pack (direct) or the layerwise
+                        reload around model.load_weights (checkpoint). A failed read leaves the
+                        model as it was (all or nothing) and raises
+    start/finish_weight_update   worker: nothing (the load runs inside receive_weights, so a
+                        failed or abandoned update never leaves layers half loaded)
 
-Every vLLM worker rank receives the whole checkpoint into its buffer (with TP > 1, TP copies
-of the model in host memory, one per rank). The *direct* path, which would register vLLM's own
-parameters with their placements and read only each rank's slice into them (the server plans
-such resharded reads: docs/placements.md), is not built: vLLM's CPU build, the only one here,
-packs every linear layer's weight into its GEMM's own format after loading and frees the
-parameter (``dispatch_cpu_unquantized_gemm(remove_weight=True)``; measured: a oneDNN handle
-does not follow writes to the original tensor), so a read into the live parameters would not
-reach the kernels without a repack per layer, and it could not be tested on a GPU here.
+Not built: reading straight into live GPU parameters without the slice buffer (no extra memory
+at all, but a read that fails halfway would leave the engine between versions), and mixing the
+paths within one engine (one parameter the direct path cannot express sends the whole engine to
+the checkpoint path). Nothing here ran on a GPU: the CPU build is the only one on these machines.
 """
 
 from __future__ import annotations
@@ -69,9 +83,13 @@ from vllm.distributed.weight_transfer.base import (
 
 import tensorhub
 from tensorhub import errors
+from tensorhub import placement as P
 from tensorhub.config import Config
 from tensorhub.core import messages as m
 from tensorhub.handle import Hub, ReadStats
+from tensorhub.layout import dtype_name
+from tensorhub.integrations import vllm_layout as VL
+from tensorhub.integrations.vllm_layout import DirectLayout
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +97,7 @@ BACKEND = "tensorhub"
 """The name vLLM's ``WeightTransferConfig(backend=...)`` selects."""
 
 TRAINER_REPLICA = "vllm-trainer"
+PATHS = ("auto", "direct", "checkpoint")
 _POLL_S = 0.05
 
 
@@ -106,7 +125,10 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     over ``Config.from_env()`` (``model_secret`` among them, when the model has one).
     ``ray_address``: the cluster to join ("" : ``RAY_ADDRESS``, else ``"auto"``; the trainer
     fills it in). ``datacenter``, ``spot``: as :func:`tensorhub.open`. ``wait_timeout_s``: how long
-    to wait for the trainer's layout and for a version to be published."""
+    to wait for the trainer's layout and for a version to be published. ``path``: ``"auto"``
+    (direct when every parameter's placement can be derived, else checkpoint format),
+    ``"direct"`` (``LayoutMismatch`` naming what cannot be derived, the engine unchanged) or
+    ``"checkpoint"``."""
 
     model: str
     config: dict = field(default_factory=dict)
@@ -114,6 +136,7 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     datacenter: str = ""
     spot: bool = False
     wait_timeout_s: float = 600.0
+    path: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -123,6 +146,8 @@ class TensorHubInitInfo(WeightTransferInitInfo):
         if not isinstance(self.wait_timeout_s, (int, float)) or isinstance(self.wait_timeout_s, bool) \
                 or not 0 < self.wait_timeout_s <= 86400:
             raise errors.ConfigError(f"init_info.wait_timeout_s must be in (0, 86400], got {self.wait_timeout_s!r}")
+        if self.path not in PATHS:
+            raise errors.ConfigError(f"init_info.path must be one of {', '.join(PATHS)}, got {self.path!r}")
 
 
 @dataclass
@@ -145,7 +170,8 @@ class TensorHubUpdateInfo(WeightTransferUpdateInfo):
 class TensorHubTrainerInitInfo(TrainerInitInfo):
     """The trainer side's init info. ``model``, ``config``, ``datacenter``: as
     :class:`TensorHubInitInfo`. ``device``: where the trainer's staging buffer lives (``"cpu"``:
-    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``: passed to the engines."""
+    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``path``: passed to the
+    engines (:class:`TensorHubInitInfo`)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -154,6 +180,7 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     datacenter: str = ""
     device: str = "cpu"
     wait_timeout_s: float = 600.0
+    path: str = "auto"
 
 
 def _config(model: str, fields: dict) -> Config:
@@ -186,18 +213,26 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         super().__init__(config, vllm_config, device, model)
         self.info: Optional[TensorHubInitInfo] = None
         self.hub_config: Optional[Config] = None
-        self.replica = f"vllm-{uuid.uuid4().hex[:8]}"
+        self.replica = ""
+        """This engine's replica: one per engine (its TP ranks are its shards) on the direct
+        path, one per worker rank on the checkpoint path."""
         self.hubs: list[Hub] = []
         self.buffers: list[list[tuple[str, torch.Tensor]]] = []
+        self.path = ""
+        """``"direct"`` or ``"checkpoint"`` once joined."""
+        self.layout: Optional[DirectLayout] = None
+        """The direct path's derived placement (also kept when ``auto`` fell back, for its reasons)."""
+        self.fallback: dict[str, str] = {}
+        """Why the direct path was not taken (parameter or checkpoint tensor: reason); empty on it."""
         self.version: Optional[int] = None
         """The version the model was last loaded with."""
         self.last_reads: list[ReadStats] = []
-        """The :class:`~tensorhub.handle.ReadStats` of the last update, one per trainer shard."""
+        """The :class:`~tensorhub.handle.ReadStats` of the last update, one per handle."""
         self.last_split_s: tuple[float, float] = (0.0, 0.0)
         """The last update's seconds: reading the version (waits included), loading it."""
         self._port = None
         self._round = 0
-        """Updates asked of this engine: the round number of a sharded trainer's replica."""
+        """Updates asked of this engine: the round number of a sharded replica."""
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TensorHubInitInfo:
         try:
@@ -212,62 +247,108 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             raise errors.ConfigError(f"update_info for backend {BACKEND!r}: {e}") from None
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
-        """Join the model: wait for the trainer's layout, then register a buffer of it. Called
-        again with another model, it leaves the first (typed errors leave the engine as it was)."""
+        """Join the model: wait for the trainer's layout, choose the path (direct: the rank's
+        slice buffer with its derived placement; checkpoint: a buffer of the trainer's layout)
+        and register. Called again with another model, it leaves the first (typed errors leave
+        the engine as it was)."""
+        tp_rank, tp_size = _tp_rank_size()
+        replica = _engine_replica(tp_size)  # collective over the TP group: before anything may fail
         cfg = _config(init_info.model, init_info.config)
         _join_ray(init_info.ray_address, cfg)
         from tensorhub.ports import connect
 
         port = connect(cfg, init_info.model)
         deadline = time.monotonic() + init_info.wait_timeout_s
-        layouts = _wait_layouts(port, init_info.model, deadline)
+        layouts, placed = _wait_layouts(port, init_info.model, deadline)
+        layout, why = self._direct_layout(init_info, layouts, placed)
+        common = dict(datacenter=init_info.datacenter or None, spot=init_info.spot, config=cfg, port=port)
         hubs, buffers = [], []
         try:
-            for shard, lay in enumerate(layouts):
-                buf = [(t.name, torch.empty(t.shape, dtype=getattr(torch, t.dtype))) for t in lay.tensors]
-                hub = tensorhub.open(init_info.model, shard=shard, num_shards=len(layouts), replica=self.replica,
-                                     datacenter=init_info.datacenter or None, spot=init_info.spot, config=cfg,
-                                     port=port)
+            if layout is not None:
+                buf = layout.buffers()
+                hub = tensorhub.open(init_info.model, shard=tp_rank, num_shards=tp_size, replica=replica, **common)
                 hubs.append(hub)
-                hub.register(buf)
+                hub.register(buf, placement=layout.placement,
+                             layout_key=VL.layout_key(VL.schema_of(layouts[0].tensors), self.model, tp_size))
                 buffers.append(buf)
+            else:
+                replica = f"{replica}-rank{tp_rank}"
+                for shard, lay in enumerate(layouts):
+                    buf = [(t.name, torch.zeros(t.shape, dtype=getattr(torch, t.dtype))) for t in lay.tensors]
+                    hub = tensorhub.open(init_info.model, shard=shard, num_shards=len(layouts), replica=replica,
+                                         **common)
+                    hubs.append(hub)
+                    # the trainer's class carries placements: join it with the same (whole) one
+                    hub.register(buf, placement=P.whole_placement(VL.schema_of(lay.tensors)) if placed else None)
+                    buffers.append(buf)
         except BaseException:
             for hub in hubs:
                 hub.close(drop_last_copy=True)
             raise
         self.shutdown()
-        self.info, self.hub_config, self._port = init_info, cfg, port
+        self.info, self.hub_config, self._port, self.replica = init_info, cfg, port, replica
         self.hubs, self.buffers = hubs, buffers
-        log.info("model=%s replica=%s: %d shard(s), %d tensors registered", init_info.model, self.replica,
-                 len(hubs), sum(len(b) for b in buffers))
+        self.path, self.layout, self.fallback = ("direct" if layout is not None else "checkpoint"), layout, why
+        self.version, self._round = None, 0
+        log.info("model=%s replica=%s: %s path, %d tensors registered%s", init_info.model, replica, self.path,
+                 sum(len(b) for b in buffers), f" (direct not taken: {_first(why)})" if why else "")
+
+    def _direct_layout(self, info: TensorHubInitInfo, layouts: list[m.LayoutInfo],
+                       placed: bool) -> tuple[Optional[DirectLayout], dict[str, str]]:
+        """The rank's derived placement when the direct path is asked for and possible, else
+        None and why not (``path="direct"`` raises ``LayoutMismatch`` with the reasons)."""
+        if info.path == "checkpoint":
+            return None, {"path": "checkpoint asked for"}
+        why: dict[str, str] = {}
+        if len(layouts) != 1:
+            why["trainer"] = f"a trainer of {len(layouts)} shards (the direct path reads from one whole checkpoint)"
+        elif not placed:
+            why["trainer"] = "the trainer registered without a placement"
+        layout = None
+        if not why:
+            layout = VL.derive(self.model, VL.schema_of(layouts[0].tensors))
+            why = dict(layout.fallback) if layout.placement is not None or layout.fallback else {"model": "no parameter"}
+        if not why:
+            return layout, {}
+        if info.path == "direct":
+            raise errors.LayoutMismatch(f"model={info.model}: the direct path cannot take {len(why)} "
+                                        f"parameter(s): {_first(why, 3)}")
+        return None, why
 
     def start_weight_update(self) -> None:
-        """Nothing: the layerwise reload runs inside :meth:`receive_weights`, once the bytes are in."""
+        """Nothing: the load runs inside :meth:`receive_weights`, once the bytes are in."""
 
     def finish_weight_update(self) -> None:
         """Nothing (see :meth:`start_weight_update`)."""
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
-        """Read ``update_info.version`` into the buffer (waiting up to ``wait_timeout_s`` for it
-        to be published), then load it into the model. The model is untouched unless every byte
-        arrived and verified. A no-op transfer and load when the model already runs it."""
+        """Read ``update_info.version`` into the buffers (waiting up to ``wait_timeout_s`` for it
+        to be published), then load it into the model: on the direct path a copy of each
+        parameter's slice (and a re-pack of CPU-packed layers), on the checkpoint path vLLM's
+        layerwise reload. The model is untouched unless every byte arrived and verified. A
+        no-op transfer and load when the model already runs it."""
         if not self.hubs:
             raise errors.InvalidState(f"backend {BACKEND!r}: receive_weights before init_weight_transfer_engine")
         t0 = time.monotonic()
         deadline = t0 + self.info.wait_timeout_s
         self._round += 1
-        stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s, self._round)
+        sharded = self.hubs[0].num_shards > 1
+        stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s,
+                            self._round if sharded else None)
         version = self.hubs[0].version
         self.last_reads = stats
         t1 = time.monotonic()
         if version == self.version:
             self.last_split_s = (t1 - t0, 0.0)
             return
-        _load_checkpoint(self.model, self.model_config, (t for buf in self.buffers for t in buf))
+        if self.layout is not None:
+            self.layout.apply(self.model, self.buffers[0])
+        else:
+            _load_checkpoint(self.model, self.model_config, (t for buf in self.buffers for t in buf))
         self.last_split_s = (t1 - t0, time.monotonic() - t1)
         self.version = version
-        log.info("model=%s replica=%s: loaded version %s (%d bytes read)", self.info.model, self.replica,
-                 version, sum(s.bytes for s in stats))
+        log.info("model=%s replica=%s: loaded version %s on the %s path (%d bytes read)", self.info.model,
+                 self.replica, version, self.path, sum(s.bytes for s in stats))
 
     def shutdown(self) -> None:
         """Leave TensorHub (the buffer stops serving; the model keeps its weights)."""
@@ -280,32 +361,73 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                 hub.close(drop_last_copy=True)
 
 
-def _wait_layouts(port, model: str, deadline: float) -> list[m.LayoutInfo]:
-    """The layouts the trainer registered, one per shard, waiting for them until ``deadline``."""
+def report(worker) -> dict[str, Any]:
+    """What a worker's engine did, for ``llm.collective_rpc(report)`` (one dict per worker rank;
+    passing a function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): ``path``, ``fallback``
+    (what kept the direct path from being taken, by parameter), ``replica``, ``shard`` /
+    ``num_shards`` (of the replica), ``version``, ``slice_bytes`` (the bytes this rank holds of
+    the checkpoint: its slice on the direct path, the whole checkpoint on the other),
+    ``last_read_bytes`` (what the last update moved into this rank), ``last_split_s``."""
+    e = worker.weight_transfer_engine
+    hub = e.hubs[0] if e.hubs else None
+    return {"path": e.path, "fallback": dict(e.fallback), "replica": e.replica,
+            "shard": hub.shard if hub else None, "num_shards": hub.num_shards if hub else None,
+            "version": e.version, "slice_bytes": sum(t.nbytes for buf in e.buffers for _, t in buf),
+            "last_read_bytes": sum(s.bytes for s in e.last_reads), "last_split_s": list(e.last_split_s)}
+
+
+def _first(why: dict[str, str], n: int = 1) -> str:
+    return "; ".join(f"{k}: {v}" for k, v in list(why.items())[:n]) + (f" (+{len(why) - n} more)" if len(why) > n else "")
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    """This worker's TP rank and size (0, 1 outside a vLLM worker)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 - no model parallel group: one rank
+        return 0, 1
+
+
+def _engine_replica(tp_size: int) -> str:
+    """A replica name for this engine, the same on all its TP ranks (rank 0's, broadcast over
+    vLLM's TP group: every rank runs ``init_transfer_engine``)."""
+    name = f"vllm-{uuid.uuid4().hex[:8]}"
+    if tp_size > 1:
+        from vllm.distributed import get_tp_group
+
+        name = get_tp_group().broadcast_object(name, src=0)
+    return name
+
+
+def _wait_layouts(port, model: str, deadline: float) -> tuple[list[m.LayoutInfo], bool]:
+    """The layouts the trainer registered, one per shard, waiting for them until ``deadline``,
+    and whether the model's registrations carry placements."""
     while True:
         status = port.call(m.Query(model=model, layouts=True))
         view = next((v for v in status.models if v.model == model), None)
         if view is not None:
             known = {sl.shard: sl.layout for sl in view.layouts}
             if len(known) == view.num_shards and all(known[i].tensors for i in known):
-                return [known[i] for i in range(view.num_shards)]
+                return [known[i] for i in range(view.num_shards)], bool(view.placements)
         if time.monotonic() > deadline:
             raise errors.RequestTimeout(f"model={model}: no trainer registered its layout in time")
         time.sleep(_POLL_S)
 
 
-def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float, round_no: int) -> list[ReadStats]:
-    """update(spec) on every shard, as round ``round_no`` of the replica (this engine's count of
-    its updates: growing, the same on every shard), retrying while the version is not published."""
+def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float, round_no: Optional[int]) -> list[ReadStats]:
+    """update(spec) on every handle, as round ``round_no`` of a sharded replica (this engine's
+    count of its updates: growing, the same on every shard; None: unsharded), retrying while the
+    version is not published."""
     stats: list[Optional[ReadStats]] = [None] * len(hubs)
-    rnd = round_no if len(hubs) > 1 else None
     while True:
         waiting = None
         for i, hub in enumerate(hubs):
             if stats[i] is not None:
                 continue
             try:
-                stats[i] = hub.update(spec, round=rnd) if rnd is not None else hub.update(spec)
+                stats[i] = hub.update(spec, round=round_no) if round_no is not None else hub.update(spec)
             except errors.VersionNotFound as e:
                 waiting = e
         if waiting is None:
@@ -461,6 +583,8 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.hub: Optional[Hub] = None
         self.port = None
         self.buffer: list[tuple[str, torch.Tensor]] = []
+        self.placement: Optional[P.Placement] = None
+        """The staging buffer's placement: every checkpoint tensor whole (the model's schema)."""
         self.version: Optional[int] = None
         """The last version published."""
 
@@ -473,6 +597,8 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             raise errors.ConfigError(f"backend {BACKEND!r}: the trainer needs a WeightSource")
         if init_info.device not in ("cpu", "cuda"):
             raise errors.ConfigError(f"init_info.device must be 'cpu' or 'cuda', got {init_info.device!r}")
+        if init_info.path not in PATHS:
+            raise errors.ConfigError(f"init_info.path must be one of {', '.join(PATHS)}, got {init_info.path!r}")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if not engine.is_sender:
             return engine
@@ -487,11 +613,14 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         hub = tensorhub.open(init_info.model, replica=TRAINER_REPLICA, datacenter=init_info.datacenter or None,
                              config=cfg, port=engine.port)
         try:
-            hub.register(engine.buffer)
+            # a whole placement: engines on the direct path reshard their slices from it
+            engine.placement = P.whole_placement(
+                [P.GlobalTensor(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in engine.buffer])
+            hub.register(engine.buffer, placement=engine.placement)
             engine.hub = hub
             client.init_weight_transfer_engine(dataclasses.asdict(TensorHubInitInfo(
                 model=init_info.model, config=dict(init_info.config), ray_address=_gcs_address(),
-                datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s)))
+                datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s, path=init_info.path)))
         except BaseException:
             hub.close(drop_last_copy=True)
             raise

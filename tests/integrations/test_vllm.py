@@ -32,6 +32,7 @@ from tensorhub.integrations import vllm as thv  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(thv.report): a function
 PROMPTS = [[5, 17, 42, 7], [100, 3, 3, 250, 9]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -51,6 +52,11 @@ def _build(kind: str, seed: int = 0):
     if kind == "llama":  # GQA: 4 heads, 2 KV heads
         cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                       max_position_embeddings=256)
+        return transformers.LlamaForCausalLM(cfg)
+    if kind == "llama-kv1-pad":  # one KV head (replicated over TP ranks), a vocabulary vLLM pads
+        cfg = transformers.LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
                                        max_position_embeddings=256)
         return transformers.LlamaForCausalLM(cfg)
     cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -87,15 +93,25 @@ def _step(model, k: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
-def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: int):
+def _report(llm) -> list[dict]:
+    """``thv.report`` of every worker rank of ``llm``."""
+    return llm.collective_rpc(thv.report)
+
+
+def _model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: int, path: str = "auto"):
     """``steps`` updates of the engine ``make_llm()`` builds, from ``trainer_model`` through
     ``backend="tensorhub"`` (the engine runs each version); then, per version, greedy generation
     equals that of a TP=1 engine loaded from the version's weights saved to disk. Returns what
-    the engine generated before the updates and after each."""
+    the engine generated before the updates and after each, and the ranks' reports after the
+    last update."""
     llm = make_llm()
     before = _greedy(llm)
     engine = WeightTransferTrainerFactory.trainer_init(
-        thv.TensorHubTrainerInitInfo(model=model_name, rank=0), client=thv.LocalLLMClient(llm),
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0, path=path), client=thv.LocalLLMClient(llm),
         source=ModuleSource(trainer_model))
     saved = []
     try:
@@ -105,6 +121,7 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
             assert v == k
             assert llm.get_weight_version() == str(v)
             saved.append((_greedy(llm), _save(trainer_model, tmp_path / f"v{k}")))
+        reports = _report(llm)
     finally:
         engine.shutdown()
         del llm
@@ -114,27 +131,52 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
             assert got == _greedy(ref), f"version {k}: the updated engine and one loaded from disk differ"
         finally:
             del ref
-    return before, [got for got, _ in saved]
+    return before, [got for got, _ in saved], reports
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-tied"])
-def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind):
+@pytest.mark.parametrize("kind,path", [("llama", "auto"), ("qwen2-tied", "direct"), ("qwen2-tied", "checkpoint")])
+def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind, path):
+    """Both paths, a GQA Llama and a Qwen2 with tied embeddings and qkv biases. The direct path
+    (``auto`` takes it: every parameter's placement is derived) reads exactly the engine's
+    bytes into its slice buffer and loads them without ``load_weights``; the checkpoint path
+    reads the trainer's tensors and loads them through vLLM's layerwise reload."""
     trainer_model = _build(kind)
-    before, got = _updated_as_from_disk(lambda: _engine(_save(trainer_model, tmp_path / "v-initial")),
-                                        trainer_model, model_name, tmp_path, 3)
+    before, got, (rep,) = _updated_as_from_disk(lambda: _engine(_save(trainer_model, tmp_path / "v-initial")),
+                                                trainer_model, model_name, tmp_path, 3, path)
     assert got[0] != before, "the update changed what the engine generates"
+    want = "checkpoint" if path == "checkpoint" else "direct"
+    assert rep["path"] == want and rep["version"] == 2, rep
+    if want == "direct":
+        assert rep["fallback"] == {}, "no parameter falls back"
+    assert rep["slice_bytes"] == _model_bytes(trainer_model)  # TP=1: the whole model, either way
+    assert rep["last_read_bytes"] == rep["slice_bytes"], "exactly the engine's bytes moved"
 
 
-def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, monkeypatch):
-    """TP=2: two vLLM worker processes, each rank with its own handle and checkpoint buffer (the
-    checkpoint-format path); after each of two updates greedy generation equals, token for
-    token, a TP=1 engine loaded from the same weights on disk."""
+@pytest.mark.parametrize("kind,path", [("llama", "checkpoint"), ("llama-kv1-pad", "direct")])
+def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, monkeypatch,
+                                                                     kind, path):
+    """TP=2: two vLLM worker processes. Checkpoint path: each rank its own handle and a buffer of
+    the whole checkpoint. Direct path: the engine is one replica of 2 shards, each rank receives
+    only its slice (of a model with one KV head, replicated over the ranks, and a vocabulary vLLM
+    pads: 500 rows to 512). After each of two updates greedy generation equals, token for token,
+    a TP=1 engine loaded from the same weights on disk."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu binds a NUMA node per rank; one here
-    trainer_model = _build("llama", seed=3)
+    trainer_model = _build(kind, seed=3)
     kw = {"weight_transfer_config": WeightTransferConfig(backend=thv.BACKEND)}
-    _updated_as_from_disk(lambda: LLM(model=_save(trainer_model, tmp_path / "init"), tensor_parallel_size=2,
-                                      distributed_executor_backend="mp", **LLM_KW, **kw),
-                          trainer_model, model_name, tmp_path, 2)
+    _, _, reps = _updated_as_from_disk(
+        lambda: LLM(model=_save(trainer_model, tmp_path / "init"), tensor_parallel_size=2,
+                    distributed_executor_backend="mp", **LLM_KW, **kw),
+        trainer_model, model_name, tmp_path, 2, path)
+    whole = _model_bytes(trainer_model)
+    assert [r["path"] for r in reps] == [path, path], reps
+    if path == "checkpoint":
+        assert all(r["slice_bytes"] == whole and r["last_read_bytes"] == whole for r in reps)
+        assert reps[0]["replica"] != reps[1]["replica"]
+        return
+    assert all(r["fallback"] == {} for r in reps)
+    assert reps[0]["replica"] == reps[1]["replica"] and [(r["shard"], r["num_shards"]) for r in reps] == [(0, 2), (1, 2)]
+    for r in reps:  # each rank: its slice, about half the model (norms and the one KV head are on both)
+        assert r["last_read_bytes"] == r["slice_bytes"] < 0.6 * whole, r
 
 
 def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):
@@ -161,6 +203,10 @@ def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray
         b.update_weights({"update_info": {"version": "latest"}})
         b.finish_weight_update(str(v1))
         assert _greedy(b) == _greedy(a) != want
+        (ra,), (rb,) = _report(a), _report(b)
+        # the direct path: both engines one layout class (they pipeline from each other)
+        assert ra["path"] == rb["path"] == "direct" and rb["version"] == v1
+        assert rb["last_read_bytes"] == rb["slice_bytes"] == ra["slice_bytes"]
     finally:
         engine.shutdown()
         del a, b
@@ -182,12 +228,42 @@ def test_bad_init_and_update_info_are_typed_errors_and_the_engine_keeps_serving(
             llm.start_weight_update()
             with pytest.raises(Exception, match=what):  # vLLM ends the update that failed
                 llm.update_weights({"update_info": bad})
+        with pytest.raises(Exception, match="path must be"):
+            llm.init_weight_transfer_engine({"init_info": {"model": model_name, "path": "sideways"}})
+        # a trainer whose checkpoint names lm_head otherwise: the direct path cannot place the
+        # engine's lm_head, so path="direct" is refused, naming it, and the engine stays joined
+        # to its model; "auto" would take the checkpoint path
+        renamed = WeightTransferTrainerFactory.trainer_init(
+            thv.TensorHubTrainerInitInfo(model=model_name + "-renamed", rank=0), client=thv.LocalLLMClient(),
+            source=_Renamed(ModuleSource(trainer_model), {"lm_head.weight": "lm_head.w"}))
+        try:
+            with pytest.raises(Exception, match="direct path cannot take .*lm_head"):
+                llm.init_weight_transfer_engine({"init_info": {"model": model_name + "-renamed", "path": "direct"}})
+        finally:
+            renamed.shutdown()
         assert _greedy(llm) == before, "refused calls changed nothing"
         v = engine.send_weights()
         assert llm.get_weight_version() == str(v)
+        assert _report(llm)[0]["path"] == "direct"
     finally:
         engine.shutdown()
         del llm
+
+
+class _Renamed:
+    """A WeightSource that names some tensors otherwise."""
+
+    def __init__(self, source, names: dict) -> None:
+        self.source, self.names = source, names
+
+    def metadata(self):
+        import dataclasses
+
+        return [dataclasses.replace(p, name=self.names.get(p.name, p.name)) for p in self.source.metadata()]
+
+    def __iter__(self):
+        for name, t in self.source:
+            yield self.names.get(name, name), t
 
 
 def test_the_plugin_registers_both_sides_once():
