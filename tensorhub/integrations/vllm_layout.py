@@ -97,6 +97,7 @@ class DirectLayout:
                 # (oneDNN and the SGL kernels copy it; measured, a oneDNN handle does not follow
                 # writes to the tensor it was made from), then free the weight again
                 t.module.weight = torch.nn.Parameter(buf.clone() if keeps_reference else buf, requires_grad=False)
+                t.module.cpu_linear = None  # the old packed copy goes first: at most one layer's in flight
                 dispatch_cpu_unquantized_gemm(t.module, remove_weight=True)
                 if t.module.weight.numel():  # torch's linear: the weight stays live, not our buffer
                     t.module.weight = torch.nn.Parameter(buf.clone(), requires_grad=False)
@@ -107,6 +108,7 @@ class DirectLayout:
         for mod in model.modules():  # a packed copy of a live weight (embeddings, a tied lm_head)
             w = getattr(mod, "weight", None)
             if hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and id(w) in changed:
+                mod.cpu_linear = None
                 dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
 
 
