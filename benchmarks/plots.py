@@ -5,6 +5,7 @@ from a saved JSON summary (a benchmark's last stdout line)::
 
     python benchmarks/plots.py pipeline benchmarks/pipeline.json benchmarks/pipeline.png
     python benchmarks/plots.py failover benchmarks/failover.json benchmarks/failover.png
+    python benchmarks/plots.py vllm_update benchmarks/vllm_update.json benchmarks/vllm_update.png
 
 (``benchmarks/fanout.py`` draws its own plot.)
 """
@@ -66,7 +67,27 @@ def plot_failover(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-PLOTS = {"pipeline": plot_pipeline, "failover": plot_failover}
+def plot_vllm_update(summary: dict, path: str) -> None:
+    """Seconds per weight update into 1 and 2 vLLM engines, per path (benchmarks/vllm_update.py)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    paths = list(summary["seconds"])
+    width = 0.38
+    for i, n in enumerate(("1", "2")):
+        xs = [k + (i - 0.5) * width for k in range(len(paths))]
+        ax.bar(xs, [summary["seconds"][p][n] for p in paths], width, label=f"{n} engine{'s' if n != '1' else ''}")
+    ax.set_xticks(range(len(paths)))
+    ax.set_xticklabels([p.replace("tensorhub_", "tensorhub\n") for p in paths], fontsize=8)
+    ax.set_ylabel("seconds per update (best repetition)")
+    ax.set_title(f"one update into vLLM engines (CPU build), {summary['model_bytes'] / 2**20:.0f} MiB model")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTS = {"pipeline": plot_pipeline, "failover": plot_failover, "vllm_update": plot_vllm_update}
 
 
 def main(argv: list[str]) -> int:
