@@ -82,14 +82,6 @@ def _status(field: str) -> int:
     return 0
 
 
-def _last_read_bytes(worker) -> int:
-    return sum(s.bytes for s in worker.weight_transfer_engine.last_reads)
-
-
-def _last_split(worker) -> tuple:
-    return worker.weight_transfer_engine.last_split_s
-
-
 def _load_from_object_store(worker, store_name: str, namespace: str) -> None:
     """In an engine's worker (a process that joined the cluster): the state dict the trainer put
     in the object store, through the actor that holds its reference, then load_weights."""
@@ -197,8 +189,9 @@ def main() -> None:
                             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
                     trainer.client = thv.LocalLLMClient(*engines[:n])
                     timed(f"{path}/{n}", n, trainer.send_weights)
-                    received[f"{path}/{n}"] = [e.collective_rpc(_last_read_bytes)[0] for e in engines[:n]]
-                    split[f"{path}/{n}"] = [e.collective_rpc(_last_split)[0] for e in engines[:n]]
+                    last = [e.collective_rpc(thv.report)[0] for e in engines[:n]]
+                    received[f"{path}/{n}"] = [r["last_read_bytes"] for r in last]
+                    split[f"{path}/{n}"] = [r["last_split_s"] for r in last]
                 say(f"{path} rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v:.3f}s" for k, v in sorted(best.items())))
         for rep in range(args.reps):
             for n in (1, 2):

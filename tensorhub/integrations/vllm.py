@@ -221,7 +221,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.path = ""
         """``"direct"`` or ``"checkpoint"`` once joined."""
         self.layout: Optional[DirectLayout] = None
-        """The direct path's derived placement (also kept when ``auto`` fell back, for its reasons)."""
+        """The direct path's derived placement; None on the checkpoint path."""
         self.fallback: dict[str, str] = {}
         """Why the direct path was not taken (parameter or checkpoint tensor: reason); empty on it."""
         self.version: Optional[int] = None
@@ -269,7 +269,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                 hub = tensorhub.open(init_info.model, shard=tp_rank, num_shards=tp_size, replica=replica, **common)
                 hubs.append(hub)
                 hub.register(buf, placement=layout.placement,
-                             layout_key=VL.layout_key(VL.schema_of(layouts[0].tensors), self.model, tp_size))
+                             layout_key=VL.layout_key(layout.schema, self.model, tp_size))
                 buffers.append(buf)
             else:
                 replica = f"{replica}-rank{tp_rank}"
@@ -307,7 +307,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         layout = None
         if not why:
             layout = VL.derive(self.model, VL.schema_of(layouts[0].tensors))
-            why = dict(layout.fallback) if layout.placement is not None or layout.fallback else {"model": "no parameter"}
+            why = dict(layout.fallback) or ({} if layout.placement is not None else {"model": "no parameter to take"})
         if not why:
             return layout, {}
         if info.path == "direct":
@@ -461,17 +461,7 @@ def _repack_tied_cpu_gemm(model: torch.nn.Module) -> None:
 
     if not current_platform.is_cpu():
         return
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    users: dict[int, list[torch.nn.Module]] = {}
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel() and not w.is_meta:
-            users.setdefault(id(w), []).append(mod)
-    for mods in users.values():
-        if len(mods) > 1:
-            for mod in mods:
-                dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+    VL.repack_live(m for mods in VL.cpu_packed_users(model).values() if len(mods) > 1 for m in mods)
 
 
 # ---------------------------------------------------------------------------------- an engine to put in an actor

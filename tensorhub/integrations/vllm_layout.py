@@ -63,10 +63,8 @@ class DirectLayout:
     targets: list[Target] = field(default_factory=list)
     fallback: dict[str, str] = field(default_factory=dict)
     """Parameters (or checkpoint tensors) the direct path cannot express, with the reason."""
-
-    @property
-    def direct(self) -> bool:
-        return self.placement is not None and not self.fallback
+    schema: Optional[P.Schema] = None
+    """The checkpoint's schema it was derived over (:func:`layout_key` names it)."""
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         """A slice buffer per target, in placement order, on each parameter's device (zeroed: its
@@ -105,11 +103,28 @@ class DirectLayout:
             with torch.no_grad():
                 param.data[: t.rows].copy_(buf)
             changed.add(id(param))
-        for mod in model.modules():  # a packed copy of a live weight (embeddings, a tied lm_head)
-            w = getattr(mod, "weight", None)
-            if hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and id(w) in changed:
-                mod.cpu_linear = None
-                dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+        # a packed copy of a live weight (embeddings, a tied lm_head)
+        repack_live(m for w, mods in cpu_packed_users(model).items() if w in changed for m in mods)
+
+
+def cpu_packed_users(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    """The modules that keep a CPU-packed copy (``cpu_linear``) of a live 2-D weight, by the
+    weight's id (several when a weight is tied)."""
+    users: dict[int, list[torch.nn.Module]] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if hasattr(mod, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel() and not w.is_meta:
+            users.setdefault(id(w), []).append(mod)
+    return users
+
+
+def repack_live(modules) -> None:
+    """Pack each module's live weight again (its old packed copy dropped first)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for mod in modules:
+        mod.cpu_linear = None
+        dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
 
 
 def _packed_and_freed(module: torch.nn.Module, attr: str, param: torch.Tensor) -> bool:
@@ -127,7 +142,8 @@ def layout_key(schema: P.Schema, model: torch.nn.Module, tp_size: int) -> str:
 
 
 def schema_of(tensors) -> P.Schema:
-    """The checkpoint's schema from ``(name, dtype, shape)`` triples (a trainer shard's layout)."""
+    """The checkpoint's schema from tensors with ``name``, ``dtype`` (a name) and ``shape`` (a
+    trainer shard's layout, ``LayoutInfo.tensors``)."""
     return P.Schema.of(P.GlobalTensor(t.name, t.dtype, tuple(t.shape)) for t in tensors)
 
 
@@ -137,8 +153,6 @@ def derive(model: torch.nn.Module, schema: P.Schema) -> DirectLayout:
     from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
         ReplicatedLinear,
         RowParallelLinear,
         UnquantizedLinearMethod,
@@ -173,12 +187,10 @@ def derive(model: torch.nn.Module, schema: P.Schema) -> DirectLayout:
                 elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
                     if not isinstance(qm, UnquantizedLinearMethod):
                         raise _Unsupported(f"quantized ({type(qm).__name__})")
-                    parts = _linear_parts(mod_name, module, attr, param, packed, globals_,
-                                          QKVParallelLinear, MergedColumnParallelLinear, ColumnParallelLinear,
-                                          RowParallelLinear)
+                    parts = _linear_parts(mod_name, module, attr, param, packed, globals_)
                     local, rows = P.concat(name, parts), None
                 elif type(module) in (RMSNorm, LayerNorm) and attr in ("weight", "bias"):
-                    g = _global(globals_, name, param, attr)
+                    g = _global(globals_, name)
                     if tuple(g.shape) != tuple(param.shape):
                         raise _Unsupported(f"a norm of shape {list(param.shape)}, the checkpoint's is {list(g.shape)}")
                     local, rows = P.whole(g, name=name), None
@@ -196,17 +208,17 @@ def derive(model: torch.nn.Module, schema: P.Schema) -> DirectLayout:
         if g.name not in covered and not (tied and g.name.endswith("lm_head.weight")):
             fallback.setdefault(g.name, "a checkpoint tensor no parameter of the engine takes directly")
     if not targets:
-        return DirectLayout(None, [], fallback)
+        return DirectLayout(None, [], fallback, schema)
     used = sorted(covered)
     placement = P.Placement.build([t.local for t in targets], P.Schema.of(globals_[n] for n in used))
-    return DirectLayout(placement, targets, fallback)
+    return DirectLayout(placement, targets, fallback, schema)
 
 
 class _Unsupported(Exception):
     pass
 
 
-def _global(globals_: dict, name: str, param: torch.Tensor, attr: str) -> P.GlobalTensor:
+def _global(globals_: dict, name: str) -> P.GlobalTensor:
     g = globals_.get(name)
     if g is None:
         raise _Unsupported(f"no checkpoint tensor {name!r}")
@@ -223,8 +235,13 @@ def _rows(g: P.GlobalTensor, a: int, b: int) -> tuple[P.GlobalTensor, P.Box]:
     return g, P.Box((a,) + (0,) * (len(g.shape) - 1), (b,) + tuple(g.shape[1:]))
 
 
-def _linear_parts(mod_name, module, attr, param, packed, globals_, QKV, Merged, Column, Row):
+def _linear_parts(mod_name, module, attr, param, packed, globals_):
     """The (global tensor, box) parts of a linear layer's weight or bias, in local row order."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear as Column
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear as Merged
+    from vllm.model_executor.layers.linear import QKVParallelLinear as QKV
+    from vllm.model_executor.layers.linear import RowParallelLinear as Row
+
     tp_rank, tp_size = _tp(module)
     prefix, _, leaf = mod_name.rpartition(".")
     subs = packed.get(leaf)
@@ -232,7 +249,7 @@ def _linear_parts(mod_name, module, attr, param, packed, globals_, QKV, Merged, 
     def sub_global(i: int) -> P.GlobalTensor:
         if not subs or i >= len(subs):
             raise _Unsupported(f"fused layer {leaf!r} is not in the model's packed_modules_mapping")
-        return _global(globals_, f"{prefix}.{subs[i]}.{attr}" if prefix else f"{subs[i]}.{attr}", param, attr)
+        return _global(globals_, f"{prefix}.{subs[i]}.{attr}" if prefix else f"{subs[i]}.{attr}")
 
     own = f"{mod_name}.{attr}"
     out_dim, in_dim = _dims(module, attr, param)
@@ -254,12 +271,12 @@ def _linear_parts(mod_name, module, attr, param, packed, globals_, QKV, Merged, 
             parts.append(_rows(sub_global(i), tp_rank * n, (tp_rank + 1) * n))
         return parts
     if isinstance(module, Column):
-        g = _global(globals_, own, param, attr)
+        g = _global(globals_, own)
         if out_dim != 0:
             raise _Unsupported("a column-parallel parameter without output_dim 0")
         n = g.shape[0] // tp_size
         return [_rows(g, tp_rank * n, (tp_rank + 1) * n)]
-    g = _global(globals_, own, param, attr)
+    g = _global(globals_, own)
     if isinstance(module, Row) and in_dim == 1 and tp_size > 1:
         if len(g.shape) != 2 or g.shape[1] % tp_size:
             raise _Unsupported(f"a row-parallel weight of shape {list(g.shape)} for TP={tp_size}")
@@ -282,7 +299,7 @@ def _dims(module, attr, param) -> tuple[Optional[int], Optional[int]]:
 def _embedding(name, module, attr, param, globals_) -> tuple[P.LocalPlacement, int]:
     if attr != "weight":
         raise _Unsupported(f"an embedding's {attr!r}")
-    g = _global(globals_, name, param, attr)
+    g = _global(globals_, name)
     si = module.shard_indices
     if si.num_added_elements:
         raise _Unsupported("an embedding with added (LoRA) vocabulary")
