@@ -13,13 +13,16 @@ Runs in its own environment (``bash scripts/test vllm``): vLLM needs transformer
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
+cloudpickle = pytest.importorskip("cloudpickle")  # what vLLM pickles collective_rpc functions with
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import WeightTransferConfig  # noqa: E402
@@ -33,6 +36,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(thv.report): a function
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # vLLM's workers cannot import this module
 PROMPTS = [[5, 17, 42, 7], [100, 3, 3, 250, 9]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -98,6 +102,28 @@ def _report(llm) -> list[dict]:
     return llm.collective_rpc(thv.report)
 
 
+def _direct_bytes_differ(worker, state: dict) -> list[str]:
+    """In a worker on the direct path: the rank's slice buffers and live parameters whose bytes
+    differ from what its placement says they hold of ``state`` (the trainer's tensors), cut by
+    TensorHub's reference executor (``apply_plan``). [] when every byte is right."""
+    from tensorhub import placement as P
+    from tensorhub.core import reshard as R
+    from tensorhub.layout import dtype_name
+
+    e = worker.weight_transfer_engine
+    holder = P.whole_placement([P.GlobalTensor(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()])
+    want = {n: torch.full_like(b, float("nan")) for n, b in e.buffers[0]}
+    R.apply_plan(R.plan_reshard(e.layout.placement, [holder]),
+                 {n: t.view(-1).view(torch.uint8).numpy() for n, t in want.items()},
+                 [{n: t.contiguous().view(-1).view(torch.uint8).numpy() for n, t in state.items()}])
+    bad = [n for n, b in e.buffers[0] if not torch.equal(b.view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8))]
+    for t in e.layout.targets:  # live parameters (a packed linear layer's is freed: its buffer was packed)
+        p = getattr(t.module, t.attr)
+        if p.numel() and not torch.equal(p.data[: t.rows].view(-1).view(torch.uint8), want[t.name].view(-1).view(torch.uint8)):
+            bad.append(f"live {t.name}")
+    return bad
+
+
 def _model_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -120,6 +146,12 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
             v = engine.send_weights()
             assert v == k
             assert llm.get_weight_version() == str(v)
+            if _report(llm)[0]["path"] == "direct":
+                state = {n: p.detach().clone() for n, p in trainer_model.named_parameters()}
+                # in the callable (pickled whole): vLLM's encoder would turn tensors in args into lists
+                assert llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state)) \
+                    == [[]] * len(_report(llm)), \
+                    f"version {k}: bytes differ from the trainer's"
             saved.append((_greedy(llm), _save(trainer_model, tmp_path / f"v{k}")))
         reports = _report(llm)
     finally:
