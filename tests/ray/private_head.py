@@ -75,9 +75,35 @@ def _stop(proc: subprocess.Popen, head: Optional[Head]) -> None:
         proc.wait(timeout=10)
 
 
+START_TRIES = 3
+_PORT_TAKEN = ("Address already in use", "Failed to start the grpc server")
+
+
+class PortTaken(RuntimeError):
+    """``ray start`` exited because a port :func:`free_ports` found free was taken before it bound
+    it (another process of the busy machine, e.g. a worker of another cluster)."""
+
+
 @contextlib.contextmanager
 def private_head(num_cpus: int = 2, env: Optional[dict] = None, timeout_s: float = 120.0) -> Iterator[Head]:
-    """Start a head, wait until its job API answers, yield it; stop it on exit."""
+    """Start a head, wait until its job API answers, yield it; stop it on exit. A start that
+    loses one of its ports to another process is tried again with fresh ports (``START_TRIES``)."""
+    for attempt in range(START_TRIES):
+        try:
+            cm = _private_head(num_cpus, env, timeout_s)
+            head = cm.__enter__()
+        except PortTaken:
+            if attempt == START_TRIES - 1:
+                raise
+            continue
+        with contextlib.ExitStack() as stack:
+            stack.push(cm)
+            yield head
+        return
+
+
+@contextlib.contextmanager
+def _private_head(num_cpus: int, env: Optional[dict], timeout_s: float) -> Iterator[Head]:
     tmp = tempfile.mkdtemp(prefix="tensorhub-head-")
     gcs, dash, client, metrics, agent_grpc, agent_http, rtenv, nm, om = free_ports(9)
     wmin = 20000 + random.randrange(90) * 100
@@ -104,7 +130,9 @@ def private_head(num_cpus: int = 2, env: Optional[dict] = None, timeout_s: float
         t_end = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"ray start exited {proc.returncode}: {open(log.name).read()[-3000:]}")
+                out = open(log.name).read()
+                kind = PortTaken if any(m in out for m in _PORT_TAKEN) else RuntimeError
+                raise kind(f"ray start exited {proc.returncode}: {out[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{head.dashboard_url}/api/version", timeout=2) as r:
                     if r.status == 200:
