@@ -32,9 +32,11 @@ turn (the machine is shared and noisy: paths see the same moments):
 Two engines; before each TensorHub path's repetitions they join again on that path (not timed),
 so only two engines share the 2 cores (with four, an update's load step took 0.8-1.0 s against
 0.1 s for the same step in one engine alone: idle engines' processes compete for the cores). Per path: seconds per update for 1 and 2 engines (best repetition), bytes each engine
-received, the bytes each engine's TensorHub buffer holds, and the peak resident memory an update
-added in the engine's worker process (after the first repetition, which also touches pages for
-the first time; that one is reported apart). Human lines go to stderr; the last stdout line is one JSON
+received, the bytes each engine's TensorHub buffer holds, and the peak private memory an update
+added in the engine's worker process (anonymous memory, sampled every millisecond; after the
+first repetition, which also touches pages for the first time; that one is reported apart). The
+resident figure (``VmHWM``) is reported too: it also counts a same-host holder's shared memory
+the engine maps to read from it, pages the holder owns. Human lines go to stderr; the last stdout line is one JSON
 object.
 """
 
@@ -63,15 +65,36 @@ def say(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def _mark(worker) -> int:
-    """In an engine's worker: reset the peak resident memory to now; the resident memory now."""
+def _mark(worker) -> dict:
+    """In an engine's worker: reset the peak resident memory to now and start sampling the
+    process's private (anonymous) memory every millisecond until :func:`_peak`. Returns both
+    now. ``VmHWM`` alone also counts the pages of other processes' shared memory this one maps
+    (a same-host holder's region, mapped at a read's first contact and kept): shared, not added."""
+    import threading
+
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    state = {"rss": _status("VmRSS"), "anon": _status("RssAnon")}
+    state["anon_peak"] = state["anon"]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.001):
+            state["anon_peak"] = max(state["anon_peak"], _status("RssAnon"))
+
+    worker._bench_sampler = (stop, threading.Thread(target=sample, daemon=True), state)
+    worker._bench_sampler[1].start()
+    return {"rss": state["rss"], "anon": state["anon"]}
 
 
-def _peak(worker) -> int:
-    return _status("VmHWM")
+def _peak(worker) -> dict:
+    """What the process's memory reached since :func:`_mark`: resident in all (``VmHWM``) and
+    private (sampled)."""
+    stop, thread, state = worker._bench_sampler
+    stop.set()
+    thread.join()
+    state["anon_peak"] = max(state["anon_peak"], _status("RssAnon"))
+    return {"rss": _status("VmHWM"), "anon": state["anon_peak"]}
 
 
 def _status(field: str) -> int:
@@ -167,7 +190,8 @@ def main() -> None:
     best: dict[str, float] = {}
     received: dict[str, list[int]] = {}
     split: dict[str, list] = {}  # path/engines -> per engine (read s, load s) of the last repetition
-    extra: dict[str, list[int]] = {}  # per repetition: the most an update added in one engine
+    extra: dict[str, list[int]] = {}  # per repetition: the most private memory an update added in one engine
+    extra_rss: dict[str, list[int]] = {}  # the same, resident in all (with mapped shared memory)
     g = torch.Generator().manual_seed(1)
 
     def timed(key: str, n: int, fn) -> None:
@@ -176,7 +200,8 @@ def main() -> None:
         fn()
         dt = time.perf_counter() - t0
         peaks = [e.collective_rpc(_peak)[0] for e in engines[:n]]
-        extra.setdefault(key, []).append(max(p - m for p, m in zip(peaks, marks)))
+        extra.setdefault(key, []).append(max(p["anon"] - m["anon"] for p, m in zip(peaks, marks)))
+        extra_rss.setdefault(key, []).append(max(p["rss"] - m["rss"] for p, m in zip(peaks, marks)))
         best[key] = min(best.get(key, float("inf")), dt)
 
     try:
@@ -243,6 +268,8 @@ def main() -> None:
            "extra_memory_per_engine_first": {p: {str(n): extra[f"{p}/{n}"][0] for n in (1, 2)} for p in paths[:4]},
            "extra_memory_per_engine": {p: {str(n): max(extra[f"{p}/{n}"][1:] or extra[f"{p}/{n}"]) for n in (1, 2)}
                                        for p in paths[:4]},
+           # resident memory in all: also the holders' shared memory an engine mapped to read it
+           "extra_resident_per_engine": {p: {str(n): extra_rss[f"{p}/{n}"] for n in (1, 2)} for p in paths[:4]},
            "load_avg": os.getloadavg()[0]}
     for n in (1, 2):
         direct, ck = best[f"tensorhub_direct/{n}"], best[f"tensorhub_checkpoint/{n}"]

@@ -367,10 +367,13 @@ def report(worker) -> dict[str, Any]:
     (what kept the direct path from being taken, by parameter), ``replica``, ``shard`` /
     ``num_shards`` (of the replica), ``version``, ``slice_bytes`` (the bytes this rank holds of
     the checkpoint: its slice on the direct path, the whole checkpoint on the other),
-    ``last_read_bytes`` (what the last update moved into this rank), ``last_split_s``."""
+    ``last_read_bytes`` (what the last update moved into this rank), ``last_split_s``,
+    ``pack_on_first_use`` (the modules whose CPU-packed copy is made again only if used)."""
     e = worker.weight_transfer_engine
     hub = e.hubs[0] if e.hubs else None
-    return {"path": e.path, "fallback": dict(e.fallback), "replica": e.replica,
+    lazy = [n for n, m in worker.model_runner.model.named_modules()
+            if isinstance(getattr(m, "cpu_linear", None), VL.PackOnFirstUse)]
+    return {"pack_on_first_use": lazy, "path": e.path, "fallback": dict(e.fallback), "replica": e.replica,
             "shard": hub.shard if hub else None, "num_shards": hub.num_shards if hub else None,
             "version": e.version, "slice_bytes": sum(t.nbytes for buf in e.buffers for _, t in buf),
             "last_read_bytes": sum(s.bytes for s in e.last_reads), "last_split_s": list(e.last_split_s)}

@@ -79,8 +79,10 @@ class DirectLayout:
         """Put the buffers' (verified) bytes into the model: a copy into each live parameter
         (cast to its dtype when vLLM keeps it in another, as the CPU build does with some
         biases); a layer whose weight vLLM packed and freed gets it back for the time of a
-        re-pack. Then every CPU-packed layer whose live weight changed is packed again. No copy
-        of a layer is made on the way (but on a Zen CPU, whose packer may keep the tensor)."""
+        re-pack. Then every CPU-packed layer whose live weight changed is packed again, but an
+        input embedding that computes no logits (:func:`lookup_only_embeddings`), whose packed
+        copy is dropped and made again only if it is ever used. No copy of a layer is made on
+        the way (but on a Zen CPU, whose packer may keep the tensor)."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         from vllm.platforms import current_platform
 
@@ -103,8 +105,45 @@ class DirectLayout:
             with torch.no_grad():
                 param.data[: t.rows].copy_(buf)
             changed.add(id(param))
-        # a packed copy of a live weight (embeddings, a tied lm_head)
-        repack_live(m for w, mods in cpu_packed_users(model).items() if w in changed for m in mods)
+        # a packed copy of a live weight (embeddings, a tied lm_head): again now, or at its
+        # first use for an input embedding that computes no logits
+        stale = [m for w, mods in cpu_packed_users(model).items() if w in changed for m in mods]
+        lookups = set(map(id, lookup_only_embeddings(model)))
+        repack_live(m for m in stale if id(m) not in lookups)
+        for m in stale:
+            if id(m) in lookups:
+                m.cpu_linear = PackOnFirstUse(m)  # the old packed copy goes now
+
+
+def lookup_only_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embeddings that compute no logits: ``embed_tokens`` when the model has a
+    distinct ``lm_head`` (a ``ParallelLMHead`` that is neither the embedding nor shares its
+    weight). vLLM's CPU build packs every embedding's weight for its ``apply`` (the product with
+    the weight), which only the logits head calls; such an embedding is only looked up, so
+    packing it again after each update is wasted (about a sixth of a direct load here)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    if not heads:
+        return []
+    return [m for m in model.modules() if type(m) is VocabParallelEmbedding and hasattr(m, "cpu_linear")
+            and all(h is not m and h.weight is not m.weight for h in heads)]
+
+
+class PackOnFirstUse:
+    """A module's ``cpu_linear`` until first called: packs the module's live weight then (vLLM's
+    dispatch replaces this attribute) and computes with the new packed copy, so a call that
+    does come (a model that computes logits from its input embedding after all) never uses a
+    stale copy."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x, weight, bias):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(self.module, remove_weight=False)
+        return self.module.cpu_linear(x, weight, bias)
 
 
 def cpu_packed_users(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:

@@ -31,6 +31,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from tensorhub import errors  # noqa: E402
 from tensorhub.integrations import vllm as thv  # noqa: E402
+from tensorhub.integrations import vllm_layout as VL  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -124,6 +125,18 @@ def _direct_bytes_differ(worker, state: dict) -> list[str]:
     return bad
 
 
+def _embedding_as_head_is_exact(worker) -> dict:
+    """In a worker: ``embed_tokens``'s product with its weight through vLLM's own ``apply`` (what
+    a logits head calls), against the product with the live weight; whether its packed copy was
+    waiting for first use before, and after."""
+    emb = worker.model_runner.model.model.embed_tokens
+    waiting = isinstance(emb.cpu_linear, VL.PackOnFirstUse)
+    x = torch.randn(3, emb.weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=emb.weight.dtype)
+    got = emb.quant_method.apply(emb, x)
+    return {"waiting": waiting, "still_waiting": isinstance(emb.cpu_linear, VL.PackOnFirstUse),
+            "exact": torch.allclose(got, x @ emb.weight.T, rtol=1e-4, atol=1e-4)}
+
+
 def _model_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -152,6 +165,9 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
                 assert llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state)) \
                     == [[]] * len(_report(llm)), \
                     f"version {k}: bytes differ from the trainer's"
+                if k == 0 and _report(llm)[0]["pack_on_first_use"]:  # packed at first use, exactly
+                    assert llm.collective_rpc(_embedding_as_head_is_exact) \
+                        == [{"waiting": True, "still_waiting": False, "exact": True}] * len(_report(llm))
             saved.append((_greedy(llm), _save(trainer_model, tmp_path / f"v{k}")))
         reports = _report(llm)
     finally:
@@ -180,6 +196,9 @@ def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_clust
     assert rep["path"] == want and rep["version"] == 2, rep
     if want == "direct":
         assert rep["fallback"] == {}, "no parameter falls back"
+        # an untied model's input embedding is only looked up: its packed copy is made again
+        # only if used, and then from the live weight; a tied one is the logits head: packed now
+        assert rep["pack_on_first_use"] == (["model.embed_tokens"] if kind == "llama" else []), rep
     assert rep["slice_bytes"] == _model_bytes(trainer_model)  # TP=1: the whole model, either way
     assert rep["last_read_bytes"] == rep["slice_bytes"], "exactly the engine's bytes moved"
 
