@@ -90,7 +90,7 @@ class OtherLayouts:
         cap = self.table.config.readers_per_source_max
         best: Optional[tuple[tuple, list[Node]]] = None
         for needed, by_shard in self._classes(reader):
-            srcs: list[Node] = []
+            chosen: list[tuple[tuple, Node]] = []  # per needed shard: ((other dc, busy, order), holder)
             for k in needed:
                 ranked = []
                 for n in by_shard[k]:
@@ -102,13 +102,13 @@ class OtherLayouts:
                     ranked.append(((n.datacenter != reader.datacenter, busy, n.order), n))
                 if not ranked:
                     break
-                srcs.append(min(ranked, key=lambda r: r[0])[1])
-            if len(srcs) != len(needed):
+                chosen.append(min(ranked, key=lambda r: r[0]))
+            if len(chosen) != len(needed):
                 continue
-            rank = (any(s.datacenter != reader.datacenter for s in srcs),
-                    max(self.replicas_reading(s, reader.replica_id) for s in srcs), min(s.order for s in srcs))
+            rank = (any(key[0] for key, _ in chosen), max(key[1] for key, _ in chosen),
+                    min(key[2] for key, _ in chosen))
             if best is None or rank < best[0]:
-                best = (rank, srcs)
+                best = (rank, [n for _, n in chosen])
         return None if best is None else best[1]
 
     def _classes(self, reader: Node) -> Iterator[tuple[tuple[int, ...], dict[int, list[Node]]]]:

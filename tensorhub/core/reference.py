@@ -215,17 +215,11 @@ class ReferenceCore:
                         return answer, []
                     return m.ErrorReply(code="InvalidState", message=f"{self._describe(node)}: replicate call "
                                                                        f"{req.call} arrived after call {call} was answered"), []
-                if name == "Replicate" and req.seq > 0 and req.seq == node.round_seq:
-                    retried = self.read_requests.retried(node)
-                    if retried is not None:
-                        return retried, []
-                if (name == "OffloadDone" and node.state in (NodeState.WAITING, NodeState.READING)
-                        and req.version != node.version):
-                    # An update's OffloadDone again, after the server applied it (its reply lost,
-                    # or a duplicate): the node reads the new version now (whether the host copy
-                    # was kept or not). That read's answer again, changing nothing, not
-                    # InvalidState: the handle would end the call without aborting a read it
-                    # never saw start, and its source could never drain (mixed_spot seed 569).
+                if self._starts_current_read(req, node):
+                    # Sent again (its reply lost, or a duplicate): that read's answer now,
+                    # changing nothing, not InvalidState: the handle would end the call without
+                    # aborting a read it never saw start, and the read's sources could never
+                    # drain (mixed_spot seed 569).
                     retried = self.read_requests.retried(node)
                     if retried is not None:
                         return retried, []
@@ -255,6 +249,18 @@ class ReferenceCore:
                     break
         self._note_answered(req, reply)
         return reply, effects
+
+    @staticmethod
+    def _starts_current_read(req: m.Request, node: Node) -> bool:
+        """Whether ``req`` is the request that started ``node``'s current read, applied already:
+        a numbered round's ``Replicate`` (the round's sequence number), or an update's
+        ``OffloadDone`` of the version before (the node reads the new version now, whether the
+        host copy was kept or not)."""
+        if isinstance(req, m.Replicate):
+            return req.seq > 0 and req.seq == node.round_seq
+        if isinstance(req, m.OffloadDone):
+            return node.state in (NodeState.WAITING, NodeState.READING) and req.version != node.version
+        return False
 
     def _note_answered(self, req: m.Request, reply: object) -> None:
         """Keep a numbered ``Replicate``'s final answer (``NoChange``, or an error its handle does
@@ -454,6 +460,7 @@ class ReferenceCore:
                 committed=tuple(self.retained(name)), holders=holders,
                 layouts=tuple(m.ShardLayout(i, mod.layouts[i]) for i in sorted(mod.layouts)) if layouts else (),
                 placements=self.placements.view(base) if first else (),
+                schema=self.placements.schema(base) if first and layouts else (),
             ))
         return m.Status(models=tuple(views))
 
