@@ -194,7 +194,8 @@ class Gate:
             case m.Query() if isinstance(reply, m.Status):
                 return m.Status(models=tuple(
                     m.ModelView(model=v.model, num_shards=v.num_shards, available=v.available,
-                                committed=v.committed, holders=(), layouts=v.layouts, placements=v.placements)
+                                committed=v.committed, holders=(), layouts=v.layouts, placements=v.placements,
+                                schema=v.schema)
                     for v in reply.models))
         return reply
 

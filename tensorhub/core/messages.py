@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from tensorhub.placement import Placement
+from tensorhub.placement import GlobalTensor, Placement
 
 VersionSpec = Union[int, str]
 """An int >= 0, ``"latest"`` or ``"latest-k"``."""
@@ -608,11 +608,16 @@ class ModelView(_Msg, frozen=True):
     """Known shard layouts in shard order; only when the :class:`Query` asked for them."""
     placements: tuple[PlacementUse, ...] = ()
     """The model's distinct placements by digest (empty, not encoded, when none registered one)."""
+    schema: tuple[GlobalTensor, ...] = ()
+    """The model's global tensors (sorted by name), the union of its placements': only when the
+    :class:`Query` asked for layouts and some client registered a placement. A reader derives its
+    own placement from it whatever the shards that hold it (e.g. a vLLM engine from an FSDP
+    trainer: :mod:`tensorhub.integrations.vllm`)."""
 
     def __repr__(self) -> str:
         # Without placements, as it read before they existed.
         shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
-                          if f != "placements" or self.placements)
+                          if f not in ("placements", "schema") or getattr(self, f))
         return f"ModelView({shown})"
 
 

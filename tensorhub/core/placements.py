@@ -303,6 +303,11 @@ class Placements:
         mp = self.models.get(model)
         return () if mp is None else tuple(m.PlacementUse(d, c) for d, c in sorted(mp.uses.items()))
 
+    def schema(self, model: str) -> tuple[GlobalTensor, ...]:
+        """The model's schema as its placements make it now (global tensors sorted by name)."""
+        mp = self.models.get(model)
+        return () if mp is None else tuple(sorted(mp.schema.values(), key=lambda g: g.name))
+
     def _replica_placed(self, model: str, replica_id: str) -> Optional[bool]:
         """Whether the replica's registered shards carry placements (None: no shard registered)."""
         ids = self.table.replicas.get((model, replica_id))

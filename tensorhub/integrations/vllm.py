@@ -28,9 +28,10 @@ takes the direct one when it can, and :func:`report` says which was taken and wh
   re-packs the linear layers (the build packs their weights for its GEMM and frees them). The
   ranks of one engine are the shards of one replica, and engines of one layout share a layout
   class: they pipeline from each other. No ``load_weights``, and per rank 1/TP of the model.
-- *checkpoint format*: the engine receives the trainer's tensors, names, dtypes and shapes into
-  a buffer of the whole checkpoint per rank, and loads them with the model's own
-  ``load_weights`` inside vLLM's layerwise reload. Taken when the direct path cannot express a
+- *checkpoint format*: the engine receives the checkpoint's tensors, names, dtypes and shapes
+  into a buffer of the whole checkpoint per rank (resharded from the trainer's shards when it
+  holds slices, e.g. FSDP), and loads them with the model's own ``load_weights`` inside vLLM's
+  layerwise reload. Taken when the direct path cannot express a
   parameter (quantized, an unknown layer class, a name the checkpoint does not have), or asked
   for.
 
@@ -259,8 +260,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
 
         port = connect(cfg, init_info.model)
         deadline = time.monotonic() + init_info.wait_timeout_s
-        layouts, placed = _wait_layouts(port, init_info.model, deadline)
-        layout, why = self._direct_layout(init_info, layouts, placed)
+        layouts, schema = _wait_layouts(port, init_info.model, deadline)
+        layout, why = self._direct_layout(init_info, schema)
         common = dict(datacenter=init_info.datacenter or None, spot=init_info.spot, config=cfg, port=port)
         hubs, buffers = [], []
         try:
@@ -271,15 +272,24 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
                 hub.register(buf, placement=layout.placement,
                              layout_key=VL.layout_key(layout.schema, self.model, tp_size))
                 buffers.append(buf)
-            else:
+            elif schema is not None:
+                # the whole checkpoint, in one buffer: the trainer's own layout when it is one
+                # whole shard (the same class: a plain read), else resharded from its shards
+                replica = f"{replica}-rank{tp_rank}"
+                whole = VL.schema_of(layouts[0].tensors) if len(layouts) == 1 else schema
+                buf = [(g.name, torch.zeros(g.shape, dtype=getattr(torch, g.dtype))) for g in whole.tensors]
+                hub = tensorhub.open(init_info.model, replica=replica, **common)
+                hubs.append(hub)
+                hub.register(buf, placement=P.whole_placement(whole))
+                buffers.append(buf)
+            else:  # a trainer without placements: its layout, shard by shard
                 replica = f"{replica}-rank{tp_rank}"
                 for shard, lay in enumerate(layouts):
                     buf = [(t.name, torch.zeros(t.shape, dtype=getattr(torch, t.dtype))) for t in lay.tensors]
                     hub = tensorhub.open(init_info.model, shard=shard, num_shards=len(layouts), replica=replica,
                                          **common)
                     hubs.append(hub)
-                    # the trainer's class carries placements: join it with the same (whole) one
-                    hub.register(buf, placement=P.whole_placement(VL.schema_of(lay.tensors)) if placed else None)
+                    hub.register(buf)
                     buffers.append(buf)
         except BaseException:
             for hub in hubs:
@@ -293,20 +303,20 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         log.info("model=%s replica=%s: %s path, %d tensors registered%s", init_info.model, replica, self.path,
                  sum(len(b) for b in buffers), f" (direct not taken: {_first(why)})" if why else "")
 
-    def _direct_layout(self, info: TensorHubInitInfo, layouts: list[m.LayoutInfo],
-                       placed: bool) -> tuple[Optional[DirectLayout], dict[str, str]]:
-        """The rank's derived placement when the direct path is asked for and possible, else
-        None and why not (``path="direct"`` raises ``LayoutMismatch`` with the reasons)."""
+    def _direct_layout(self, info: TensorHubInitInfo,
+                       schema: Optional[P.Schema]) -> tuple[Optional[DirectLayout], dict[str, str]]:
+        """The rank's derived placement over the model's ``schema`` (whatever the trainer's
+        shards: a whole checkpoint, or FSDP / TP slices resharded by the server's plan) when the
+        direct path is asked for and possible, else None and why not (``path="direct"`` raises
+        ``LayoutMismatch`` with the reasons)."""
         if info.path == "checkpoint":
             return None, {"path": "checkpoint asked for"}
         why: dict[str, str] = {}
-        if len(layouts) != 1:
-            why["trainer"] = f"a trainer of {len(layouts)} shards (the direct path reads from one whole checkpoint)"
-        elif not placed:
+        if schema is None:
             why["trainer"] = "the trainer registered without a placement"
         layout = None
         if not why:
-            layout = VL.derive(self.model, VL.schema_of(layouts[0].tensors))
+            layout = VL.derive(self.model, schema)
             why = dict(layout.fallback) or ({} if layout.placement is not None else {"model": "no parameter to take"})
         if not why:
             return layout, {}
@@ -404,16 +414,18 @@ def _engine_replica(tp_size: int) -> str:
     return name
 
 
-def _wait_layouts(port, model: str, deadline: float) -> tuple[list[m.LayoutInfo], bool]:
+def _wait_layouts(port, model: str, deadline: float) -> tuple[list[m.LayoutInfo], Optional[P.Schema]]:
     """The layouts the trainer registered, one per shard, waiting for them until ``deadline``,
-    and whether the model's registrations carry placements."""
+    and the model's schema (its global tensors; None when its registrations carry no
+    placements). Raises ``LayoutMismatch`` for a schema that breaks its rules."""
     while True:
         status = port.call(m.Query(model=model, layouts=True))
         view = next((v for v in status.models if v.model == model), None)
         if view is not None:
             known = {sl.shard: sl.layout for sl in view.layouts}
             if len(known) == view.num_shards and all(known[i].tensors for i in known):
-                return [known[i] for i in range(view.num_shards)], bool(view.placements)
+                schema = P.Schema.of(view.schema) if view.placements and view.schema else None
+                return [known[i] for i in range(view.num_shards)], schema
         if time.monotonic() > deadline:
             raise errors.RequestTimeout(f"model={model}: no trainer registered its layout in time")
         time.sleep(_POLL_S)

@@ -230,6 +230,66 @@ def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster
         assert r["last_read_bytes"] == r["slice_bytes"] < 0.6 * whole, r
 
 
+@pytest.mark.parametrize("path", ["auto", "checkpoint"])
+def test_an_engine_updates_from_a_trainer_of_two_row_shards(ray_cluster, model_name, tmp_path, path):
+    """An FSDP-like trainer: 2 shards of one replica, each holding half the rows of every
+    parameter, published with TensorHub's own API (no vLLM trainer engine). The engine sees the
+    model's schema (the global shapes, not the shards' local ones): the direct path (``auto``)
+    derives its placement over it and reads exactly its bytes, resharded from both shards; the
+    checkpoint path gathers the whole checkpoint into its buffer by a resharded read, then
+    ``load_weights``. After 2 updates, greedy generation equals an engine's loaded from disk."""
+    import tensorhub
+    from tensorhub import placement as P
+    from tensorhub.layout import dtype_name
+
+    trainer_model = _build("llama", seed=2)
+    params = dict(trainer_model.named_parameters())
+    schema = P.Schema.of([P.GlobalTensor(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in params.items()])
+    llm = _engine(_save(trainer_model, tmp_path / "init"))
+    before = _greedy(llm)
+    shards = []
+    try:
+        for k in range(2):
+            hub = tensorhub.open(model_name, replica="fsdp", shard=k, num_shards=2)
+            half = [(g.name, params[g.name].detach()[g.shape[0] // 2 * k: g.shape[0] // 2 * (k + 1)].clone())
+                    for g in schema.tensors]
+            hub.register(half, placement=P.Placement.build([P.split(g, 0, k, 2) for g in schema.tensors], schema))
+            shards.append((hub, half))
+        llm.init_weight_transfer_engine({"init_info": {"model": model_name, "ray_address": thv._gcs_address(),
+                                                       "path": path}})
+        for v in range(2):
+            _step(trainer_model, v)
+            for k, (hub, half) in enumerate(shards):
+                hub.unpublish()
+                for name, t in half:
+                    g = params[name].detach()
+                    t.copy_(g[g.shape[0] // 2 * k: g.shape[0] // 2 * (k + 1)])
+                hub.publish(v)
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": v}})
+            llm.finish_weight_update(str(v))
+            (rep,) = _report(llm)
+            assert rep["version"] == v and rep["last_read_bytes"] == rep["slice_bytes"] == _model_bytes(trainer_model)
+            if v == 0:
+                assert _greedy(llm) != before, "the update changed what the engine generates"
+        if path == "checkpoint":
+            assert rep["path"] == "checkpoint"
+        else:
+            assert rep["path"] == "direct" and rep["fallback"] == {}, rep
+            state = {n: t.detach().clone() for n, t in params.items()}
+            assert llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state)) == [[]]
+        got = _greedy(llm)
+    finally:
+        for hub, _ in shards:
+            hub.close(drop_last_copy=True)
+        del llm
+    ref = _engine(_save(trainer_model, tmp_path / "last"), backend=False)
+    try:
+        assert got == _greedy(ref), "the updated engine and one loaded from disk differ"
+    finally:
+        del ref
+
+
 def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):
     trainer_model = _build("llama", seed=1)
     path = _save(trainer_model, tmp_path / "init")

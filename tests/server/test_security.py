@@ -123,6 +123,31 @@ def test_a_readers_query_gives_the_placements_digests_and_still_no_client(server
     assert [(u.digest, u.nodes) for u in view.placements] == [(placement.digest(), 1)]
 
 
+def test_a_readers_query_gives_the_models_schema_whatever_the_trainers_shards(server):
+    """``Query(layouts=True)`` carries the model's global tensors (``ModelView.schema``): a
+    reader of a trainer of 2 row shards learns the global shapes, not the shards' local ones,
+    and derives its own placement from them. Without ``layouts``, or before any placement, none."""
+    from tensorhub import placement as P
+
+    s = server()
+    w, b = P.GlobalTensor("w", "float32", (8, 4)), P.GlobalTensor("b", "float32", (3,))
+    (unplaced,) = s.call(m.Query(model="policy", layouts=True)).models or (None,)
+    assert unplaced is None
+    for k in range(2):
+        locs = [P.split(w, 0, k, 2)] + ([P.whole(b)] if k == 0 else [])
+        place = P.Placement.build(locs, [w, b])
+        lay = m.LayoutInfo(fingerprint=f"s{k}", unit_count=len(locs), total_bytes=sum(t.nbytes for t in locs),
+                           tensors=tuple(m.TensorMeta(t.name, t.dtype, t.shape, t.nbytes) for t in locs))
+        reg = m.Register(client_id=f"policy/trainer/{k}/aaaaa{k}", model="policy", replica_id="trainer", shard=k,
+                         num_shards=2, layout=lay, endpoint=b"placed", placement=place)
+        assert isinstance(s.call(reg, auth.Keyring()), m.Registered)
+    (view,) = s.call(m.Query(model="policy", layouts=True)).models
+    assert view.schema == (b, w) and view.holders == ()
+    assert [sl.layout.tensors[0].shape for sl in view.layouts] == [(4, 4), (4, 4)]
+    (bare,) = s.call(m.Query(model="policy")).models
+    assert bare.schema == ()
+
+
 def test_a_foreign_caller_cannot_act_for_the_trainer_and_changes_nothing(server):
     """``server_accepts_any_caller.py``: a process of another job, with no credential beyond
     cluster membership, reads the trainer's id and the layout, then sends Unpublish, Leave,
