@@ -31,9 +31,13 @@ takes the direct one when it can, and :func:`report` says which was taken and wh
 - *checkpoint format*: the engine receives the checkpoint's tensors, names, dtypes and shapes
   into a buffer of the whole checkpoint per rank (resharded from the trainer's shards when it
   holds slices, e.g. FSDP), and loads them with the model's own ``load_weights`` inside vLLM's
-  layerwise reload. Taken when the direct path cannot express a
-  parameter (quantized, an unknown layer class, a name the checkpoint does not have), or asked
-  for.
+  layerwise reload. Taken when asked for, or when no parameter at all can be derived.
+- *mixed* (``auto`` only): the direct path for every layer it can express, and for the others
+  (quantized, an unknown layer class, a checkpoint that stores a fused layer already, as
+  Phi-3's ``qkv_proj``) the checkpoint tensors no direct parameter takes, read whole into the
+  same buffer and loaded first with ``load_weights``; a layer is loaded one way. ``load_weights``
+  must say it loaded every parameter left to it, else the update raises ``LayoutMismatch``
+  before any direct parameter is touched. ``report`` names the layers and why.
 
 What each call does::
 
@@ -51,14 +55,17 @@ What each call does::
     receive_weights     worker: update(version) into its buffer: every byte verified before the
                         model is touched; then the copy and re-pack (direct) or the layerwise
                         reload around model.load_weights (checkpoint). A failed read leaves the
-                        model as it was (all or nothing) and raises
+                        model as it was (all or nothing, across the TP ranks too: they agree over
+                        the TP group before loading; the last rank raises, the others return, and
+                        the client ends their session: end_failed_update) and raises
     start/finish_weight_update   worker: nothing (the load runs inside receive_weights, so a
                         failed or abandoned update never leaves layers half loaded)
 
 Not built: reading straight into live GPU parameters without the slice buffer (no extra memory
-at all, but a read that fails halfway would leave the engine between versions), and mixing the
-paths within one engine (one parameter the direct path cannot express sends the whole engine to
-the checkpoint path). Nothing here ran on a GPU: the CPU build is the only one on these machines.
+at all, but a read that fails halfway would leave the engine between versions). Every byte is
+verified before the model is touched, but a load that fails inside ``load_weights`` (the
+checkpoint path, or a mixed layout's residual layers) can leave those layers loaded. Nothing
+here ran on a GPU: the CPU build is the only one on these machines.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -127,7 +134,8 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     ``ray_address``: the cluster to join ("" : ``RAY_ADDRESS``, else ``"auto"``; the trainer
     fills it in). ``datacenter``, ``spot``: as :func:`tensorhub.open`. ``wait_timeout_s``: how long
     to wait for the trainer's layout and for a version to be published. ``path``: ``"auto"``
-    (direct when every parameter's placement can be derived, else checkpoint format),
+    (direct when every parameter's placement can be derived, mixed when some can, else
+    checkpoint format),
     ``"direct"`` (``LayoutMismatch`` naming what cannot be derived, the engine unchanged) or
     ``"checkpoint"``."""
 
@@ -220,7 +228,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.hubs: list[Hub] = []
         self.buffers: list[list[tuple[str, torch.Tensor]]] = []
         self.path = ""
-        """``"direct"`` or ``"checkpoint"`` once joined."""
+        """``"direct"``, ``"mixed"`` (direct but for the layers loaded from whole checkpoint
+        tensors) or ``"checkpoint"`` once joined."""
         self.layout: Optional[DirectLayout] = None
         """The direct path's derived placement; None on the checkpoint path."""
         self.fallback: dict[str, str] = {}
@@ -298,7 +307,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         self.shutdown()
         self.info, self.hub_config, self._port, self.replica = init_info, cfg, port, replica
         self.hubs, self.buffers = hubs, buffers
-        self.path, self.layout, self.fallback = ("direct" if layout is not None else "checkpoint"), layout, why
+        self.path = "checkpoint" if layout is None else "mixed" if layout.mixed else "direct"
+        self.layout, self.fallback = layout, why
         self.version, self._round = None, 0
         log.info("model=%s replica=%s: %s path, %d tensors registered%s", init_info.model, replica, self.path,
                  sum(len(b) for b in buffers), f" (direct not taken: {_first(why)})" if why else "")
@@ -320,6 +330,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             why = dict(layout.fallback) or ({} if layout.placement is not None else {"model": "no parameter to take"})
         if not why:
             return layout, {}
+        if info.path == "auto" and layout is not None and layout.placement is not None:
+            return layout, why  # mixed: what cannot be derived is loaded from whole checkpoint tensors
         if info.path == "direct":
             raise errors.LayoutMismatch(f"model={info.model}: the direct path cannot take {len(why)} "
                                         f"parameter(s): {_first(why, 3)}")
@@ -335,16 +347,38 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         """Read ``update_info.version`` into the buffers (waiting up to ``wait_timeout_s`` for it
         to be published), then load it into the model: on the direct path a copy of each
         parameter's slice (and a re-pack of CPU-packed layers), on the checkpoint path vLLM's
-        layerwise reload. The model is untouched unless every byte arrived and verified. A
-        no-op transfer and load when the model already runs it."""
+        layerwise reload. The model is untouched unless every byte arrived and verified, on every
+        TP rank of the engine: the ranks agree over vLLM's TP group before any loads, so a read
+        that fails on one rank leaves all of them on the previous weights. The last rank raises
+        (the failed rank's own error when it is the only one, else ``TransferError`` naming each
+        failed rank), the others return without loading (see below). A no-op transfer and load
+        when the model already runs it."""
         if not self.hubs:
             raise errors.InvalidState(f"backend {BACKEND!r}: receive_weights before init_weight_transfer_engine")
         t0 = time.monotonic()
         deadline = t0 + self.info.wait_timeout_s
         self._round += 1
         sharded = self.hubs[0].num_shards > 1
-        stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s,
-                            self._round if sharded else None)
+        failed: Optional[BaseException] = None
+        try:
+            stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s,
+                                self._round if sharded else None)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
+            failed = e
+        failures = _tp_failures(failed)
+        if failures:
+            rank, size = _tp_rank_size()
+            if rank < size - 1:
+                # vLLM's multiprocess executor reads the ranks' answers in rank order and stops
+                # at the first error: an error from any rank but the last would leave the later
+                # ranks' answers queued, read as the answers of the engine's next calls
+                log.warning("model=%s replica=%s rank %d: version %r not loaded: %s", self.info.model,
+                            self.replica, rank, update_info.version, _said(failures))
+                return
+            if failed is not None and len(failures) == 1:
+                raise failed
+            raise errors.TransferError(f"model={self.info.model} replica={self.replica}: version "
+                                       f"{update_info.version!r} not loaded on any TP rank: {_said(failures)}")
         version = self.hubs[0].version
         self.last_reads = stats
         t1 = time.monotonic()
@@ -352,7 +386,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             self.last_split_s = (t1 - t0, 0.0)
             return
         if self.layout is not None:
-            self.layout.apply(self.model, self.buffers[0])
+            self.layout.apply(self.model, self.buffers[0],
+                              lambda weights: _load_checkpoint(self.model, self.model_config, weights))
         else:
             _load_checkpoint(self.model, self.model_config, (t for buf in self.buffers for t in buf))
         self.last_split_s = (t1 - t0, time.monotonic() - t1)
@@ -414,6 +449,25 @@ def _engine_replica(tp_size: int) -> str:
     return name
 
 
+def _tp_failures(failed: Optional[BaseException]) -> list[tuple[int, str]]:
+    """The TP ranks of this engine whose read failed, with their errors (a collective over
+    vLLM's TP group's CPU group: every rank calls it, also one whose read failed); [] when none."""
+    rank, size = _tp_rank_size()
+    mine = None if failed is None else f"{type(failed).__name__}: {failed}"
+    if size <= 1:
+        return [] if mine is None else [(rank, mine)]
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    said: list[Optional[str]] = [None] * size
+    dist.all_gather_object(said, mine, group=get_tp_group().cpu_group)
+    return [(r, e) for r, e in enumerate(said) if e is not None]
+
+
+def _said(failures: list[tuple[int, str]]) -> str:
+    return "; ".join(f"TP rank {r}: {e}" for r, e in failures)
+
+
 def _wait_layouts(port, model: str, deadline: float) -> tuple[list[m.LayoutInfo], Optional[P.Schema]]:
     """The layouts the trainer registered, one per shard, waiting for them until ``deadline``,
     and the model's schema (its global tensors; None when its registrations carry no
@@ -452,17 +506,18 @@ def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float, round_
         time.sleep(_POLL_S)
 
 
-def _load_checkpoint(model: torch.nn.Module, model_config, weights) -> None:
+def _load_checkpoint(model: torch.nn.Module, model_config, weights) -> Optional[set]:
     """``model.load_weights(weights)`` inside vLLM's layerwise reload (what a checkpoint-format
-    engine must do: vllm-on-cpu note)."""
+    engine must do: vllm-on-cpu note); the parameters it says it loaded (None if it does not say)."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     initialize_layerwise_reload(model)
     try:
-        model.load_weights(weights)
+        loaded = model.load_weights(weights)
     finally:
         finalize_layerwise_reload(model, model_config)
     _repack_tied_cpu_gemm(model)
+    return set(loaded) if loaded is not None else None
 
 
 def _repack_tied_cpu_gemm(model: torch.nn.Module) -> None:
@@ -569,11 +624,28 @@ class LocalLLMClient:
         for i, e in enumerate(self.engines):
             try:
                 e.start_weight_update()
-                e.update_weights({"update_info": {"version": version}})
+                try:
+                    e.update_weights({"update_info": {"version": version}})
+                except Exception:
+                    end_failed_update(e.finish_weight_update)
+                    raise
                 e.finish_weight_update(str(version))
             except Exception as err:  # noqa: BLE001 - this engine's error
                 failed.append((f"engine {i}", err))
         return failed
+
+
+def end_failed_update(finish: Callable[[], Any]) -> None:
+    """After an engine's ``update_weights`` raised: ``finish()`` (its ``finish_weight_update``,
+    no version), ignoring what it raises. vLLM ends the session of the worker rank that raised,
+    but the other ranks of a TP engine returned without loading (``receive_weights``: only the
+    last rank raises, so vLLM's executor reads every rank's answer) and their sessions stay open:
+    without this, the engine's next ``start_weight_update`` fails on them. The rank that raised
+    has no session and refuses the finish: that error is expected."""
+    try:
+        finish()
+    except Exception as e:  # noqa: BLE001 - see above
+        log.debug("finish after a failed update: %s", e)
 
 
 class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHubTrainerInitInfo]):
@@ -709,8 +781,12 @@ def _update_engines(client: VLLMWeightSyncClient, version: int) -> list[tuple[st
     if handles is None:
         try:
             client.start_weight_update()
-            client.update_weights({"version": version})
         except Exception as e:  # noqa: BLE001 - the engine's error, whatever the client raises
+            return [("the engine", e)]
+        try:
+            client.update_weights({"version": version})
+        except Exception as e:  # noqa: BLE001
+            end_failed_update(client.finish_weight_update)
             return [("the engine", e)]
         client.finish_weight_update(str(version))
         return []
@@ -734,6 +810,8 @@ def _update_engines(client: VLLMWeightSyncClient, version: int) -> list[tuple[st
                 ok.append((i, h))
             except Exception as err:  # noqa: BLE001 - a dead actor or the engine's error
                 failed.append((f"engine {i}", err))
+                if step == "update":
+                    end_failed_update(lambda h=h: ray.get(h.finish_weight_update.remote(), timeout=60))
         live = ok
     for i, h in live:
         try:

@@ -10,7 +10,10 @@ TP rank and size, its ``output_dim`` / ``input_dim``, the model's ``packed_modul
 ``up_proj``), GQA's replicated KV heads, and the vocabulary padding of embeddings. It fails
 closed, as vLLM's ``nccl_m2n`` resolver does: a parameter whose layer is quantized, packed,
 pre-sharded, of an unknown class, or named nowhere in the checkpoint is not guessed at; it is
-returned in ``fallback`` with the reason, and the engine takes the checkpoint-format path.
+returned in ``fallback`` with the reason, and its layer is loaded the checkpoint way: the
+checkpoint tensors no derived parameter takes (``residual``) are read whole into the same buffer
+and go through the model's ``load_weights`` first (the engine's *mixed* path; ``path="direct"``
+refuses it instead).
 
 The direct path reads into a *slice buffer*: one tensor per parameter, exactly the rank's
 slice (``1/TP`` of the model per rank, where the checkpoint-format path holds the whole model
@@ -28,15 +31,16 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from tensorhub import errors
 from tensorhub import placement as P
 
 log = logging.getLogger(__name__)
 
-DERIVATION = 1
+DERIVATION = 2
 """Bumped when the derivation changes: part of :func:`layout_key`, so engines of an older and a
 newer derivation never share a layout class."""
 
@@ -59,24 +63,43 @@ class DirectLayout:
     """What :func:`derive` found for one worker rank."""
 
     placement: Optional[P.Placement]
-    """The rank's placement (local tensors in model order), None when nothing could be derived."""
+    """The rank's placement (the targets' slices in model order, then the residual checkpoint
+    tensors whole), None when nothing could be derived."""
     targets: list[Target] = field(default_factory=list)
     fallback: dict[str, str] = field(default_factory=dict)
     """Parameters (or checkpoint tensors) the direct path cannot express, with the reason."""
     schema: Optional[P.Schema] = None
     """The checkpoint's schema it was derived over (:func:`layout_key` names it)."""
+    residual: list[P.GlobalTensor] = field(default_factory=list)
+    """The checkpoint tensors no target takes (what the layers in ``fallback`` load from), read
+    whole and loaded with the model's ``load_weights``: the per-parameter mix of the two paths."""
+    by_checkpoint: list[str] = field(default_factory=list)
+    """The parameters ``load_weights`` must load from ``residual`` (every parameter of a layer
+    with one in ``fallback``: a layer is loaded one way)."""
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some parameters are loaded from whole checkpoint tensors (``residual``)."""
+        return bool(self.residual or self.by_checkpoint)
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """A slice buffer per target, in placement order, on each parameter's device (zeroed: its
-        memory is touched once, here, not by the first update)."""
+        """A slice buffer per target, then a whole buffer per residual checkpoint tensor, in
+        placement order, on the parameters' device (zeroed: their memory is touched once, here,
+        not by the first update)."""
         out = []
         for t in self.targets:
             param = getattr(t.module, t.attr)
             out.append((t.name, torch.zeros(t.local.shape, dtype=getattr(torch, t.local.dtype), device=param.device)))
+        device = out[0][1].device if out else torch.device("cpu")
+        out += [(g.name, torch.zeros(g.shape, dtype=getattr(torch, g.dtype), device=device)) for g in self.residual]
         return out
 
-    def apply(self, model: torch.nn.Module, buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Put the buffers' (verified) bytes into the model: a copy into each live parameter
+    def apply(self, model: torch.nn.Module, buffers: list[tuple[str, torch.Tensor]],
+              load_weights: Optional[Callable[[list[tuple[str, torch.Tensor]]], Optional[set]]] = None) -> None:
+        """Put the buffers' (verified) bytes into the model. The residual checkpoint tensors go
+        first, through ``load_weights`` (the engine's layerwise reload around the model's own),
+        which must say it loaded every parameter of ``by_checkpoint`` (``LayoutMismatch``
+        otherwise, before any direct parameter is touched). Then a copy into each live parameter
         (cast to its dtype when vLLM keeps it in another, as the CPU build does with some
         biases); a layer whose weight vLLM packed and freed gets it back for the time of a
         re-pack. Then every CPU-packed layer whose live weight changed is packed again, but an
@@ -86,10 +109,20 @@ class DirectLayout:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         from vllm.platforms import current_platform
 
+        direct, whole = buffers[:len(self.targets)], buffers[len(self.targets):]
+        assert [n for n, _ in whole] == [g.name for g in self.residual]
+        if whole or self.by_checkpoint:
+            if load_weights is None:
+                raise errors.LayoutMismatch("a mixed layout needs load_weights for its residual checkpoint tensors")
+            loaded = load_weights(whole)
+            missing = [n for n in self.by_checkpoint if loaded is not None and n not in loaded]
+            if missing:
+                raise errors.LayoutMismatch(f"load_weights did not load {len(missing)} parameter(s) the direct path "
+                                            f"left to it from the checkpoint, e.g. {missing[0]!r}")
         # a packer that may keep a reference to the weight it is given instead of copying it
         keeps_reference = current_platform.is_zen_cpu()
         changed: set[int] = set()
-        for t, (name, buf) in zip(self.targets, buffers):
+        for t, (name, buf) in zip(self.targets, direct):
             assert name == t.name
             param = getattr(t.module, t.attr)
             if _packed_and_freed(t.module, t.attr, param):
@@ -205,6 +238,7 @@ def derive(model: torch.nn.Module, schema: P.Schema) -> DirectLayout:
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
     targets: list[Target] = []
     fallback: dict[str, str] = {}
+    fallen: set[int] = set()  # the modules with a parameter in fallback
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
@@ -241,16 +275,23 @@ def derive(model: torch.nn.Module, schema: P.Schema) -> DirectLayout:
                 targets.append(Target(name, module, attr, local, rows))
             except _Unsupported as e:
                 fallback[name] = str(e)
+                fallen.add(id(module))
+    # a layer is loaded one way: a parameter that falls back takes its layer's others with it
+    by_checkpoint = [t.name for t in targets if id(t.module) in fallen] + [n for n in fallback]
+    targets = [t for t in targets if id(t.module) not in fallen]
     covered = {p.tensor for t in targets for p in t.local.pieces}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    for g in schema.tensors:
-        if g.name not in covered and not (tied and g.name.endswith("lm_head.weight")):
-            fallback.setdefault(g.name, "a checkpoint tensor no parameter of the engine takes directly")
-    if not targets:
+    residual = [g for g in schema.tensors if g.name not in covered and not (tied and g.name.endswith("lm_head.weight"))]
+    for g in residual:
+        fallback.setdefault(g.name, "a checkpoint tensor no parameter of the engine takes directly")
+    names = {t.name for t in targets}
+    if not targets or any(g.name in names for g in residual):
         return DirectLayout(None, [], fallback, schema)
-    used = sorted(covered)
-    placement = P.Placement.build([t.local for t in targets], P.Schema.of(globals_[n] for n in used))
-    return DirectLayout(placement, targets, fallback, schema)
+    used = sorted(covered | {g.name for g in residual})
+    placement = P.Placement.build([t.local for t in targets] + [P.whole(g) for g in residual],
+                                  P.Schema.of(globals_[n] for n in used))
+    params = {n for n, _ in model.named_parameters()}
+    return DirectLayout(placement, targets, fallback, schema, residual, [n for n in by_checkpoint if n in params])
 
 
 class _Unsupported(Exception):
