@@ -65,46 +65,6 @@ def say(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def _mark(worker) -> dict:
-    """In an engine's worker: reset the peak resident memory to now and start sampling the
-    process's private (anonymous) memory every millisecond until :func:`_peak`. Returns both
-    now. ``VmHWM`` alone also counts the pages of other processes' shared memory this one maps
-    (a same-host holder's region, mapped at a read's first contact and kept): shared, not added."""
-    import threading
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    state = {"rss": _status("VmRSS"), "anon": _status("RssAnon")}
-    state["anon_peak"] = state["anon"]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.001):
-            state["anon_peak"] = max(state["anon_peak"], _status("RssAnon"))
-
-    worker._bench_sampler = (stop, threading.Thread(target=sample, daemon=True), state)
-    worker._bench_sampler[1].start()
-    return {"rss": state["rss"], "anon": state["anon"]}
-
-
-def _peak(worker) -> dict:
-    """What the process's memory reached since :func:`_mark`: resident in all (``VmHWM``) and
-    private (sampled)."""
-    stop, thread, state = worker._bench_sampler
-    stop.set()
-    thread.join()
-    state["anon_peak"] = max(state["anon_peak"], _status("RssAnon"))
-    return {"rss": _status("VmHWM"), "anon": state["anon_peak"]}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _load_from_object_store(worker, store_name: str, namespace: str) -> None:
     """In an engine's worker (a process that joined the cluster): the state dict the trainer put
     in the object store, through the actor that holds its reference, then load_weights."""
@@ -135,6 +95,7 @@ def main() -> None:
 
     import tensorhub
     from tensorhub.integrations import vllm as thv
+    from tensorhub.testing import memory
 
     namespace = f"bench-vllm-{uuid.uuid4().hex[:6]}"
     ray.init(num_cpus=8, namespace=namespace, include_dashboard=False, log_to_driver=False)
@@ -195,13 +156,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
 
     def timed(key: str, n: int, fn) -> None:
-        marks = [e.collective_rpc(_mark)[0] for e in engines[:n]]
+        for e in engines[:n]:
+            e.collective_rpc(memory.mark)
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
-        peaks = [e.collective_rpc(_peak)[0] for e in engines[:n]]
-        extra.setdefault(key, []).append(max(p["anon"] - m["anon"] for p, m in zip(peaks, marks)))
-        extra_rss.setdefault(key, []).append(max(p["rss"] - m["rss"] for p, m in zip(peaks, marks)))
+        added = [e.collective_rpc(memory.peak)[0] for e in engines[:n]]
+        extra.setdefault(key, []).append(max(a["anon"] for a in added))
+        extra_rss.setdefault(key, []).append(max(a["rss"] for a in added))
         best[key] = min(best.get(key, float("inf")), dt)
 
     try:

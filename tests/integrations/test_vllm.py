@@ -64,6 +64,12 @@ def _build(kind: str, seed: int = 0):
                                        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
                                        max_position_embeddings=256)
         return transformers.LlamaForCausalLM(cfg)
+    if kind == "phi3":  # the checkpoint stores qkv_proj and gate_up_proj fused already
+        cfg = transformers.Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      max_position_embeddings=256, original_max_position_embeddings=256,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return transformers.Phi3ForCausalLM(cfg)
     cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                    max_position_embeddings=256)
@@ -159,7 +165,7 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
             v = engine.send_weights()
             assert v == k
             assert llm.get_weight_version() == str(v)
-            if _report(llm)[0]["path"] == "direct":
+            if _report(llm)[0]["path"] in ("direct", "mixed"):
                 state = {n: p.detach().clone() for n, p in trainer_model.named_parameters()}
                 # in the callable (pickled whole): vLLM's encoder would turn tensors in args into lists
                 assert llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state)) \
@@ -182,18 +188,25 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
     return before, [got for got, _ in saved], reports
 
 
-@pytest.mark.parametrize("kind,path", [("llama", "auto"), ("qwen2-tied", "direct"), ("qwen2-tied", "checkpoint")])
+@pytest.mark.parametrize("kind,path", [("llama", "auto"), ("qwen2-tied", "direct"), ("qwen2-tied", "checkpoint"),
+                                       ("phi3", "auto")])
 def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind, path):
     """Both paths, a GQA Llama and a Qwen2 with tied embeddings and qkv biases. The direct path
     (``auto`` takes it: every parameter's placement is derived) reads exactly the engine's
     bytes into its slice buffer and loads them without ``load_weights``; the checkpoint path
-    reads the trainer's tensors and loads them through vLLM's layerwise reload."""
+    reads the trainer's tensors and loads them through vLLM's layerwise reload. A Phi-3, whose
+    checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused, mixes them per layer: those two
+    layers from their whole checkpoint tensors through ``load_weights``, the rest direct."""
     trainer_model = _build(kind)
     before, got, (rep,) = _updated_as_from_disk(lambda: _engine(_save(trainer_model, tmp_path / "v-initial")),
                                                 trainer_model, model_name, tmp_path, 3, path)
     assert got[0] != before, "the update changed what the engine generates"
-    want = "checkpoint" if path == "checkpoint" else "direct"
+    want = "checkpoint" if path == "checkpoint" else "mixed" if kind == "phi3" else "direct"
     assert rep["path"] == want and rep["version"] == 2, rep
+    if want == "mixed":
+        fused = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+        assert set(rep["fallback"]) == fused, rep["fallback"]  # the same names in vLLM and the checkpoint
+        assert rep["pack_on_first_use"] == ["model.embed_tokens"], rep
     if want == "direct":
         assert rep["fallback"] == {}, "no parameter falls back"
         # an untied model's input embedding is only looked up: its packed copy is made again
@@ -201,6 +214,37 @@ def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_clust
         assert rep["pack_on_first_use"] == (["model.embed_tokens"] if kind == "llama" else []), rep
     assert rep["slice_bytes"] == _model_bytes(trainer_model)  # TP=1: the whole model, either way
     assert rep["last_read_bytes"] == rep["slice_bytes"], "exactly the engine's bytes moved"
+
+
+def test_a_direct_update_adds_under_one_percent_of_the_model_in_private_memory(ray_cluster, model_name, tmp_path):
+    """The direct path's memory goal in a real engine: a 69 MB Llama, 3 updates; the worker's
+    private memory (sampled every millisecond, ``tensorhub.testing.memory``) grows by less than
+    1% of the model during each (the slice buffer is allocated and touched at join). Resident
+    memory is not the measure: the first read maps the trainer's shared memory (pages it owns)."""
+    from tensorhub.testing import memory
+
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+                                   max_position_embeddings=256)
+    trainer_model = transformers.LlamaForCausalLM(cfg)
+    whole = _model_bytes(trainer_model)
+    llm = _engine(_save(trainer_model, tmp_path / "init"))
+    engine = WeightTransferTrainerFactory.trainer_init(thv.TensorHubTrainerInitInfo(model=model_name, rank=0),
+                                                       client=thv.LocalLLMClient(llm), source=ModuleSource(trainer_model))
+    try:
+        added = []
+        for k in range(3):
+            _step(trainer_model, k)
+            llm.collective_rpc(memory.mark)
+            assert engine.send_weights() == k
+            added.append(llm.collective_rpc(memory.peak)[0])
+        (rep,) = _report(llm)
+        assert rep["path"] == "direct" and rep["last_read_bytes"] == whole
+        assert max(a["anon"] for a in added) < 0.01 * whole, (added, whole)
+    finally:
+        engine.shutdown()
+        del llm
 
 
 @pytest.mark.parametrize("kind,path", [("llama", "checkpoint"), ("llama-kv1-pad", "direct")])
@@ -290,6 +334,66 @@ def test_an_engine_updates_from_a_trainer_of_two_row_shards(ray_cluster, model_n
         del ref
 
 
+def _fail_next_read(worker, rank: int) -> bool:
+    """In a worker: make TP rank ``rank``'s next read fail (once), as a dead source would."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != rank:
+        return False
+    hub = worker.weight_transfer_engine.hubs[0]
+    real = hub.update
+
+    def failing(*args, **kwargs):
+        hub.update = real
+        raise errors.TransferError("injected: this rank's read failed")
+
+    hub.update = failing
+    return True
+
+
+def test_a_tp2_engine_whose_rank_fails_its_read_loads_nothing_on_any_rank(ray_cluster, model_name, monkeypatch,
+                                                                          tmp_path):
+    """All or nothing across the ranks of one engine: rank 0's read fails while rank 1 reads the
+    version whole; the ranks agree over the TP group before loading, so neither loads it, the
+    last rank raises naming rank 0's error (so vLLM's executor reads every rank's answer and the
+    engine's next calls get their own), both keep running the previous version, and the next
+    update loads on both (the trainer ended the failed update's session on every rank)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    trainer_model = _build("llama-kv1-pad", seed=4)
+    llm = LLM(model=_save(trainer_model, tmp_path / "init"), tensor_parallel_size=2, distributed_executor_backend="mp",
+              **LLM_KW, weight_transfer_config=WeightTransferConfig(backend=thv.BACKEND))
+    engine = WeightTransferTrainerFactory.trainer_init(thv.TensorHubTrainerInitInfo(model=model_name, rank=0),
+                                                       client=thv.LocalLLMClient(llm), source=ModuleSource(trainer_model))
+
+    def differ(state) -> list[list[str]]:
+        return llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state))
+
+    try:
+        _step(trainer_model, 0)
+        assert engine.send_weights() == 0
+        state0 = {n: p.detach().clone() for n, p in trainer_model.named_parameters()}
+        assert differ(state0) == [[], []]
+        tokens0 = _greedy(llm)
+        assert llm.collective_rpc(functools.partial(_fail_next_read, rank=0)) == [True, False]
+        _step(trainer_model, 1)
+        with pytest.raises(errors.UpdateIncomplete) as info:
+            engine.send_weights()
+        said = f"{info.value} {info.value.__cause__}"
+        assert "TP rank 0: TransferError: injected" in said, said
+        assert [r["version"] for r in _report(llm)] == [0, 0]
+        live0 = [[b for b in rank if b.startswith("live")] for rank in differ(state0)]
+        assert live0 == [[], []], "a rank loaded the version its sibling failed to read"
+        assert differ(state0)[1], "rank 1 read version 1 whole into its buffer (else the test shows nothing)"
+        assert _greedy(llm) == tokens0
+        _step(trainer_model, 2)
+        v = engine.send_weights()
+        assert [r["version"] for r in _report(llm)] == [v, v]
+        assert differ({n: p.detach().clone() for n, p in trainer_model.named_parameters()}) == [[], []]
+    finally:
+        engine.shutdown()
+        llm = None  # the engine's processes end here (the closure above holds the name, not the engine)
+
+
 def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):
     trainer_model = _build("llama", seed=1)
     path = _save(trainer_model, tmp_path / "init")
@@ -375,6 +479,29 @@ class _Renamed:
     def __iter__(self):
         for name, t in self.source:
             yield self.names.get(name, name), t
+
+
+def test_a_mixed_layout_whose_load_weights_skips_a_parameter_is_refused_before_any_direct_copy():
+    """The residual checkpoint tensors are loaded first; if the model's ``load_weights`` does not
+    say it loaded every parameter left to it, ``LayoutMismatch`` names one and no direct
+    parameter has been touched."""
+    from tensorhub import placement as P
+
+    lin = torch.nn.Linear(4, 4, bias=False)
+    before = lin.weight.detach().clone()
+    g, r = P.GlobalTensor("w", "float32", (4, 4)), P.GlobalTensor("fused.weight", "float32", (8, 4))
+    layout = VL.DirectLayout(P.Placement.build([P.whole(g), P.whole(r)], [g, r]),
+                             [VL.Target("w", lin, "weight", P.whole(g), 4)], {"fused.weight": "fused"},
+                             P.Schema.of([g, r]), [r], ["fused.weight"])
+    assert layout.mixed
+    bufs = layout.buffers()
+    bufs[0][1].fill_(7.0)
+    seen = []
+    with pytest.raises(errors.LayoutMismatch, match="fused.weight"):
+        layout.apply(lin, bufs, lambda weights: seen.append([n for n, _ in weights]) or set())
+    assert seen == [["fused.weight"]] and torch.equal(lin.weight, before)
+    layout.apply(lin, bufs, lambda weights: {"fused.weight"})
+    assert torch.equal(lin.weight, torch.full((4, 4), 7.0))
 
 
 def test_the_plugin_registers_both_sides_once():
