@@ -8,7 +8,9 @@ holder "adds" that region's size although the holder owns those pages. Private (
 memory is what an operation allocates; Linux keeps no peak of it, so :func:`mark` samples
 ``RssAnon`` every millisecond on a thread until :func:`peak`. An allocation that lives less than
 a millisecond can be missed; the tensors an update allocates live longer (first touch alone is
-slower than that per MB here).
+slower than that per MB here). Not counted either: shared memory this process creates itself
+(a handle's buffer, its pooled retention buffer and host copies live in ``/dev/shm`` files):
+list those apart (``/proc/self/maps``) when they matter.
 """
 
 from __future__ import annotations

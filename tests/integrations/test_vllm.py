@@ -224,7 +224,8 @@ def test_a_direct_update_adds_no_copy_of_the_model_in_private_memory(ray_cluster
     updates, but glibc keeps some of the layers' freed packed copies (its mmap threshold rises
     after a large free) and then an update takes 4-12 MB of fresh pages once in a while: the 1%
     goal is the benchmark's steady figure at 329 MB, not asserted here. Resident memory is not
-    the measure: the first read maps the trainer's shared memory (pages the trainer owns)."""
+    the measure: the first read maps the trainer's shared memory (pages the trainer owns). Not
+    counted: retention copies the engine's handle keeps in its own shared memory (RESULTS)."""
     from tensorhub.testing import memory
 
     torch.manual_seed(5)
