@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -387,6 +388,7 @@ class Source:
             raise TransferError(f"cannot prepare reads from {endpoint.agent_name}: {e}") from e
         self._remote_dlist: Any = None
         self._closed = False
+        self._in_flight = [False]  # shared with the finalizer below
         self._ctl_in_flight = False
         """A control read timed out: it may still land in the scratch block, so the handle is
         neither posted again nor released until NIXL reports it terminal."""
@@ -394,6 +396,17 @@ class Source:
         """A control read from this source succeeded once (the peer was reachable)."""
         self.control_reads = 0
         """Control-block reads posted so far (observability, tests)."""
+        self._finalizer = weakref.finalize(self, _release_dropped_source, agent, self._scratch, self._scratch_reg,
+                                           self._ctl_handle, self._in_flight, endpoint.agent_name)
+        self._finalizer.atexit = False
+
+    @property
+    def _ctl_in_flight(self) -> bool:
+        return self._in_flight[0]
+
+    @_ctl_in_flight.setter
+    def _ctl_in_flight(self, value: bool) -> None:
+        self._in_flight[0] = value
 
     @property
     def name(self) -> str:
@@ -460,6 +473,7 @@ class Source:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         if self._ctl_in_flight and not self._ctl_settled():
             logger.error("source %s closed with a control read in flight: scratch kept registered", self.name)
             _kept_alive.append(self)
@@ -475,6 +489,31 @@ class Source:
             self.agent.nixl.deregister_memory(self._scratch_reg)
         except Exception:  # noqa: BLE001
             logger.debug("deregister scratch failed", exc_info=True)
+
+
+def _release_dropped_source(agent: Agent, scratch: torch.Tensor, scratch_reg: Any, ctl_handle: Any,
+                            in_flight: list, name: str) -> None:
+    """A :class:`Source` garbage-collected without :meth:`~Source.close`: release its control
+    handle and deregister its scratch block while the block is still alive (this function holds
+    it). A registration left behind outlives its memory, which later tensors reuse; NIXL keeps
+    every local range sorted by address and finds a transfer's range by looking one entry back,
+    so a stale range inside a newer registered tensor makes reads into that tensor past it fail
+    with NIXL_ERR_NOT_FOUND. A control read that may still land keeps everything (as close does)."""
+    if in_flight[0]:
+        # Not asked whether it settled: that takes the agent's transfer lock, which the thread
+        # this finalizer runs on (a garbage collection anywhere) may hold already.
+        logger.error("source %s dropped with a control read in flight: scratch kept registered", name)
+        _kept_alive.append((scratch, scratch_reg, ctl_handle))
+        return
+    logger.warning("source %s dropped without close(): releasing its scratch block", name)
+    try:
+        ctl_handle.release()
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        logger.debug("release failed", exc_info=True)
+    try:
+        agent.nixl.deregister_memory(scratch_reg)
+    except Exception:  # noqa: BLE001
+        logger.debug("deregister scratch failed", exc_info=True)
 
 
 def complete_control(layout: Layout, version: int, checksums: Sequence[int]) -> torch.Tensor:

@@ -350,6 +350,7 @@ def test_a_partial_holder_serves_the_runs_under_its_final_units_and_the_read_wai
     assert units >= 3, "the case needs a holder of several units"
     h.region.set_progress(1)  # version 3 with only its first unit final
     cfg = CFG.replace(source_stall_timeout_s=30.0)
+    src1 = None
     try:
         rd = ReshardRead(region, rp, [x.placement for x in holders], version=VERSION, config=cfg)
         table = rd.holder_tensors(0, src).units
@@ -388,14 +389,17 @@ def test_a_partial_holder_serves_the_runs_under_its_final_units_and_the_read_wai
             h.region.set_progress(k)
             _time.sleep(0.02)
         assert done.wait(10) and not errors_seen, errors_seen
-        rd.read(1, open_source(holders[1].region.endpoint(), agent=made[1]) if tier == "nixl"
+        src1 = (open_source(holders[1].region.endpoint(), agent=made[1]) if tier == "nixl"
                 else shm.ShmSource(holders[1].region.endpoint().shm))
+        rd.read(1, src1)
         rd.check(grid, sums)
         for got, exp in zip(region.tensors, truth):
             assert np.array_equal(_bytes(got), _bytes(exp))
     finally:
         h.region.publish_complete(VERSION)
         src.close()
+        if src1 is not None:
+            src1.close()  # left open, its scratch block stayed registered after it was freed
         region.close()
 
 

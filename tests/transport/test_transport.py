@@ -95,6 +95,41 @@ def test_read_control_sees_version_progress_and_checksums(setup):
     assert source.read_control()[1] == 3
 
 
+def test_a_source_dropped_without_close_deregisters_its_scratch_block_before_it_is_freed(setup, agents, monkeypatch):
+    """A Source garbage-collected without close() must not leave its control-read scratch block
+    registered: the freed block is reused by later tensors, and NIXL refuses transfers into a
+    registered tensor that a stale range overlaps (NIXL_ERR_NOT_FOUND: seen in test_reshard_read,
+    where a source opened inline was never closed). A closed source deregisters once."""
+    import gc
+    import weakref
+
+    _, _, holder, _, _ = setup
+    nx = agents[1].nixl
+    calls = []
+    real = nx.deregister_memory
+
+    def spy(reg, *args, **kwargs):
+        calls.append((reg, alive() is not None))
+        return real(reg, *args, **kwargs)
+    monkeypatch.setattr(nx, "deregister_memory", spy)
+
+    src = open_source(holder.endpoint(), agent=agents[1])
+    assert src.read_control()[0] == 7
+    alive, reg = weakref.ref(src._scratch), src._scratch_reg
+    del src
+    gc.collect()
+    assert [(r is reg, was_alive) for r, was_alive in calls] == [(True, True)], "deregistered once, before the free"
+    assert alive() is None
+
+    calls.clear()
+    src = open_source(holder.endpoint(), agent=agents[1])
+    alive, reg = weakref.ref(src._scratch), src._scratch_reg
+    src.close()
+    del src
+    gc.collect()
+    assert [r is reg for r, _ in calls] == [True] and alive() is None
+
+
 def test_full_pull_is_byte_exact_and_publishes_reader_progress(setup):
     named, layout, holder, recv, source = setup
     assert layout.unit_count > 10 and any(len(u) > 1 for u in layout.units)
