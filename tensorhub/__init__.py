@@ -28,6 +28,7 @@ def open(  # noqa: A001 - the paper's name for it
     replica: Optional[str] = None,
     datacenter: Optional[str] = None,
     spot: bool = False,
+    retains: bool = True,
     config: Optional[Config] = None,
     port=None,
 ) -> Hub:
@@ -38,7 +39,10 @@ def open(  # noqa: A001 - the paper's name for it
     server for every model; ``ray.init()`` is called if Ray is not initialised yet). Works
     from a driver, a task or inside any Ray actor. ``replica`` names the replica (required when
     ``num_shards > 1``: all shards of one replica pass the same name). ``spot=True`` marks a
-    holder that may vanish at any time (it does not count toward retention). ``config`` defaults
+    holder that may vanish at any time (it does not count toward retention). ``retains=False``
+    marks a holder that never keeps a retention copy (a host copy of a retained version) and whose
+    copies do not count toward retention either: a rollout engine whose memory is for serving,
+    while the trainer keeps the retained versions. ``config`` defaults
     to ``Config.from_env()``. ``port`` overrides the server connection (tests:
     ``tensorhub.ports.LocalPort``).
     """
@@ -48,4 +52,4 @@ def open(  # noqa: A001 - the paper's name for it
 
         port = connect(config, model)
     return Hub(model, port, shard=shard, num_shards=num_shards, replica=replica,
-               datacenter=datacenter, spot=spot, config=config)
+               datacenter=datacenter, spot=spot, retains=retains, config=config)

@@ -75,18 +75,18 @@ def seed_round(version: int) -> int:
 
 
 def host_copy_wanted(version: int, *, between_calls: bool, phase: Phase, published: Optional[int],
-                     spot: bool, host_copy_ahead: bool, versions_retained: int,
+                     keeps_copies: bool, host_copy_ahead: bool, versions_retained: int,
                      host_copies_pooled: int) -> bool:
     """Whether a holder asked ``MakeHostCopy(version)`` starts its background host copy.
 
     Only between calls (a call in progress may change the tensors), only while it still
-    publishes that version, never on a spot holder, only with ``host_copy_ahead`` and room for
+    publishes that version, never on a spot or ``retains=False`` holder (``keeps_copies`` False), only with ``host_copy_ahead`` and room for
     a retained version (``versions_retained`` >= 2) and a buffer pool (``host_copies_pooled``
     > 0: the copy goes to a touched, registered buffer; the handle keeps one exactly then, see
     :meth:`tensorhub.handle.host_copies.HostCopies.start_pool`). Otherwise the request is dropped and
     the last holder offloads at unpublish instead. The driver still skips a copy it is already
     making or already has."""
-    return (between_calls and phase is Phase.PUBLISHED and published == version and not spot
+    return (between_calls and phase is Phase.PUBLISHED and published == version and keeps_copies
             and host_copy_ahead and versions_retained >= 2 and host_copies_pooled > 0)
 
 

@@ -28,9 +28,14 @@ them up:
    whole, or never asked: read that shard elsewhere). A reader may ask only of the holders it is
    reading from (``Node.reshard_from``), else ``InvalidState``.
 
+A host copy (``<owner>#host<v>``, a node with its owner's placement) is a holder too: at its
+making it takes the checksums its owner sent of that version (:meth:`Cells.inherit`: the same
+bytes); a grid it lacks is asked of its owner's process, which serves it (``HashCells`` with
+``host``, answered by ``CellSums`` with ``host``).
+
 What it keeps is bounded: per holder client, the (version, grid) pairs it was asked or answered,
 at most :data:`PER_HOLDER_MAX` (the oldest dropped), forgotten once the holder moves to another
-version or leaves.
+version or leaves (a host copy: when it is dropped; ``forget`` is called with every removed node).
 """
 
 from __future__ import annotations
@@ -100,6 +105,15 @@ class Cells:
         for h in holders:
             self._ask_one(h, placements)
 
+    def inherit(self, owner: Node, host: Node, version: int) -> None:
+        """``host``, ``owner``'s host copy of ``version``, was just made: the same bytes, so the
+        checksums ``owner`` sent for that version (while it holds it) are the host copy's too."""
+        if owner.version != version:
+            return
+        got = {k: v for k, v in self._entries(owner).items() if v is not None}
+        if got:
+            self.kept[host.id] = got
+
     def _ask_one(self, h: Node, placements: tuple[Placement, ...]) -> None:
         grid = grid_key(placements)
         entries = self._entries(h)
@@ -108,9 +122,17 @@ class Cells:
         if len(entries) >= PER_HOLDER_MAX:
             del entries[next(iter(entries))]
         entries[(h.version, grid)] = None
-        self.table.deliver(h.id, m.HashCells(version=h.version, grid=grid, placements=placements))
+        # A host copy is hashed by its owner's process, which serves it.
+        self.table.deliver(h.owner if h.host else h.id,
+                           m.HashCells(version=h.version, grid=grid, placements=placements, host=h.host))
 
     def on_sums(self, node: Node, req: m.CellSums) -> m.Reply:
+        if req.host:
+            host = self.table.nodes.get(f"{node.id}#host{req.version}")
+            if host is None:
+                raise InvalidState(f"{node.id} sends cell checksums of a host copy of version {req.version} "
+                                   "it does not serve")
+            node = host
         entries = self._entries(node)
         if (req.version, req.grid) not in entries:
             raise InvalidState(f"{node.id}: cell checksums of version {req.version} grid {req.grid[:12]} "

@@ -113,7 +113,7 @@ class Members:
         self._order += 1
         node = Node(
             id=req.client_id, model=cls, replica_id=req.replica_id, shard=req.shard,
-            num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot,
+            num_shards=req.num_shards, datacenter=req.datacenter, spot=req.spot, retains=req.retains,
             layout=req.layout, endpoint=req.endpoint, order=self._order, last_seen=now, heard_at=now,
             process=req.process, machine=req.machine, stage_for=req.stage_for, layout_key=req.layout_key,
         )
@@ -131,13 +131,14 @@ class Members:
 
     def add_host(self, owner: Node, version: int, endpoint: bytes) -> Node:
         """``owner``'s host copy of ``version`` as a node of its own (``<owner>#host<version>``,
-        IDLE: the caller publishes it)."""
+        IDLE: the caller publishes it), with ``owner``'s layout and placement (its bytes are laid
+        out as the owner's: readers of other layouts reshard from it as from the owner)."""
         self._order += 1
         host = Node(
             id=f"{owner.id}#host{version}", model=owner.model, replica_id=f"{owner.replica_id}#host",
             shard=owner.shard, num_shards=owner.num_shards, datacenter=owner.datacenter, spot=False,
             layout=owner.layout, endpoint=endpoint, order=self._order, host=True, owner=owner.id,
-            machine=owner.machine,
+            machine=owner.machine, placement=owner.placement,
         )
         self.table.nodes[host.id] = host
         self._model_nodes[host.model] += 1
@@ -150,7 +151,7 @@ class Members:
         return m.Register(
             client_id=n.id, model=logical(n.model), replica_id=n.replica_id, shard=n.shard,
             num_shards=n.num_shards, layout=n.layout, endpoint=n.endpoint,
-            datacenter=n.datacenter, spot=n.spot, process=n.process, machine=n.machine,
+            datacenter=n.datacenter, spot=n.spot, retains=n.retains, process=n.process, machine=n.machine,
             stage_for=n.stage_for, placement=self._placements.get(n.placement), layout_key=n.layout_key,
         )
 

@@ -88,6 +88,10 @@ class Register(_Msg, frozen=True):
     endpoint: bytes = b""
     datacenter: str = "default"
     spot: bool = False
+    retains: bool = True
+    """False: this client never keeps a retention copy (a host copy of a retained version), and
+    its copies do not count toward retention: other holders (the trainer) keep retained versions.
+    Like ``spot`` for retention only: a rollout engine whose memory is for serving."""
     process: ProcessId = ProcessId()
     machine: str = ""
     """The host this client runs on ("" unknown): a reader gets a source on its own host first
@@ -278,12 +282,14 @@ class CellSum(msgspec.Struct, frozen=True, array_like=True):
 class CellSums(_Msg, frozen=True):
     """A holder's cell checksums of ``version`` over grid ``grid`` (the key of the placements a
     :class:`HashCells` named: :func:`tensorhub.core.cells.grid_key`), the cells it holds. Accepted
-    only from a client asked for them that holds ``version`` whole now."""
+    only from a client asked for them that holds ``version`` whole now. ``host``: the cells of
+    the client's host copy of ``version`` (asked by a ``HashCells`` with ``host``)."""
 
     client_id: str
     version: int
     grid: str
     cells: tuple[CellSum, ...]
+    host: bool = False
 
 
 class FindCells(_Msg, frozen=True):
@@ -468,11 +474,14 @@ class HashCells(_Msg, frozen=True):
     """Background: a reader of another layout reads ``version`` from this holder (a resharded
     read): compute the cell checksums of the cells this holder holds over the grid of
     ``placements`` (:func:`tensorhub.core.grid.grid_of`; ``grid`` is its key) and send them
-    (:class:`CellSums`) while it still holds ``version``. The reader checks what it read with them."""
+    (:class:`CellSums`) while it still holds ``version``. The reader checks what it read with them.
+    ``host``: the reader reads this client's host copy of ``version`` (laid out as the client's
+    own tensors): hash that copy while it keeps it."""
 
     version: int
     grid: str
     placements: tuple[Placement, ...]
+    host: bool = False
 
 
 class Probe(_Msg, frozen=True):

@@ -126,7 +126,7 @@ class OtherLayouts:
             digests: list[str] = []
             for k in range(table.models[cls].num_shards):
                 nodes = [table.nodes[i] for i in sorted(table.groups.get((cls, version, k), ()))]
-                nodes = [n for n in nodes if not n.host and n.placement]
+                nodes = [n for n in nodes if n.placement]  # host copies too: laid out as their owners
                 if not nodes:
                     break
                 by_shard[k] = nodes

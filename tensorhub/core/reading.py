@@ -203,9 +203,9 @@ class Reading:
         out = []
         for k in range(self.table.models[src.model].num_shards):
             n = chosen.get(k) or own.get(k)
-            if n is None:
-                n = next((nodes[i] for i in sorted(self.table.groups.get((src.model, src.version, k), ()))
-                          if nodes[i].placement and not nodes[i].host), None)
+            if n is None:  # a live holder's placement, else a host copy's (the same: its owner's)
+                n = min((nodes[i] for i in self.table.groups.get((src.model, src.version, k), ()) if nodes[i].placement),
+                        key=lambda x: (x.host, x.id), default=None)
             if n is not None:
                 out.append(n)
         return out

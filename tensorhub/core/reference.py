@@ -162,7 +162,7 @@ class ReferenceCore:
                 model, rid, self.table.replica_nodes(model, rid), shards))
         """Registered clients and host copies, and the lease order (:mod:`tensorhub.core.members`)."""
         self.holders = Holders(
-            self.table, reading=self.reading, retention=self.retention, add_host=self.members.add_host,
+            self.table, reading=self.reading, retention=self.retention, add_host=self._add_host,
             forget=self._forget, forget_empty_models=self.members.forget_empty_models,
             maybe_commit=self.versions.maybe_commit, set_seed_asked=self.crossdc.set_seed_asked,
             recovering_until=lambda: self.recovery.until, describe=self._describe,
@@ -523,6 +523,13 @@ class ReferenceCore:
         """``node`` (IDLE by now) leaves the table, its registries and what it was asked to hash."""
         self.members.forget(node)
         self.cells.forget(node.id)
+
+    def _add_host(self, owner: Node, version: int, endpoint: bytes) -> Node:
+        """``owner``'s host copy of ``version`` as a node (:meth:`Members.add_host`), with the
+        cell checksums ``owner`` sent of that version (a reshard source like its owner)."""
+        host = self.members.add_host(owner, version, endpoint)
+        self.cells.inherit(owner, host, version)
+        return host
 
     def _describe(self, node: Node) -> str:
         v = f" version {node.version}" if node.version >= 0 else ""

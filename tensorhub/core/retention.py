@@ -4,6 +4,9 @@ A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it
 (docs/design.md, section 1, rule 4): :class:`Retention` gets the core's shared
 :class:`~tensorhub.core.table.Table` and the functions of the core it acts through passed in.
 
+- "non-spot" below means a holder that keeps copies (``Node.keeps_copies``): neither spot nor
+  registered with ``retains=False`` (a rollout engine whose memory is for serving: the trainer
+  keeps the retained versions);
 - the last live non-spot complete holder of a retained version offloads it to host memory
   before it unpublishes (``needs_offload``; an ``OffloadOrder``, answered by ``OffloadDone``);
   a seeder's staging copy also keeps its datacenter's newest copy that way
@@ -79,7 +82,7 @@ class Retention:
     def ask_host_copy(self, node: Node) -> None:
         """The first non-spot reader to hold a retained version copies it to host memory in the
         background (MakeHostCopy), unless a copy exists or another holder was asked already."""
-        if self.table.config.versions_retained < 2 or node.spot or node.host:
+        if self.table.config.versions_retained < 2 or not node.keeps_copies or node.host:
             return
         if not self.kept(node.model, node.version):
             return
@@ -116,7 +119,7 @@ class Retention:
         node = self.table.nodes[req.client_id]
         if self._own_host_copy(node, req.version):
             return m.Ok()  # listed already (announced, or this report came twice): keep it
-        wanted = (not node.spot and not node.host and node.version == req.version and node.state in COMPLETE
+        wanted = (node.keeps_copies and not node.host and node.version == req.version and node.state in COMPLETE
                   and self.kept(node.model, req.version) and not self.table.group(node.key).hosts)
         node.copy_asked = -1
         self.table.index.mark(node)
@@ -189,7 +192,7 @@ class Retention:
     def needs_offload(self, node: Node) -> bool:
         """``node`` holds a retained version with no other visible non-spot copy whose process
         proved lately that it is alive (or a datacenter copy to keep)."""
-        if node.spot or node.host or not self.kept(node.model, node.version):
+        if not node.keeps_copies or node.host or not self.kept(node.model, node.version):
             return False
         if self._keeps_dc_copy(node):
             return True
@@ -217,7 +220,7 @@ class Retention:
         its own class retains that version (else nothing keeps that copy: it may be read over
         without an offload, each class counting on the other), and it could fill ``node``'s
         placement by a resharded read."""
-        return self._others.holds(node, lambda n: (not n.spot and n.version in self.table.retained(n.model)
+        return self._others.holds(node, lambda n: (n.keeps_copies and n.version in self.table.retained(n.model)
                                                    and self.heard_lately(n, attended)))
 
     def _other_copies(self, node: Node) -> Iterator[Node]:
@@ -225,7 +228,7 @@ class Retention:
         no particular order)."""
         for i in self.table.groups.get(node.key, ()):
             o = self.table.nodes[i]
-            if o.id != node.id and o.state in VISIBLE_SOURCE and not o.spot:
+            if o.id != node.id and o.state in VISIBLE_SOURCE and o.keeps_copies:
                 yield o
 
     def awaits_proof(self, node: Node) -> bool:
@@ -282,7 +285,7 @@ class Retention:
         mine = [node] + [self.table.nodes[h] for h in self.table.hosts_of.get(node.id, ())]
         held = set()
         for n in mine:
-            if n.spot or not self.kept(n.model, n.version) or n.state not in COMPLETE:
+            if not n.keeps_copies or not self.kept(n.model, n.version) or n.state not in COMPLETE:
                 continue
             # A held pulse counts here: a leave cannot wait for a probe, and refusing it whenever
             # the other holders are idle would keep every close() open.
@@ -297,7 +300,7 @@ class Retention:
         (see :meth:`heard_lately`)."""
         for oid in self.table.groups.get(node.key, ()):
             o = self.table.nodes[oid]
-            if (oid != node.id and o.state in COMPLETE and not o.spot and (not owner or o.owner != owner)
+            if (oid != node.id and o.state in COMPLETE and o.keeps_copies and (not owner or o.owner != owner)
                     and self.heard_lately(o, attended)):
                 return True
         return False

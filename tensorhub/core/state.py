@@ -57,7 +57,7 @@ LEGAL: dict[str, frozenset[NodeState]] = {
     "Swap": frozenset({NodeState.IDLE, NodeState.PUBLISHED}),  # published: only the same swap again (ReadRequests.on_Swap)
     "OfferDelta": frozenset({NodeState.PUBLISHED}),  # of the version it publishes (Deltas.on_offer)
     "FindDelta": frozenset(NodeState),
-    "CellSums": COMPLETE,  # of the version it holds whole (Cells.on_sums)
+    "CellSums": frozenset(NodeState),  # of the version it (or its host copy) holds whole: Cells.on_sums
     "FindCells": frozenset({NodeState.READING}),  # of the holders it reshards from (Cells.on_find)
 }
 
@@ -92,7 +92,7 @@ class Node:
     """The name its registration gave its replica's layout (``Register.layout_key``)."""
     placement: str = ""
     """The digest of its interned placement ("": none, today's identical layout; a host copy:
-    none): :mod:`tensorhub.core.placements`."""
+    its owner's): :mod:`tensorhub.core.placements`."""
     in_flight: int = -1
     """Smart skipping chose this node's current read/version: this newer one was seeding."""
     round_seq: int = -1
@@ -103,6 +103,8 @@ class Node:
     request again gets the same answer (:meth:`tensorhub.core.reference.ReferenceCore.handle`)."""
     copy_asked: int = -1
     """The version this holder was asked to copy to host memory ahead (MakeHostCopy)."""
+    retains: bool = True
+    """``Register.retains``: False, it never keeps a retention copy."""
 
     state: NodeState = NodeState.IDLE
     version: int = -1
@@ -149,6 +151,12 @@ class Node:
     @property
     def complete(self) -> bool:
         return self.state in COMPLETE
+
+    @property
+    def keeps_copies(self) -> bool:
+        """Whether its copy counts toward retention and it may keep a retention copy: not spot,
+        not ``retains=False``."""
+        return not self.spot and self.retains
 
     @property
     def units(self) -> int:

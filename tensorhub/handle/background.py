@@ -54,13 +54,14 @@ class Background:
     ``cells_asked``, which hashes cells for a reader of another layout (the resharding part).
     Owns ``_notes_lock`` and the newest note acknowledged; makes no thread."""
 
-    def __init__(self, *, client_id: str, model: str, replica: str, shard: int, spot: bool, config: Config,
+    def __init__(self, *, client_id: str, model: str, replica: str, shard: int, keeps_copies: bool, config: Config,
                  port: ServerPort, machine: hm.HandleMachine, mlock: threading.Lock, call_lock: threading.Lock,
                  stopped: threading.Event, region: Callable[[], Optional[tx.Region]],
                  feed: Callable[[hm.Event], list], set_region: Callable[[hm.SetRegion], None],
                  host_copies: HostCopies, seed_asked: Callable[[int, bool], None],
                  cells_asked: Callable[[m.HashCells], None]) -> None:
-        self.client_id, self.model, self.replica, self.shard, self.spot = client_id, model, replica, shard, spot
+        self.client_id, self.model, self.replica, self.shard = client_id, model, replica, shard
+        self.keeps_copies = keeps_copies
         self._config = config
         self._port = port
         self._machine = machine
@@ -161,7 +162,7 @@ class Background:
         try:
             cfg = self._config
             if bg.host_copy_wanted(version, between_calls=between_calls, phase=self._machine.phase,
-                                   published=self._machine.published, spot=self.spot,
+                                   published=self._machine.published, keeps_copies=self.keeps_copies,
                                    host_copy_ahead=cfg.host_copy_ahead, versions_retained=cfg.versions_retained,
                                    host_copies_pooled=cfg.host_copies_pooled):
                 self._host_copies.start_copy(version)

@@ -64,11 +64,13 @@ class HostCopies:
     (``reading``: the pool's background touches wait for it). It calls them holding none of its own locks,
     and takes no lock of the handle's itself."""
 
-    def __init__(self, *, model: str, shard: int, client_id: str, spot: bool, config, port,
+    def __init__(self, *, model: str, shard: int, client_id: str, keeps_copies: bool, config, port,
                  held: Callable[[], Held], take_notes: Callable[[], None],
                  record: Callable[[int, bytes], None], endpoint_of: Callable[[int], Optional[bytes]],
                  reading: Callable[[], bool] = lambda: False) -> None:
-        self.model, self.shard, self.client_id, self.spot, self.config = model, shard, client_id, spot, config
+        self.model, self.shard, self.client_id, self.config = model, shard, client_id, config
+        self.keeps_copies = keeps_copies
+        """False for a spot or ``retains=False`` handle: the server never asks it for a copy."""
         self._port = port
         self._held = held
         self._take_notes = take_notes
@@ -98,6 +100,17 @@ class HostCopies:
         """Retention buffers allocated (touched and registered), in the background or -- when
         none was ready -- on an offload's critical path (``inline``)."""
         self.inline = 0
+
+    def tensors_of(self, version: int) -> Optional[list[torch.Tensor]]:
+        """The tensors of this handle's host copy of ``version`` (None: it keeps none)."""
+        with self.lock:
+            entry = self.by_version.get(version)
+        return None if entry is None else entry[1]
+
+    def held_bytes(self) -> int:
+        """Bytes of host memory this handle's retention holds: its host copies and pooled buffers."""
+        with self.lock:
+            return sum(t.nbytes for _, ts in [*self.by_version.values(), *self.pool] for t in ts)
 
     def held_versions(self, versions) -> set[int]:
         """Which of ``versions`` this handle still holds a host copy of."""
@@ -342,7 +355,7 @@ class HostCopies:
         """Keep ``host_copies_pooled`` retention buffers ready (not for spot handles: the server
         never asks them to offload). The first is made here, inside ``register``, so that even the
         first version's retention copy runs at memory speed; the rest in the background."""
-        if self.spot or self.config.host_copies_pooled <= 0:
+        if not self.keeps_copies or self.config.host_copies_pooled <= 0:
             return
         try:
             entry = self.new_buffer(touch=True)

@@ -69,7 +69,7 @@ class Hub:
 
     def __init__(self, model: str, port: ServerPort, *, shard: int = 0, num_shards: int = 1,
                  replica: Optional[str] = None, datacenter: Optional[str] = None, spot: bool = False,
-                 config: Optional[Config] = None) -> None:
+                 retains: bool = True, config: Optional[Config] = None) -> None:
         configure_from_env()
         registration.check_identity(model, shard, num_shards, replica, datacenter)
         self.model = model
@@ -78,6 +78,8 @@ class Hub:
         self.replica = replica or f"replica-{uuid.uuid4().hex[:8]}"
         self.datacenter = datacenter or "default"
         self.spot = bool(spot)
+        self.retains = bool(retains)
+        """False: never keeps a retention copy (``tensorhub.open(retains=...)``)."""
         self.config = config or Config()
         self.client_id = f"{model}/{self.replica}/{shard}/{uuid.uuid4().hex[:6]}"
         self._port = port
@@ -96,7 +98,8 @@ class Hub:
         """The prefetch staging copy, its job thread and the double buffer's swap (a part with
         its own lock and thread, :mod:`tensorhub.handle.staging`)."""
         self.host_copies = HostCopies(
-            model=model, shard=shard, client_id=self.client_id, spot=self.spot, config=self.config, port=port,
+            model=model, shard=shard, client_id=self.client_id, keeps_copies=self.retains and not self.spot,
+            config=self.config, port=port,
             held=lambda: Held(self._memory.tensors, self._memory.layout, self._memory.region),
             take_notes=lambda: self._background.take_notes(),  # the part made next, which needs this one
             record=self._driver.record_host_copy, endpoint_of=self._driver.host_copy_endpoint,
@@ -106,12 +109,13 @@ class Hub:
             client_id=self.client_id, shard=shard, config=self.config, port=port,
             placement=lambda: self._machine.register_msg.placement if self._machine.register_msg else None,
             published=lambda: self._machine.published,
-            held=lambda: (self._memory.tensors, self._memory.region), sources=self._sources)
+            held=lambda: (self._memory.tensors, self._memory.region), sources=self._sources,
+            host_copy=self.host_copies.tensors_of)
         """Resharded reads from holders of another layout, and hashing cells for readers of
         another layout (a part with its own thread, :mod:`tensorhub.handle.reshard`)."""
         self._background = Background(
-            client_id=self.client_id, model=model, replica=self.replica, shard=shard, spot=self.spot,
-            config=self.config, port=port, machine=self._driver.machine, mlock=self._driver.lock,
+            client_id=self.client_id, model=model, replica=self.replica, shard=shard,
+            keeps_copies=self.retains and not self.spot, config=self.config, port=port, machine=self._driver.machine, mlock=self._driver.lock,
             call_lock=self._lock, stopped=self._hb_stop, region=lambda: self._memory.region, feed=self._driver.feed,
             set_region=self._driver.set_region,
             host_copies=self.host_copies, seed_asked=self._staging.seed_asked,
@@ -236,7 +240,7 @@ class Hub:
                     client_id=self.client_id, model=self.model, replica_id=self.replica, shard=self.shard,
                     num_shards=self.num_shards, layout=info,
                     endpoint=tx.encode_endpoint(region.endpoint()), datacenter=self.datacenter, spot=self.spot,
-                    process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
+                    retains=self.retains, process=self._port.process(), machine=shm.host_key(), stage_for=self._stage_for,
                     placement=placement, layout_key=layout_key,
                 )
             except BaseException:
@@ -441,11 +445,11 @@ class Hub:
 
     def _open_copy(self) -> "Hub":
         """A prefetch staging handle for this one, not registered yet: same model, shard,
-        datacenter, spot flag and config, replica ``<replica>~prefetch``; a read of it waits
+        datacenter, spot and retains flags and config, replica ``<replica>~prefetch``; a read of it waits
         one lease for its siblings (``HandleMachine.incomplete_wait_s``)."""
         stage = Hub(self.model, self._port, shard=self.shard, num_shards=self.num_shards,
                     replica=f"{self.replica}~prefetch", datacenter=self.datacenter, spot=self.spot,
-                    config=self.config)
+                    retains=self.retains, config=self.config)
         stage._stage_for = self.client_id
         stage._machine.incomplete_wait_s = self.config.lease_timeout_s
         return stage

@@ -32,7 +32,8 @@ of the placements named, for the tensors this handle publishes at that version, 
 on this part's one worker thread (off the pulse and the user's calls) and sent with
 ``CellSums``, only if the handle still publishes that version once they are hashed (its
 tensors could not change meanwhile: it cannot unpublish while a reader reads from it). Asked
-while it publishes another version, or without a placement: ignored.
+while it publishes another version, or without a placement: ignored. Asked with ``host``: the
+same over its host copy of that version, sent only if the copy is still kept once hashed.
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ class Resharding:
 
     def __init__(self, *, client_id: str, shard: int, config: Config, port: ServerPort,
                  placement: Callable[[], Optional[Placement]], published: Callable[[], Optional[int]],
-                 held: Callable[[], tuple], sources) -> None:
+                 held: Callable[[], tuple], sources,
+                 host_copy: Callable[[int], Optional[list]] = lambda version: None) -> None:
         self.client_id, self.shard, self._config, self._port = client_id, shard, config, port
         self._placement, self._published, self._held, self._sources = placement, published, held, sources
+        self._host_copy = host_copy
+        """version -> the tensors of this handle's host copy of it (None: none kept)."""
         self._lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
         self._stopped = False
@@ -219,27 +223,39 @@ class Resharding:
             time.sleep(0.002)
 
     def _hash(self, note: m.HashCells) -> None:
+        """Hash the cells ``note`` asks for and send them. Of the tensors the handle publishes at
+        ``note.version``, or with ``host`` of its host copy of that version (laid out as its own
+        tensors, the same placement); sent only if those bytes are still what it holds once
+        hashed (the handle still publishes the version; the copy is still kept: a dropped one
+        may have gone back to the pool and been written)."""
         own = self._placement()
-        # Found by examples/reshard.py in CI: a HashCells dropped because it came before the
-        # reply to the publish that asked for it; the readers then waited for cells that never came.
-        if own is None or not self._publishes(note.version):
+        what = "its host copy of version" if note.host else "version"
+        if note.host:
+            tensors = self._host_copy(note.version)
+            still = lambda: self._host_copy(note.version) is tensors  # noqa: E731
+        else:
+            # Found by examples/reshard.py in CI: a HashCells dropped because it came before the
+            # reply to the publish that asked for it; the readers then waited for cells that never came.
+            tensors = self._held()[0] if own is not None and self._publishes(note.version) else None
+            still = lambda: self._published() == note.version  # noqa: E731
+        if own is None or tensors is None:
             return
         try:
             grid = grid_of(note.placements)
             if grid_key(note.placements) != note.grid or own not in note.placements:
-                log.warning("%s: HashCells of version %d names a grid it is not part of; ignored",
-                            self.client_id, note.version)
+                log.warning("%s: HashCells of %s %d names a grid it is not part of; ignored",
+                            self.client_id, what, note.version)
                 return
-            tensors, _ = self._held()
             sums = gridsums.cell_checksums(dict(zip(own.names, tensors)), own, grid)
-            if self._published() != note.version:
+            if not still():
                 return  # it moved on while hashing: the sums may be of other bytes
             cells = tuple(m.CellSum(t, c, x) for (t, c), x in sorted(sums.items()))
-            reply = self._port.call(m.CellSums(self.client_id, note.version, note.grid, cells))
+            reply = self._port.call(m.CellSums(self.client_id, note.version, note.grid, cells, host=note.host))
             if isinstance(reply, m.ErrorReply):
-                log.info("%s: cell checksums of version %d not taken: %s", self.client_id, note.version, reply.message)
+                log.info("%s: cell checksums of %s %d not taken: %s", self.client_id, what, note.version,
+                         reply.message)
         except (errors.TensorHubError, ValueError) as e:
-            log.warning("%s: hashing cells of version %d failed: %s", self.client_id, note.version, e)
+            log.warning("%s: hashing cells of %s %d failed: %s", self.client_id, what, note.version, e)
 
     def stop(self) -> None:
         """No more hashing; waits for the one in progress."""

@@ -272,6 +272,13 @@ class Checker:
                                     f"holder {needed[0]}")
         for s in deps.shards:
             h = holders[s]
+            if h is None and "#host" in listed[s]:  # a host copy (its owner's placement)
+                owner = w.clients.get(listed[s].split("#", 1)[0])
+                v = int(listed[s].rsplit("#host", 1)[1])
+                if owner is not None and owner.alive and (v != a.version or owner.host_copies.get(v) != owner.want(v)):
+                    self.violate("reshard", f"{cid} assigned version {a.version} by a resharded read from {listed}, "
+                                            f"but needed host copy {listed[s]} does not hold it whole")
+                continue
             if h is None or not h.alive:
                 continue
             if h.region_version != a.version or h.region_progress < h.units or h.mem != h.want(a.version):
@@ -562,7 +569,7 @@ class Checker:
         for v in sorted(set(expected) - set(mv.available)):
             holders, unoffered = [], True
             for d in w.drivers():
-                members = [c for c in d.members if c.alive and not c.spot]
+                members = [c for c in d.members if c.alive and c.keeps_copies]
                 if w.mixed is not None and not any(c.cid in ids for c in members):
                     continue  # a replica of another layout class (or unknown to the server)
                 if len(members) == d.num_shards and all(self._holds(c, v) for c in members):
@@ -633,7 +640,7 @@ class GhostCopyChecker:
             self.core, self.held = core, {}
         held = {}
         for n in core.nodes.values():
-            if not n.host and not n.spot and n.state.value in ("published", "draining", "offloading"):
+            if not n.host and n.keeps_copies and n.state.value in ("published", "draining", "offloading"):
                 held[n.id] = n.version
         for holder, version in self.held.items():
             if held.get(holder) != version and holder in core.nodes:
@@ -659,7 +666,7 @@ class GhostCopyChecker:
                     others += [core.nodes[i] for i in sorted(core.groups.get((cls, version, s), ()))]
         copies = [o for o in own if o.state.value == "published"] + [o for o in others if o.state in COMPLETE]
         owners = sorted({o.owner if o.host else o.id for o in copies
-                         if o.id != holder and o.owner != holder and not o.spot})
+                         if o.id != holder and o.owner != holder and o.keeps_copies})
         if not owners:
             return  # no other copy counted: not a skip this checker judges
         window = 2.5 * self.world.config.heartbeat_interval_s

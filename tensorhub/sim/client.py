@@ -116,11 +116,13 @@ def _next_pulse(world, sent: float, reply, pulse) -> None:
 
 class SimClient:
     def __init__(self, world, cid: str, *, replica_id: str, shard: int, num_shards: int,
-                 host: str, dc: str, spot: bool, role: str, layout: str = "") -> None:
+                 host: str, dc: str, spot: bool, role: str, layout: str = "", retains: bool = True) -> None:
         self.world = world
         self.cid = cid
         self.replica_id, self.shard, self.num_shards = replica_id, shard, num_shards
         self.host, self.dc, self.spot, self.role = host, dc, spot, role
+        self.retains = retains
+        """False: registered with ``retains=False`` (an engine that never keeps a retention copy)."""
         p, cfg = world.params, world.config
         self.layout_name = layout
         """The ``mixed`` workload's layout of this replica (:mod:`tensorhub.sim.mixed`); "": none."""
@@ -177,13 +179,18 @@ class SimClient:
     def registered(self) -> bool:
         return bg.registered_phase(self.machine.phase)
 
+    @property
+    def keeps_copies(self) -> bool:
+        """Its copies count toward retention (the core's ``Node.keeps_copies``)."""
+        return not self.spot and self.retains
+
     def registration(self) -> m.Register:
         w = self.world
         layout = w.mixed.layout_info(self.layout_name, self.shard) if self.layout_name else w.layout(self.shard)
         return m.Register(
             client_id=self.cid, model=w.params.model, replica_id=self.replica_id, shard=self.shard,
             num_shards=self.num_shards, layout=layout, endpoint=self.endpoint,
-            datacenter=self.dc, spot=self.spot, machine=self.host, placement=self.placement,
+            datacenter=self.dc, spot=self.spot, retains=self.retains, machine=self.host, placement=self.placement,
             layout_key=self.layout_name if self.layout_name in mixed.KEYED else "",
         )
 
@@ -568,7 +575,8 @@ class SimClient:
             if kind is bg.Kind.HOST_COPY:
                 c = self.world.config
                 if bg.host_copy_wanted(note.version, between_calls=self.op is None, phase=self.machine.phase,
-                                       published=self.published, spot=self.spot, host_copy_ahead=c.host_copy_ahead,
+                                       published=self.published, keeps_copies=self.keeps_copies,
+                                       host_copy_ahead=c.host_copy_ahead,
                                        versions_retained=c.versions_retained, host_copies_pooled=c.host_copies_pooled):
                     self._start_host_copy(note.version)
                 continue

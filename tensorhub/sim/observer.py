@@ -70,7 +70,7 @@ class CoreObserver:
         """Versions the server dropped from retention as lost (no holder of some shard left)."""
         self.crashes: dict[str, tuple[float, int, set[int], bool, str, int]] = {}
         """Crashed clients: cid -> (when, shard, versions it held whole then (memory or host
-        copy), spot, replica, shards): the server may list what they held until it learns."""
+        copy), spot or retains=False, replica, shards): the server may list what they held until it learns."""
         self.not_found: set[tuple[str, int]] = set()
         """(client, call) of the replicate calls some server answered ``VersionNotFound`` (v): the
         same call again may get that answer again."""
@@ -127,7 +127,7 @@ class CoreObserver:
         pre = {
             "committed": tuple(mod.committed) if mod is not None else (),
             "releasing": {n.id: (n.version, n.shard) for n in core.nodes.values()
-                          if n.state in _RELEASING and not n.host and not n.spot},
+                          if n.state in _RELEASING and not n.host and n.keeps_copies},
         }
         if isinstance(req, m.Leave):
             pre["hosts"] = [(n.version, n.shard) for n in core.nodes.values()
@@ -273,7 +273,7 @@ class CoreObserver:
             v = c.mem[0][0]
             if c.mem == c.want(v):
                 held.add(v)
-        self.crashes[c.cid] = (self.world.sim.now, c.tag_shard, held, c.spot, c.replica_id, c.num_shards)
+        self.crashes[c.cid] = (self.world.sim.now, c.tag_shard, held, not c.keeps_copies, c.replica_id, c.num_shards)
 
     def _check_released(self, core, req, reply, pre: dict, retained: list[int]) -> None:
         released = []
@@ -312,18 +312,22 @@ class CoreObserver:
             return True
         c = w.clients.get(releaser.split("#", 1)[0])
         allow_s = 2.5 * w.config.heartbeat_interval_s + 0.01 + self.max_delay_s
-        return c is not None and c.driver is not None and self._replica_holds(c.driver, v, allow_s)
+        return c is not None and c.driver is not None and self._replica_holds(c.driver, v, allow_s, core)
 
-    def _replica_holds(self, d, v: int, allow_s: float) -> bool:
+    def _replica_holds(self, d, v: int, allow_s: float, core=None) -> bool:
         """Every shard of replica ``d`` holds ``v`` whole in truth: its member alive, in memory or
         a host copy, or a process of that shard (the member now, or one it replaced) that crashed
-        so recently (within ``allow_s``, holding ``v``) that the server cannot know yet."""
+        so recently (within ``allow_s``, holding ``v``) that the server cannot know yet. With
+        ``core``: a crashed process counts only while that server still lists it (one declared
+        dead is known gone: its replica no longer holds ``v`` whole for the server either;
+        ``mixed_engines`` seed 989, where no other class kept a copy to mask it)."""
         now = self.world.sim.now
         for c in d.members:
             if c.alive and (c.mem == c.want(v) or c.host_copies.get(v) == c.want(v)):
                 continue
             if not any(rep == d.replica_id and sh == c.tag_shard and v in held and now - t <= allow_s
-                       for t, sh, held, _, rep, _ in self.crashes.values()):
+                       and (core is None or cid in core.nodes)
+                       for cid, (t, sh, held, _, rep, _) in self.crashes.items()):
                 return False
         return True
 
@@ -336,7 +340,7 @@ class CoreObserver:
             shard = rel.tag_shard
         want = None
         for c in w.clients.values():
-            if c.tag_shard != shard or c.spot or not c.alive:
+            if c.tag_shard != shard or not c.keeps_copies or not c.alive:
                 continue
             if want is None:
                 want = c.want(v)
@@ -360,7 +364,7 @@ class CoreObserver:
         ``allow_s``, holding ``v``) that the server cannot know yet: the blind spot the same
         layout's copies are allowed."""
         for d in self.world.drivers():
-            members = [c for c in d.members if not c.spot]
+            members = [c for c in d.members if c.keeps_copies]
             if (len(members) == d.num_shards and all(c.tag_shard != tag_shard for c in members)
                     and self._replica_holds(d, v, allow_s)):
                 return True

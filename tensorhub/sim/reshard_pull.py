@@ -38,6 +38,23 @@ from tensorhub.sim.mixed import UNIT_BYTES
 from tensorhub.sim.tags import TORN
 
 
+class HostCopySource:
+    """A host copy as a resharded read's holder (its placement is its owner's): served by its
+    owner's process while the owner keeps it, complete and never written (a freed one reads as
+    FREED: ``World.read_tag``)."""
+
+    def __init__(self, owner, version: int) -> None:
+        self.cid = f"{owner.cid}#host{version}"
+        self.alive = owner.alive and version in owner.host_copies
+        self.endpoint = owner.machine.host_copies.get(version)
+        self.region_version = version
+        self.region_progress = owner.units
+        self.units = owner.units
+        self.host, self.tag_shard = owner.host, owner.tag_shard
+        self.waiters: dict = {}
+        """Never partial: nobody waits on it (a throwaway, as each look builds a new view)."""
+
+
 class ReshardPulling:
     """One resharded pull in flight (see the module docstring); driven by :class:`ReshardPull`."""
 
@@ -135,9 +152,8 @@ class ReshardPull:
             self._issue(rs)
 
     def source_died(self, rs: ReshardPulling) -> None:
-        w = self.world
         for key, rd in list(rs.inflight.items()):
-            src = w.clients.get(rd.source)
+            src = self._source(rd.source)
             if src is None or not src.alive:
                 rd.dead = True
                 del rs.inflight[key]
@@ -156,10 +172,17 @@ class ReshardPull:
                     seen.add(pair)
                     yield pair
 
+    def _source(self, cid: str):
+        """The client ``cid`` names, or a view of a host copy (``<owner>#host<v>``), or None."""
+        if "#host" not in cid:
+            return self.world.clients.get(cid)
+        owner = self.world.clients.get(cid.split("#", 1)[0])
+        return None if owner is None else HostCopySource(owner, int(cid.rsplit("#host", 1)[1]))
+
     def _holder(self, rs: ReshardPulling, shard: int):
         """The live holder client of ``shard`` whose memory the assigned endpoint names, or None."""
         cid, endpoint = rs.holders[shard]
-        src = self.world.clients.get(cid)
+        src = self._source(cid)
         if src is None or not src.alive or src.endpoint != endpoint:
             return None
         return src
@@ -206,8 +229,8 @@ class ReshardPull:
         if rs is not self.t.current or not rs.owns(rd):
             return
         del rs.inflight[(rd.source, rd.unit)]
-        src = w.clients.get(rd.source)
-        tag = TORN if src is None or not src.alive or src.mem_wtime[rd.unit] > rd.t0 else src.mem[rd.unit]
+        src = self._source(rd.source)
+        tag = w.read_tag(rd)  # a live holder's memory (TORN if written meanwhile) or a host copy's
         if w.config.checksums:
             if tag != (rs.version, src.tag_shard, rd.unit):
                 w.stats_bad_units += 1
@@ -263,7 +286,7 @@ class ReshardPull:
         self._issue(rs)
 
     def _tag_shard(self, rs: ReshardPulling, hs: int):
-        src = self.world.clients.get(rs.holders[hs][0])
+        src = self._source(rs.holders[hs][0])
         return src.tag_shard if src is not None else None
 
     def _watch(self, rs: ReshardPulling) -> None:
@@ -288,7 +311,7 @@ class ReshardPull:
 
     def _dead_detected(self, rs: ReshardPulling, cid: str) -> None:
         if self.client.alive and rs is self.t.current and not rs.failing:
-            src = self.world.clients.get(cid)
+            src = self._source(cid)
             self._failed(rs, f"source {cid} unreachable", cid, unreachable=src is None or not src.alive)
 
     # ------------------------------------------------------------------ endings
@@ -304,7 +327,7 @@ class ReshardPull:
 
     def _forget_sources(self, rs: ReshardPulling) -> None:
         for cid in rs.sources:
-            src = self.world.clients.get(cid)
+            src = self._source(cid)
             if src is not None:
                 src.waiters.pop(self.client.cid, None)
 

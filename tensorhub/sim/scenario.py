@@ -28,11 +28,13 @@ from tensorhub.sim.mixed import ROLLOUT_LAYOUTS, SHARDS, TRAINER_LAYOUTS, MixedM
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
 """The workloads a seed picks from when none is forced."""
-FORCED_ONLY = ("mixed", "mixed_spot")
+FORCED_ONLY = ("mixed", "mixed_spot", "mixed_engines")
 """Workloads run only when forced (``--workload mixed``): adding them to the seeds' pick would
 change what every existing seed runs (and its digest). ``mixed_spot`` is ``mixed`` plus spot
 replicas of the rollout layouts and spot preemptions (a workload of its own, so that ``mixed``
-seeds keep their scenarios)."""
+seeds keep their scenarios); ``mixed_engines`` is ``mixed`` whose rollouts of layouts other than
+the trainer's register with ``retains=False``, as vLLM engines do: the trainer keeps every
+retained version."""
 GiB = 1 << 30
 CHECKSUMS_OFF_SHARE = 0.15
 """Of the seeds, about this share run without checksums (readers check by seqlock instead)."""
@@ -144,7 +146,7 @@ class World:
         self.config = config or make_config(rng)
         self.mixed = None
         """The ``mixed`` workload's layouts (:mod:`tensorhub.sim.mixed`); None in the others."""
-        if self.params.workload in ("mixed", "mixed_spot"):
+        if self.params.workload in ("mixed", "mixed_spot", "mixed_engines"):
             self.mixed = _mixed_model(self.sim.rng("mixed"))
             if params is None:
                 self.params = dataclasses.replace(self.params, num_shards=SHARDS[self.mixed.trainer],
@@ -431,8 +433,8 @@ def build_workload(w: World, rng: random.Random) -> None:
         for dc in w.dcs:
             for i in range(rng.randint(2, 3)):
                 rollout(f"r{dc}-{i}", [w.add_host(dc) for _ in range(S)], dc)
-    elif wl in ("mixed", "mixed_spot"):
-        _build_mixed(w, rng, spot=wl == "mixed_spot")
+    elif wl in ("mixed", "mixed_spot", "mixed_engines"):
+        _build_mixed(w, rng, spot=wl == "mixed_spot", engines_retain=wl != "mixed_engines")
     elif wl == "sharded":
         for i in range(rng.randint(1, max(1, min(3, (p.max_clients - S) // S)))):
             rollout(f"r{i}", [w.add_host("dc0") for _ in range(S)], "dc0")
@@ -451,12 +453,13 @@ def _mixed_model(rng: random.Random) -> MixedModel:
     return MixedModel(trainer, tuple(rollouts))
 
 
-def _build_mixed(w: World, rng: random.Random, spot: bool = False) -> None:
+def _build_mixed(w: World, rng: random.Random, spot: bool = False, engines_retain: bool = True) -> None:
     """``mixed``: rollout replicas of the chosen layouts (one or two each, within ``max_clients``),
     their placements putting them in layout classes apart from the trainer's. ``spot``
     (``mixed_spot``): then one spot replica of each rollout layout, within ``max_clients``
     (``spot_preemption`` faults take them; a spot copy of another layout never counts as a
-    copy for retention)."""
+    copy for retention). ``engines_retain`` False (``mixed_engines``): the rollouts of layouts
+    other than the trainer's register with ``retains=False`` (vLLM's engines' default)."""
     p, mm = w.params, w.mixed
     used = p.num_shards
 
@@ -468,7 +471,8 @@ def _build_mixed(w: World, rng: random.Random, spot: bool = False) -> None:
             return False
         used += n
         w.rollouts.append(RolloutDriver(w, name, [w.add_host("dc0") for _ in range(n)], "dc0", is_spot,
-                                        w.sim.rng(name), layout=lay))
+                                        w.sim.rng(name), layout=lay,
+                                        retains=engines_retain or lay == mm.trainer))
         return True
 
     for lay in mm.rollouts:

@@ -39,7 +39,7 @@ class ReplicaDriver:
     role = "replica"
 
     def __init__(self, world, replica_id: str, hosts: list[str], dc: str, spot: bool, rng: random.Random,
-                 client_cls: type = SimClient, layout: str = "") -> None:
+                 client_cls: type = SimClient, layout: str = "", retains: bool = True) -> None:
         self.world = world
         self.layout = layout
         """The ``mixed`` workload's layout of this replica's shards ("": none, no placement)."""
@@ -50,6 +50,8 @@ class ReplicaDriver:
         self.hosts = hosts
         self.dc = dc
         self.spot = spot
+        self.retains = retains
+        """False: its members register with ``retains=False`` (engines keeping no retention copy)."""
         self.rng = rng
         self.gen = 0
         self.process = None
@@ -64,6 +66,8 @@ class ReplicaDriver:
     def _spawn(self, i: int) -> SimClient:
         suffix = f".{self.gen}" if self.gen else ""
         extra = {"layout": self.layout} if self.layout else {}
+        if not self.retains:
+            extra["retains"] = False
         c = self.world.add_client(
             f"{self.replica_id}/s{i}{suffix}", cls=self.client_cls, replica_id=self.replica_id, shard=i,
             num_shards=self.num_shards, host=self.hosts[i], dc=self.dc, spot=self.spot, role=self.role, **extra,

@@ -21,13 +21,13 @@ def test_every_background_event_has_one_owner():
     assert bg.kind_of(m.DropHostCopy(version=3)) is bg.Kind.MACHINE
 
 
-_WANT = dict(between_calls=True, phase=Phase.PUBLISHED, published=4, spot=False, host_copy_ahead=True,
+_WANT = dict(between_calls=True, phase=Phase.PUBLISHED, published=4, keeps_copies=True, host_copy_ahead=True,
              versions_retained=2, host_copies_pooled=1)
 
 
 def test_host_copy_wanted_only_between_calls_for_the_version_it_publishes():
     assert bg.host_copy_wanted(4, **_WANT)
-    for change in (dict(between_calls=False), dict(phase=Phase.IDLE), dict(published=5), dict(spot=True),
+    for change in (dict(between_calls=False), dict(phase=Phase.IDLE), dict(published=5), dict(keeps_copies=False),
                    dict(host_copy_ahead=False), dict(versions_retained=1),
                    dict(host_copies_pooled=0)):
         assert not bg.host_copy_wanted(4, **{**_WANT, **change}), change

@@ -1125,6 +1125,30 @@ def test_the_first_non_spot_reader_of_a_retained_version_is_asked_for_its_host_c
     assert k1.pop("a") == [], "nothing retained past the newest: no copy ahead"
 
 
+def test_a_reader_registered_with_retains_false_keeps_no_copy_and_counts_for_none():
+    """A rollout engine (``retains=False``): never asked for a host copy, its copy does not spare
+    the trainer's offload, and it may leave while holding the only other copy; the trainer's
+    host copy then serves a late reader. Its registration says so again after a restart."""
+    w = World(versions_retained=2)
+    w.reg("t"); w.reg("late")
+    reg = m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)
+    assert isinstance(w.send(reg), m.Registered)
+    w.send(m.Publish("t", 1))
+    w.send(m.Replicate("e", 1)); w.send(m.ReplicateDone("e", 1))
+    assert [x for x in w.pop("e") if isinstance(x, m.MakeHostCopy)] == [], "an engine is never asked"
+    assert w.send(m.Unpublish("t")) == m.OffloadOrder(version=1), "its copy does not count"
+    assert w.send(m.OffloadDone("t", 1, b"t-host")) == m.UnpublishDone(version=1)
+    assert w.send(m.Leave("e")) == m.Ok(), "an engine never holds the last copy"
+    assert w.send(m.Replicate("late", 1)).source_id == "t#host1"
+    assert w.core.members.registration_of(w.core.nodes["t"]).retains
+    k = World(versions_retained=2)
+    k.reg("t")
+    assert isinstance(k.send(m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)), m.Registered)
+    k.send(m.Publish("t", 1)); k.send(m.Replicate("e", 1)); k.send(m.ReplicateDone("e", 1))
+    assert not k.core.members.registration_of(k.core.nodes["e"]).retains
+    assert err(k.send(m.Leave("t"))) == "LastCopyHeld", "the engine's copy does not spare the trainer's"
+
+
 def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():
     """Simulator seed 8444: shard 1 was still reading version 2 (failed by the old server, the
     event not seen yet) when a restart came; its sibling's round 4 had moved to version 1. The

@@ -566,3 +566,49 @@ def test_two_classes_waiting_for_room_at_one_version_do_not_wake_each_other_fore
     assert w.send(m.ReplicateDone(x, 1)) == m.Ok()  # room on the trainer: one of them starts
     started = [e for cid in (c[0], d[0]) for e in w.pop(cid) if isinstance(e, m.Assignment)]
     assert started and reshard_of(started[0])
+
+
+def test_host_copies_are_reshard_sources_with_their_owners_checksums():
+    """A version kept only in the trainer's host copies (the engines keep none: ``retains=False``)
+    is read by a new engine of another layout from those host copies, by a resharded read over
+    their owners' placements; the cell checksums the owners sent while they held the version
+    are the host copies' too; a grid they lack is hashed by each owner's process on request.""" 
+    w = RW(versions_retained=2)
+    t = w.published_trainer("t", 1)
+    e = w.rollout("e", [WHOLE], retains=False)
+    assert reshard_of(w.send(m.Replicate(e[0], 1))) == t
+    grids = set()
+    for cid in t:  # each trainer shard is asked for its cells of version 1 over the engines' grid
+        (ask,) = [x for x in w.pop(cid) if isinstance(x, m.HashCells)]
+        grids.add(ask.grid)
+        assert w.send(m.CellSums(cid, 1, ask.grid, (m.CellSum("q", 0, 7),))) == m.Ok()
+    (grid,) = grids
+    assert w.send(m.ReplicateDone(e[0], 1)) == m.Ok()
+    for cid in t:
+        assert w.send(m.Unpublish(cid)) == m.OffloadOrder(version=1), "the engine's copy does not count"
+        assert w.send(m.OffloadDone(cid, 1, b"h" + cid.encode())) == m.UnpublishDone(version=1)
+        assert w.send(m.Publish(cid, 2)) == m.Ok()
+    w.send(m.Replicate(e[0], 2, update=True)); w.send(m.ReplicateDone(e[0], 2))
+    n = w.rollout("n", [WHOLE], retains=False)
+    a = w.send(m.Replicate(n[0], 1))
+    hosts = [f"{cid}#host1" for cid in t]
+    assert reshard_of(a) == hosts and a.source_endpoint == b"ht/0"
+    assert [s.placement for s in a.reshard] == [w.node(cid).placement for cid in t]
+    assert all(w.node(h).placement == w.node(cid).placement for h, cid in zip(hosts, t))
+    found = w.send(m.FindCells(n[0], 1, grid, tuple(hosts)))
+    assert isinstance(found, m.CellsAt) and not found.gone and not found.missing and len(found.cells) == 2
+    # A grid the owners did not send (a reader class of another placement): asked of each
+    # owner's process with ``host``, answered with ``host``, kept for the host copy.
+    assert w.send(m.ReplicateDone(n[0], 1)) == m.Ok()
+    w.send(m.Replicate(n[0], 2, update=True))  # n moves on: version 1 is in the host copies only
+    w.send(m.ReplicateDone(n[0], 2))
+    c = w.rollout("c", [cols(0), cols(1)])
+    assert reshard_of(w.send(m.Replicate(c[0], 1))) == hosts
+    for cid, h in zip(t, hosts):
+        (ask,) = [x for x in w.pop(cid) if isinstance(x, m.HashCells) and x.version == 1]
+        assert ask.host and ask.grid != grid
+        assert w.core.cells.kept[h][(1, ask.grid)] is None
+        assert w.send(m.CellSums(cid, 1, ask.grid, (m.CellSum("q", 0, 9),), host=True)) == m.Ok()
+        assert w.core.cells.kept[h][(1, ask.grid)] == (m.CellSum("q", 0, 9),)
+    reply = w.send(m.CellSums(t[0], 2, ask.grid, (), host=True))
+    assert isinstance(reply, m.ErrorReply) and reply.code == "InvalidState" and "host copy" in reply.message

@@ -328,6 +328,33 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
         h.close(drop_last_copy=True)
 
 
+def test_a_reader_opened_with_retains_false_keeps_no_buffer_and_the_trainer_keeps_the_version(port):
+    """``retains=False`` (a rollout engine): no pooled buffer from register, no copy made ahead,
+    no offload at its updates; the trainer offloads at its unpublish, and the retained version
+    is read from the trainer's host copy after the engine moved on."""
+    cfg = CFG.replace(host_pool_refill_delay_s=0.2)
+    t = tensorhub.open("m", port=port, config=cfg, replica="t")
+    named = workload.allocate(SPEC)
+    tt = [x for _, x in named]
+    t.register(named)
+    e = tensorhub.open("m", port=port, config=cfg, replica="e", retains=False)
+    e.register(workload.allocate(SPEC))
+    assert not e.retains and e.host_copies.pool == [] and len(t.host_copies.pool) == 1
+    workload.fill_version(tt, 1); t.publish(1)
+    e.replicate(1)
+    time.sleep(0.3)
+    assert e.host_copies.by_version == {}, "not asked to copy ahead"
+    t.unpublish()
+    assert _host_holders(port) == [(t.client_id + "#host1", 1)], "the trainer offloaded at its unpublish"
+    workload.fill_version(tt, 2); t.publish(2)
+    st = e.update("latest")
+    assert st.version == 2 and st.offload_s == 0 and e.host_buffers_allocated == 0
+    late, _ = _hub(port, replica="late")
+    assert late.replicate(1).version == 1, "version 1 is still there: the trainer's host copy"
+    for h in (late, e, t):
+        h.close(drop_last_copy=True)
+
+
 def test_a_host_copy_freed_by_a_commit_refills_the_pool_instead_of_a_fresh_buffer(port):
     """After an offload takes the pooled buffer, the pool thread waits: the copy that falls out
     of retention at the next commit comes back to the pool, and the next offload uses it. One

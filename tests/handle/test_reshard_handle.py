@@ -135,6 +135,77 @@ def test_readers_of_other_layouts_receive_exactly_their_slices_verified(port, cf
         close_all(tp1, tp2, trainer)
 
 
+def test_a_retained_version_is_resharded_from_the_trainers_host_copies(port, cfg):
+    """Engines that keep no retention copy (``retains=False``, vLLM's default) move on to version
+    2; version 1 lives on only in the trainer's host copies (its offload at unpublish). An engine
+    of another layout asking for version 1 (one that joined idle, or one restoring the version
+    it ran) reshards it from those host copies, verified by the cell checksums the trainer sent
+    while it held version 1: the host copies inherit them. (Nobody hashes a host copy: a grid its
+    owner did not send while it held the version, e.g. of a layout class registered later, fails
+    the read typed.)"""
+    late = open_replica(port, cfg, "late", [WHOLE])  # its class exists: the trainer hashes its grid
+    trainer = open_replica(port, cfg, "trainer", [rows(0), rows(1)])
+    for hub, named, p in trainer:  # every shard registered before the first publishes (one grid)
+        for (_, t), (_, want) in zip(named, local_of(p, 1)):
+            t.copy_(want)
+        hub.publish(1)
+    tp2 = []
+    for k, p in enumerate([cols(0), cols(1)]):
+        hub = tensorhub.open("m", port=port, config=cfg, replica="tp2", shard=k, num_shards=2, retains=False)
+        named = [(n, torch.zeros_like(t)) for n, t in local_of(p, 0)]
+        hub.register(named, placement=p)
+        tp2.append((hub, named, p))
+    try:
+        replicate_all(tp2, 1)
+        assert_holds(tp2, 1)
+        for hub, named, p in trainer:
+            hub.unpublish()  # engines keep no copy: each trainer shard offloads version 1
+            for (_, t), (_, want) in zip(named, local_of(p, 2)):
+                t.copy_(want)
+            hub.publish(2)
+        for hub, _, _ in tp2:
+            hub.unpublish()
+        replicate_all(tp2, 2)
+        assert_holds(tp2, 2)
+        (st,) = replicate_all(late, 1)
+        assert_holds(late, 1)
+        assert st.version == 1 and all("#host1" in s for s in st.sources), st.sources
+        for hub, _, _ in tp2:  # an engine goes back to version 1 (a restore): from the host copies too
+            hub.unpublish()
+        assert [st.version for st in replicate_all(tp2, 1)] == [1, 1]
+        assert_holds(tp2, 1)
+    finally:
+        close_all(late, tp2, trainer)
+
+
+def test_a_host_copy_is_hashed_by_its_owner_for_a_layout_that_came_later(port, cfg):
+    """The trainer's shards publish version 1 one by one (the first before its sibling
+    registered: the grid it hashed ahead is not the one readers use later), move on to 2 and keep
+    1 in host copies; then an engine of a new layout asks for 1. The grid its read needs was
+    never sent for those host copies: the server asks each owner's process (``HashCells`` with
+    ``host``), which hashes its host copy, and the read completes verified."""
+    trainer = open_replica(port, cfg, "trainer", [rows(0), rows(1)], version=1)
+    late = []
+    try:
+        for hub, named, p in trainer:
+            hub.unpublish()  # nobody else holds version 1: each shard offloads it
+            for (_, t), (_, want) in zip(named, local_of(p, 2)):
+                t.copy_(want)
+            hub.publish(2)
+        with port._lock:
+            hosts = [n for n in port.core.nodes.values() if n.host]
+            assert sorted(n.version for n in hosts) == [1, 1]
+        late = open_replica(port, cfg, "late", [cols(0), cols(1)])
+        stats = replicate_all(late, 1)
+        assert_holds(late, 1)
+        assert all(st.version == 1 and all("#host1" in s for s in st.sources) for st in stats), stats
+        with port._lock:
+            kept = {h.id: port.core.cells.kept.get(h.id, {}) for h in hosts}
+        assert all(any(v is not None for v in entries.values()) for entries in kept.values()), kept
+    finally:
+        close_all(late, trainer)
+
+
 def test_a_reader_of_the_same_layout_as_a_resharded_one_pipelines_from_it(port, cfg):
     trainer = open_replica(port, cfg, "trainer", [rows(0), rows(1)], version=1)
     first = open_replica(port, cfg, "first", [WHOLE])
