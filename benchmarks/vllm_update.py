@@ -36,7 +36,10 @@ received, the bytes each engine's TensorHub buffer holds, and the peak private m
 added in the engine's worker process (anonymous memory, sampled every millisecond; after the
 first repetition, which also touches pages for the first time; that one is reported apart). The
 resident figure (``VmHWM``) is reported too: it also counts a same-host holder's shared memory
-the engine maps to read from it, pages the holder owns. Human lines go to stderr; the last stdout line is one JSON
+the engine maps to read from it, pages the holder owns. ``retention_bytes``: the host memory
+each engine's handles and the trainer's keep for retention after a path's last repetition
+(engines open with ``retains=False``: none; the trainer keeps the retained versions, so its
+``send_weights`` includes the offload of the version it moves off). Human lines go to stderr; the last stdout line is one JSON
 object.
 """
 
@@ -153,6 +156,7 @@ def main() -> None:
     split: dict[str, list] = {}  # path/engines -> per engine (read s, load s) of the last repetition
     extra: dict[str, list[int]] = {}  # per repetition: the most private memory an update added in one engine
     extra_rss: dict[str, list[int]] = {}  # the same, resident in all (with mapped shared memory)
+    retention: dict[str, dict] = {}  # path/engines -> host memory held for retention (engines, trainer)
     g = torch.Generator().manual_seed(1)
 
     def timed(key: str, n: int, fn) -> None:
@@ -179,6 +183,8 @@ def main() -> None:
                     last = [e.collective_rpc(thv.report)[0] for e in engines[:n]]
                     received[f"{path}/{n}"] = [r["last_read_bytes"] for r in last]
                     split[f"{path}/{n}"] = [r["last_split_s"] for r in last]
+                    retention[f"{path}/{n}"] = {"engines": [r["retention_bytes"] for r in last],
+                                                "trainer": trainer.hub.host_copies.held_bytes()}
                 say(f"{path} rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v:.3f}s" for k, v in sorted(best.items())))
         for rep in range(args.reps):
             for n in (1, 2):
@@ -225,6 +231,9 @@ def main() -> None:
            "bytes_received_per_engine": {k: v for k, v in received.items()},
            "buffer_bytes_per_engine": {p: [r["slice_bytes"] for r in reps] for p, reps in reports.items()},
            "tensorhub_read_load_s": {k: [[round(x, 4) for x in pair] for pair in v] for k, v in split.items()},
+           # host memory kept for retention after the last repetition: each engine's handles
+           # (none: engines open with retains=False) and the trainer's (its host copies, its pool)
+           "retention_bytes": retention,
            # the first repetition also touches pages an engine has not used yet; the steady
            # figure is the most any later repetition added
            "extra_memory_per_engine_first": {p: {str(n): extra[f"{p}/{n}"][0] for n in (1, 2)} for p in paths[:4]},

@@ -192,6 +192,13 @@ class UpdateIncomplete(TensorHubError):
     they ran. The engines' error is the ``__cause__``."""
 
 
+class LoadFailed(TensorHubError):
+    """An inference engine received a version whole but could not load it (vLLM's
+    ``load_weights`` or a direct copy raised part way). The engine read the version it ran
+    before again and loaded it: the message says whether it runs that version again or holds
+    parts of two (then update it again). The load's error is the ``__cause__``."""
+
+
 _BY_NAME = {
     cls.__name__: cls
     for cls in list(globals().values())

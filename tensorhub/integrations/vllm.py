@@ -137,7 +137,10 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     (direct when every parameter's placement can be derived, mixed when some can, else
     checkpoint format),
     ``"direct"`` (``LayoutMismatch`` naming what cannot be derived, the engine unchanged) or
-    ``"checkpoint"``."""
+    ``"checkpoint"``. ``retains``: whether the engine keeps retention copies (host copies of
+    retained versions, ``tensorhub.open(retains=...)``); False (the default): an engine's memory is
+    for serving, the trainer keeps the retained versions (each engine would otherwise hold a
+    pooled buffer and, in turn, the previous version: up to 2 model slices of host memory)."""
 
     model: str
     config: dict = field(default_factory=dict)
@@ -146,6 +149,7 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     spot: bool = False
     wait_timeout_s: float = 600.0
     path: str = "auto"
+    retains: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -157,6 +161,9 @@ class TensorHubInitInfo(WeightTransferInitInfo):
             raise errors.ConfigError(f"init_info.wait_timeout_s must be in (0, 86400], got {self.wait_timeout_s!r}")
         if self.path not in PATHS:
             raise errors.ConfigError(f"init_info.path must be one of {', '.join(PATHS)}, got {self.path!r}")
+        for name in ("spot", "retains"):
+            if not isinstance(getattr(self, name), bool):
+                raise errors.ConfigError(f"init_info.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -180,7 +187,9 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     """The trainer side's init info. ``model``, ``config``, ``datacenter``: as
     :class:`TensorHubInitInfo`. ``device``: where the trainer's staging buffer lives (``"cpu"``:
     host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``path``: passed to the
-    engines (:class:`TensorHubInitInfo`)."""
+    engines (:class:`TensorHubInitInfo`); ``engines_retain``: passed as their ``retains``. The
+    trainer's handle keeps the retained versions (its ``Config``: ``versions_retained``,
+    ``host_copies_pooled``)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -190,6 +199,7 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     device: str = "cpu"
     wait_timeout_s: float = 600.0
     path: str = "auto"
+    engines_retain: bool = False
 
 
 def _config(model: str, fields: dict) -> Config:
@@ -271,7 +281,8 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         deadline = time.monotonic() + init_info.wait_timeout_s
         layouts, schema = _wait_layouts(port, init_info.model, deadline)
         layout, why = self._direct_layout(init_info, schema)
-        common = dict(datacenter=init_info.datacenter or None, spot=init_info.spot, config=cfg, port=port)
+        common = dict(datacenter=init_info.datacenter or None, spot=init_info.spot, retains=init_info.retains,
+                      config=cfg, port=port)
         hubs, buffers = [], []
         try:
             if layout is not None:
@@ -349,7 +360,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         parameter's slice (and a re-pack of CPU-packed layers), on the checkpoint path vLLM's
         layerwise reload. The model is untouched unless every byte arrived and verified, on every
         TP rank of the engine: the ranks agree over vLLM's TP group before any loads, so a read
-        that fails on one rank leaves all of them on the previous weights. The last rank raises
+        that fails on one rank leaves all of them on the previous weights. A load that fails part
+        way (``load_weights`` raising) is undone: every rank reads its previous version again and
+        loads it (:meth:`_restore`; ``LoadFailed``). The last rank raises
         (the failed rank's own error when it is the only one, else ``TransferError`` naming each
         failed rank), the others return without loading (see below). A no-op transfer and load
         when the model already runs it."""
@@ -385,15 +398,61 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         if version == self.version:
             self.last_split_s = (t1 - t0, 0.0)
             return
+        load_failed: Optional[BaseException] = None
+        try:
+            self._load()
+        except Exception as e:  # noqa: BLE001 - every rank hears of it (below) before any raises
+            load_failed = e
+        failures = _tp_failures(load_failed)
+        if failures:
+            self._restore(update_info.version, failures, load_failed)
+            return
+        self.last_split_s = (t1 - t0, time.monotonic() - t1)
+        self.version = version
+        log.info("model=%s replica=%s: loaded version %s on the %s path (%d bytes read)", self.info.model,
+                 self.replica, version, self.path, sum(s.bytes for s in stats))
+
+    def _load(self) -> None:
+        """The buffers into the model: the direct copies (and the residual's ``load_weights``),
+        or the whole checkpoint through vLLM's layerwise reload."""
         if self.layout is not None:
             self.layout.apply(self.model, self.buffers[0],
                               lambda weights: _load_checkpoint(self.model, self.model_config, weights))
         else:
             _load_checkpoint(self.model, self.model_config, (t for buf in self.buffers for t in buf))
-        self.last_split_s = (t1 - t0, time.monotonic() - t1)
-        self.version = version
-        log.info("model=%s replica=%s: loaded version %s on the %s path (%d bytes read)", self.info.model,
-                 self.replica, version, self.path, sum(s.bytes for s in stats))
+
+    def _restore(self, asked, failures: list[tuple[int, str]], mine: Optional[BaseException]) -> None:
+        """A load failed on some TP rank (``failures``) after every byte had arrived: ``load_weights``
+        or a copy raised part way, so the ranks that loaded anything may hold parts of two
+        versions. Every rank reads the version it ran before again (retained: the trainer keeps
+        it in host memory, and host copies are resharded reads' sources) and loads it, so the
+        engine runs that version, whole, as before. The ranks agree on the outcome; the last
+        rank raises :class:`~tensorhub.errors.LoadFailed` (the others return, as for a failed
+        read), saying whether the engine runs its previous version again. An engine that ran
+        no version yet (the weights it started with) cannot go back: it says so."""
+        rank, size = _tp_rank_size()
+        prev, why = self.version, ""
+        if prev is None:
+            why = "no earlier version to go back to (the engine ran the weights it was started with)"
+        else:
+            try:
+                self._round += 1
+                sharded = self.hubs[0].num_shards > 1
+                _update_all(self.hubs, prev, time.monotonic() + self.info.wait_timeout_s, self.info.wait_timeout_s,
+                            self._round if sharded else None)
+                self._load()
+            except Exception as e:  # noqa: BLE001 - reported with the load's failure
+                why = f"reading version {prev} again failed: {type(e).__name__}: {e}"
+        again = _tp_failures(RuntimeError(why) if why else None)
+        if again:
+            self.version = None  # parts of two versions: nothing it can name
+        where = f"model={self.info.model} replica={self.replica}"
+        said = (f"the engine runs version {prev} again" if not again else
+                f"its weights are parts of two versions ({_said(again)}): update it again")
+        if rank < size - 1:
+            log.warning("%s rank %d: version %r not loaded (%s); %s", where, rank, asked, _said(failures), said)
+            return
+        raise errors.LoadFailed(f"{where}: version {asked!r} not loaded: {_said(failures)}; {said}") from mine
 
     def shutdown(self) -> None:
         """Leave TensorHub (the buffer stops serving; the model keeps its weights)."""
@@ -413,7 +472,9 @@ def report(worker) -> dict[str, Any]:
     ``num_shards`` (of the replica), ``version``, ``slice_bytes`` (the bytes this rank holds of
     the checkpoint: its slice on the direct path, the whole checkpoint on the other),
     ``last_read_bytes`` (what the last update moved into this rank), ``last_split_s``,
-    ``pack_on_first_use`` (the modules whose CPU-packed copy is made again only if used)."""
+    ``pack_on_first_use`` (the modules whose CPU-packed copy is made again only if used),
+    ``retention_bytes`` (host memory its handles hold for retention: host copies and pooled
+    buffers; 0 unless ``init_info.retains``)."""
     e = worker.weight_transfer_engine
     hub = e.hubs[0] if e.hubs else None
     lazy = [n for n, m in worker.model_runner.model.named_modules()
@@ -421,7 +482,8 @@ def report(worker) -> dict[str, Any]:
     return {"pack_on_first_use": lazy, "path": e.path, "fallback": dict(e.fallback), "replica": e.replica,
             "shard": hub.shard if hub else None, "num_shards": hub.num_shards if hub else None,
             "version": e.version, "slice_bytes": sum(t.nbytes for buf in e.buffers for _, t in buf),
-            "last_read_bytes": sum(s.bytes for s in e.last_reads), "last_split_s": list(e.last_split_s)}
+            "last_read_bytes": sum(s.bytes for s in e.last_reads), "last_split_s": list(e.last_split_s),
+            "retention_bytes": sum(h.host_copies.held_bytes() for h in e.hubs)}
 
 
 def _first(why: dict[str, str], n: int = 1) -> str:
@@ -697,7 +759,8 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             engine.hub = hub
             client.init_weight_transfer_engine(dataclasses.asdict(TensorHubInitInfo(
                 model=init_info.model, config=dict(init_info.config), ray_address=_gcs_address(),
-                datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s, path=init_info.path)))
+                datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s, path=init_info.path,
+                retains=init_info.engines_retain)))
         except BaseException:
             hub.close(drop_last_copy=True)
             raise

@@ -224,8 +224,10 @@ def test_a_direct_update_adds_no_copy_of_the_model_in_private_memory(ray_cluster
     updates, but glibc keeps some of the layers' freed packed copies (its mmap threshold rises
     after a large free) and then an update takes 4-12 MB of fresh pages once in a while: the 1%
     goal is the benchmark's steady figure at 329 MB, not asserted here. Resident memory is not
-    the measure: the first read maps the trainer's shared memory (pages the trainer owns). Not
-    counted: retention copies the engine's handle keeps in its own shared memory (RESULTS)."""
+    the measure: the first read maps the trainer's shared memory (pages the trainer owns).
+    Retention copies are not the engine's: it holds no host copy and no pooled buffer (they were
+    2 model sizes of its shared memory before ``retains=False`` became the engines' default); the
+    trainer's handle keeps the previous version."""
     from tensorhub.testing import memory
 
     torch.manual_seed(5)
@@ -247,6 +249,8 @@ def test_a_direct_update_adds_no_copy_of_the_model_in_private_memory(ray_cluster
         (rep,) = _report(llm)
         assert rep["path"] == "direct" and rep["last_read_bytes"] == whole
         assert max(a["anon"] for a in added) < 0.3 * whole, (added, whole)
+        assert rep["retention_bytes"] == 0, rep
+        assert engine.hub.host_copies.held_versions([1]) == {1}, "the trainer keeps the previous version"
     finally:
         engine.shutdown()
         del llm
@@ -397,6 +401,73 @@ def test_a_tp2_engine_whose_rank_fails_its_read_loads_nothing_on_any_rank(ray_cl
     finally:
         engine.shutdown()
         llm = None  # the engine's processes end here (the closure above holds the name, not the engine)
+
+
+def _fail_next_load(worker) -> str:
+    """In a worker: make its next load fail part way, once. The checkpoint path: ``load_weights``
+    raises after loading 5 checkpoint tensors. The direct path: the copies are all made, then
+    it raises (the model holds the new version whole: the worst case for going back)."""
+    e = worker.weight_transfer_engine
+    if e.path == "checkpoint":
+        model = worker.model_runner.model
+        real = model.load_weights
+
+        def first_five(weights):
+            for i, w in enumerate(weights):
+                if i == 5:
+                    raise RuntimeError("injected: load_weights failed part way")
+                yield w
+
+        def failing(weights):
+            del model.load_weights  # once
+            return real(first_five(weights))
+
+        model.load_weights = failing
+    else:
+        layout = e.layout
+        real_apply = layout.apply
+
+        def failing_apply(*args, **kwargs):
+            del layout.apply
+            real_apply(*args, **kwargs)
+            raise RuntimeError("injected: failed after the direct copies")
+
+        layout.apply = failing_apply
+    return e.path
+
+
+@pytest.mark.parametrize("path", ["checkpoint", "direct"])
+def test_a_load_that_fails_part_way_is_undone_by_reading_the_previous_version_again(ray_cluster, model_name,
+                                                                                     tmp_path, path):
+    """All or nothing when the load itself fails after every byte arrived: the engine reads the
+    version it ran again (the engines keep no retention copy: it comes from the trainer's host
+    copy, by a resharded read on the direct path) and loads it, raises ``LoadFailed`` through
+    the trainer's ``UpdateIncomplete``, and generates exactly as before; the next update loads."""
+    trainer_model = _build("llama", seed=6)
+    llm = _engine(_save(trainer_model, tmp_path / "init"))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0, path=path), client=thv.LocalLLMClient(llm),
+        source=ModuleSource(trainer_model))
+    try:
+        _step(trainer_model, 0)
+        assert engine.send_weights() == 0
+        tokens0 = _greedy(llm)
+        assert llm.collective_rpc(_fail_next_load) == [path]
+        _step(trainer_model, 1)
+        with pytest.raises(errors.UpdateIncomplete) as info:
+            engine.send_weights()
+        said = f"{info.value} {info.value.__cause__}"
+        # (vLLM's RPC carries the LoadFailed's message, not its type)
+        assert "version 1 not loaded" in said and "injected" in said and "runs version 0 again" in said, said
+        (rep,) = _report(llm)
+        assert rep["version"] == 0 and rep["last_read_bytes"] > 0, rep
+        assert _greedy(llm) == tokens0, "the engine runs version 0 again, whole"
+        _step(trainer_model, 2)
+        assert engine.send_weights() == 2
+        assert _report(llm)[0]["version"] == 2 and _greedy(llm) != tokens0
+    finally:
+        engine.shutdown()
+        del llm
 
 
 def test_a_second_engine_reads_from_the_first_and_pull_mode_needs_no_trainer(ray_cluster, model_name, tmp_path):

@@ -42,6 +42,7 @@ ERRORS = {
     "Unauthorized": ("TensorHubError",), "OutOfBounds": ("TensorHubError",), "WrongModel": ("OutOfBounds",),
     "ClusterError": ("TensorHubError",), "RequestTimeout": ("TensorHubError",),
     "UpdateIncomplete": ("TensorHubError",),
+    "LoadFailed": ("TensorHubError",),
 }
 """Every error class by name, with its TensorHub parent (the wire format: renaming one breaks a
 process of the previous version, which rebuilds an unknown name as a bare TensorHubError)."""
