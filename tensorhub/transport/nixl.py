@@ -157,6 +157,12 @@ class Region:
         """Reads into this region that a pull left in flight (unit -> handle): see :meth:`settle`."""
         self._unsettled_ranges: dict[int, Any] = {}
         """Range reads (:mod:`tensorhub.transport.ranges`) left in flight: id(handle) -> handle."""
+        self._finalizer = weakref.finalize(self, _release_dropped_region, agent, list(regs), control, tensors,
+                                           self._unsettled, self._unsettled_ranges)
+        self._finalizer.atexit = False
+        """A region garbage-collected without :meth:`close` deregisters what it registered
+        before its memory goes (see :func:`_release_dropped_source`: a stale registration inside
+        later tensors fails reads into them)."""
 
     @classmethod
     def register(cls, tensors: Sequence[torch.Tensor], layout: Layout, config: Config,
@@ -329,6 +335,7 @@ class Region:
         the region and its tensors are kept alive for the late bytes (logged)."""
         if self._closed:
             return
+        self._finalizer.detach()
         if not self.settle(0.0):
             logger.error("region on %s closed with reads into units %s (and %d range reads) still in flight: "
                          "kept registered", self.agent.name, self.unsettled_units, self.unsettled_ranges)
@@ -514,6 +521,23 @@ def _release_dropped_source(agent: Agent, scratch: torch.Tensor, scratch_reg: An
         agent.nixl.deregister_memory(scratch_reg)
     except Exception:  # noqa: BLE001
         logger.debug("deregister scratch failed", exc_info=True)
+
+
+def _release_dropped_region(agent: Agent, regs: list, control: torch.Tensor, tensors: list,
+                            unsettled: dict, unsettled_ranges: dict) -> None:
+    """A :class:`Region` garbage-collected without :meth:`~Region.close`: deregister its tensors
+    and control block while they are still alive (this function holds them). Reads into it that
+    may still land keep everything (as close does); its local descriptor list is NIXL's to free."""
+    if unsettled or unsettled_ranges:
+        logger.error("region on %s dropped with reads still in flight: kept registered", agent.name)
+        _kept_alive.append((regs, control, tensors))
+        return
+    logger.warning("region on %s dropped without close(): deregistering it", agent.name)
+    for r in regs:
+        try:
+            agent.nixl.deregister_memory(r)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            logger.debug("deregister failed", exc_info=True)
 
 
 def complete_control(layout: Layout, version: int, checksums: Sequence[int]) -> torch.Tensor:

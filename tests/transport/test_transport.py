@@ -130,6 +130,39 @@ def test_a_source_dropped_without_close_deregisters_its_scratch_block_before_it_
     assert [r is reg for r, _ in calls] == [True] and alive() is None
 
 
+def test_a_region_dropped_without_close_deregisters_its_memory_before_it_is_freed(agents, monkeypatch):
+    """The same for a Region: one garbage-collected without close() deregisters its tensors'
+    range and its control block while they are alive; a closed one deregisters them once."""
+    import gc
+    import weakref
+
+    nx = agents[1].nixl
+    calls = []
+    real = nx.deregister_memory
+
+    def spy(reg, *args, **kwargs):
+        calls.append((reg, control() is not None))
+        return real(reg, *args, **kwargs)
+    monkeypatch.setattr(nx, "deregister_memory", spy)
+
+    named = _model()
+    layout = Layout.build(named, CFG.unit_bytes, CFG.pack_below_bytes)
+    region = Region.register([torch.zeros_like(t) for _, t in named], layout, CFG, agent=agents[1])
+    control, regs = weakref.ref(region.control), list(region._regs)
+    del region
+    gc.collect()
+    assert [(r, alive) for r, alive in calls] == [(r, True) for r in regs] and len(regs) == 2
+    assert control() is None
+
+    calls.clear()
+    region = Region.register([torch.zeros_like(t) for _, t in named], layout, CFG, agent=agents[1])
+    control, regs = weakref.ref(region.control), list(region._regs)
+    region.close()
+    del region
+    gc.collect()
+    assert [r for r, _ in calls] == regs and control() is None
+
+
 def test_full_pull_is_byte_exact_and_publishes_reader_progress(setup):
     named, layout, holder, recv, source = setup
     assert layout.unit_count > 10 and any(len(u) > 1 for u in layout.units)
