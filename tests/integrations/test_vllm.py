@@ -589,6 +589,10 @@ def test_the_plugin_registers_both_sides_once():
     assert WeightTransferTrainerFactory._registry[thv.BACKEND]() is thv.TensorHubTrainerWeightTransferEngine
     with pytest.raises(errors.ConfigError):
         thv.TensorHubInitInfo(model="")
+    for flag in ("spot", "retains"):
+        with pytest.raises(errors.ConfigError, match=f"init_info.{flag} must be a bool"):
+            thv.TensorHubInitInfo(model="m", **{flag: "yes"})
+    assert thv.TensorHubInitInfo(model="m").retains is False, "engines keep no retention copy by default"
     with pytest.raises(errors.BadVersionSpec):
         thv.TensorHubUpdateInfo(version="newest")
 
