@@ -216,20 +216,24 @@ def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_clust
     assert rep["last_read_bytes"] == rep["slice_bytes"], "exactly the engine's bytes moved"
 
 
-def test_a_direct_update_adds_no_copy_of_the_model_in_private_memory(ray_cluster, model_name, tmp_path):
+def test_a_direct_update_adds_no_copy_of_the_model_in_private_memory(ray_cluster, model_name, tmp_path,
+                                                                    monkeypatch):
     """The direct path adds no copy of the model in a real engine: a 69 MB Llama, 3 updates; the
     worker's private memory (sampled every millisecond, ``tensorhub.testing.memory``) grows by
-    less than 0.3 of the model during each (the slice buffer is allocated and touched at join;
-    the checkpoint path adds 0.6 in the benchmark). Measured here 0.3-0.6 MB (under 1%) at most
-    updates, but glibc keeps some of the layers' freed packed copies (its mmap threshold rises
-    after a large free) and then an update takes 4-12 MB of fresh pages once in a while: the 1%
-    goal is the benchmark's steady figure at 329 MB, not asserted here. Resident memory is not
-    the measure: the first read maps the trainer's shared memory (pages the trainer owns).
+    less than 0.05 of the model during each (the slice buffer is allocated and touched at join;
+    the checkpoint path adds 0.6 in the benchmark). The engine runs with glibc's mmap threshold
+    fixed (``MALLOC_MMAP_THRESHOLD_``): with the default, glibc raises its threshold after a large
+    free and then keeps some of the layers' freed packed copies (vLLM's CPU build re-packs each
+    linear layer at a load), so an update took 4-21 MB of fresh pages once in a while (21 MB, 0.31
+    of the model, in a clean-clone CI run: over the 0.3 this test allowed then); with the
+    threshold fixed, 0.25-1.0 MB each (stop 46's probe). Resident memory is not the measure: the
+    first read maps the trainer's shared memory (pages the trainer owns).
     Retention copies are not the engine's: it holds no host copy and no pooled buffer (they were
     2 model sizes of its shared memory before ``retains=False`` became the engines' default); the
     trainer's handle keeps the previous version."""
     from tensorhub.testing import memory
 
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the engine's processes at their start
     torch.manual_seed(5)
     cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                                    num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
@@ -248,7 +252,8 @@ def test_a_direct_update_adds_no_copy_of_the_model_in_private_memory(ray_cluster
             added.append(llm.collective_rpc(memory.peak)[0])
         (rep,) = _report(llm)
         assert rep["path"] == "direct" and rep["last_read_bytes"] == whole
-        assert max(a["anon"] for a in added) < 0.3 * whole, (added, whole)
+        print("private memory added per update:", [a["anon"] for a in added], "of", whole)
+        assert max(a["anon"] for a in added) < 0.05 * whole, (added, whole)
         assert rep["retention_bytes"] == 0, rep
         assert engine.hub.host_copies.held_versions([1]) == {1}, "the trainer keeps the previous version"
     finally:
