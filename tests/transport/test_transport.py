@@ -95,6 +95,19 @@ def test_read_control_sees_version_progress_and_checksums(setup):
     assert source.read_control()[1] == 3
 
 
+def _spy_deregistrations(monkeypatch, nixl, watched) -> list:
+    """(registration, whether ``watched()`` -- a weakref to the memory it covers -- was still
+    alive) for each ``deregister_memory`` call on ``nixl`` from now on."""
+    calls = []
+    real = nixl.deregister_memory
+
+    def spy(reg, *args, **kwargs):
+        calls.append((reg, watched[0]() is not None))
+        return real(reg, *args, **kwargs)
+    monkeypatch.setattr(nixl, "deregister_memory", spy)
+    return calls
+
+
 def test_a_source_dropped_without_close_deregisters_its_scratch_block_before_it_is_freed(setup, agents, monkeypatch):
     """A Source garbage-collected without close() must not leave its control-read scratch block
     registered: the freed block is reused by later tensors, and NIXL refuses transfers into a
@@ -104,18 +117,13 @@ def test_a_source_dropped_without_close_deregisters_its_scratch_block_before_it_
     import weakref
 
     _, _, holder, _, _ = setup
-    nx = agents[1].nixl
-    calls = []
-    real = nx.deregister_memory
-
-    def spy(reg, *args, **kwargs):
-        calls.append((reg, alive() is not None))
-        return real(reg, *args, **kwargs)
-    monkeypatch.setattr(nx, "deregister_memory", spy)
+    watched = [lambda: None]
+    calls = _spy_deregistrations(monkeypatch, agents[1].nixl, watched)
 
     src = open_source(holder.endpoint(), agent=agents[1])
     assert src.read_control()[0] == 7
     alive, reg = weakref.ref(src._scratch), src._scratch_reg
+    watched[0] = alive
     del src
     gc.collect()
     assert [(r is reg, was_alive) for r, was_alive in calls] == [(True, True)], "deregistered once, before the free"
@@ -124,6 +132,7 @@ def test_a_source_dropped_without_close_deregisters_its_scratch_block_before_it_
     calls.clear()
     src = open_source(holder.endpoint(), agent=agents[1])
     alive, reg = weakref.ref(src._scratch), src._scratch_reg
+    watched[0] = alive
     src.close()
     del src
     gc.collect()
@@ -136,19 +145,14 @@ def test_a_region_dropped_without_close_deregisters_its_memory_before_it_is_free
     import gc
     import weakref
 
-    nx = agents[1].nixl
-    calls = []
-    real = nx.deregister_memory
-
-    def spy(reg, *args, **kwargs):
-        calls.append((reg, control() is not None))
-        return real(reg, *args, **kwargs)
-    monkeypatch.setattr(nx, "deregister_memory", spy)
+    watched = [lambda: None]
+    calls = _spy_deregistrations(monkeypatch, agents[1].nixl, watched)
 
     named = _model()
     layout = Layout.build(named, CFG.unit_bytes, CFG.pack_below_bytes)
     region = Region.register([torch.zeros_like(t) for _, t in named], layout, CFG, agent=agents[1])
     control, regs = weakref.ref(region.control), list(region._regs)
+    watched[0] = control
     del region
     gc.collect()
     assert [(r, alive) for r, alive in calls] == [(r, True) for r in regs] and len(regs) == 2
@@ -157,6 +161,7 @@ def test_a_region_dropped_without_close_deregisters_its_memory_before_it_is_free
     calls.clear()
     region = Region.register([torch.zeros_like(t) for _, t in named], layout, CFG, agent=agents[1])
     control, regs = weakref.ref(region.control), list(region._regs)
+    watched[0] = control
     region.close()
     del region
     gc.collect()
