@@ -38,9 +38,12 @@ first repetition, which also touches pages for the first time; that one is repor
 resident figure (``VmHWM``) is reported too: it also counts a same-host holder's shared memory
 the engine maps to read from it, pages the holder owns. ``retention_bytes``: the host memory
 each engine's handles and the trainer's keep for retention after a path's last repetition
-(engines open with ``retains=False``: none; the trainer keeps the retained versions, so its
-``send_weights`` includes the offload of the version it moves off). Human lines go to stderr; the last stdout line is one JSON
-object.
+(engines open with ``retains=False``: none; the trainer keeps the retained versions: the server
+asks it to copy each version to host memory in the background once the engines have read it).
+Between updates the trainer "trains" for ``--step-s`` seconds (not timed), in which that copy
+runs; ``trainer_unpublish_s`` is what the next ``send_weights`` still spent moving off the
+previous version (an offload when no copy was made ahead; with ``--step-s 0`` it often is).
+Human lines go to stderr; the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON summary line on stdout")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--step-s", type=float, default=0.5,
+                    help="seconds the trainer 'trains' between updates (not timed)")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=6)
     args = ap.parse_args()
@@ -157,6 +162,7 @@ def main() -> None:
     extra: dict[str, list[int]] = {}  # per repetition: the most private memory an update added in one engine
     extra_rss: dict[str, list[int]] = {}  # the same, resident in all (with mapped shared memory)
     retention: dict[str, dict] = {}  # path/engines -> host memory held for retention (engines, trainer)
+    unpublish_s: dict[str, list[float]] = {}  # path/engines -> per repetition: send_weights' unpublish
     g = torch.Generator().manual_seed(1)
 
     def timed(key: str, n: int, fn) -> None:
@@ -179,7 +185,9 @@ def main() -> None:
                         for p in policy.parameters():
                             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
                     trainer.client = thv.LocalLLMClient(*engines[:n])
+                    time.sleep(args.step_s)  # training: the trainer's host copy is made meanwhile
                     timed(f"{path}/{n}", n, trainer.send_weights)
+                    unpublish_s.setdefault(f"{path}/{n}", []).append(round(trainer.unpublish_s, 4))
                     last = [e.collective_rpc(thv.report)[0] for e in engines[:n]]
                     received[f"{path}/{n}"] = [r["last_read_bytes"] for r in last]
                     split[f"{path}/{n}"] = [r["last_split_s"] for r in last]
@@ -234,6 +242,8 @@ def main() -> None:
            # host memory kept for retention after the last repetition: each engine's handles
            # (none: engines open with retains=False) and the trainer's (its host copies, its pool)
            "retention_bytes": retention,
+           # per repetition: the part of send_weights that moved off the previous version
+           "trainer_unpublish_s": unpublish_s, "step_s": args.step_s,
            # the first repetition also touches pages an engine has not used yet; the steady
            # figure is the most any later repetition added
            "extra_memory_per_engine_first": {p: {str(n): extra[f"{p}/{n}"][0] for n in (1, 2)} for p in paths[:4]},

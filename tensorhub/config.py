@@ -103,10 +103,12 @@ class Config:
     first touch competing with this process's reads). An offload that finds the pool empty has
     one prepared at once."""
     host_copy_ahead: bool = True
-    """When the server asks (the first non-spot reader to finish a retained version), copy it to
-    a host buffer in the background and offer it as the version's retention copy, so that the
-    last holder to move off it need not offload on its critical path -- and the copy lives
-    outside the trainer's process. Only with ``versions_retained >= 2``; the next call waits for
+    """When the server asks (the first non-spot reader to finish a retained version; or, when no
+    other replica of the model keeps copies, e.g. vLLM engines with ``retains=False``, the holder
+    they read from once they are done), copy it to a host buffer in the background and offer it
+    as the version's retention copy, so that the last holder to move off it need not offload on
+    its critical path -- and, when a reader makes it, the copy lives outside the trainer's
+    process. Only with ``versions_retained >= 2``; the next call waits for
     a copy in progress (memory speed) or cancels one still waiting for a buffer."""
     smart_skipping: bool = True
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version

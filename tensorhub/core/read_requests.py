@@ -171,11 +171,16 @@ class ReadRequests:
         # another layout class counts once that class retains the version).
         self.table.set_version(node, node.version, NodeState.PUBLISHED, node.units)
         self._versions.maybe_commit(node)
+        sources = node.reshard_from or ((node.source,) if node.source else ())
         self._reading.detach(node)
         node.suspects.clear()
         node.awaiting_source = None
         self.table.index.mark(node)
         self._retention.ask_host_copy(node)
+        for sid in sources:  # a trainer whose engines keep no copies: its readers are done
+            src = self.table.nodes.get(sid)
+            if src is not None:
+                self._retention.ask_sole_keeper(src)
 
     def on_Swap(self, req: m.Swap, now: float) -> m.Reply:
         """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""

@@ -13,6 +13,9 @@ A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it
   (:meth:`~tensorhub.core.crossdc.CrossDatacenter.keeps_dc_copy`);
 - the first non-spot reader to hold a retained version is asked to copy it ahead, in the
   background (``MakeHostCopy``, answered by ``HostCopy``), so that unpublish has nothing left to copy;
+  when the model's other replicas keep no copies (every rollout engine ``retains=False`` or
+  spot), nobody else ever will: the publisher is asked once its readers are done
+  (``ask_sole_keeper``), so its next unpublish, on the trainer's critical path, copies nothing;
 - a host copy is a node of its own (``<owner>#host<version>``), served by its owner's process;
 - a version past retention is forgotten: its host copies drain and are freed (``forget``);
 - a client that serves the last live copy of a retained version may not leave (``last_copies``),
@@ -79,9 +82,35 @@ class Retention:
         self._others = others
         """Which replicas of other layout classes can fill a holder (read only)."""
 
+    def ask_sole_keeper(self, node: Node) -> None:
+        """``node`` (a holder, typically the trainer that published) has no readers left and none
+        waiting at its version and shard: if the model has other replicas (any layout class) and
+        none of them keeps copies, nobody else will ever make the retention copy, so ``node`` is
+        asked to copy its version ahead now (:meth:`ask_host_copy`), while its process trains,
+        rather than offload the same bytes at its next unpublish, on its critical path. Not at
+        publish: the copy would compete with the readers for the holder's memory bus and link.
+        While a replica keeps copies, its first reader is asked instead (the copy then lives
+        outside the publisher's process: one death does not take the newest version and its
+        retention copy together). Cost: the model's replicas, once per holder whose readers
+        are done."""
+        if (not node.keeps_copies or node.host or node.stage_for or node.state is not NodeState.PUBLISHED
+                or node.readers or self.table.group(node.key).waiting):
+            return
+        classes = set(self.table.classes.get(logical(node.model), ())) | {node.model}
+        nodes = self.table.nodes
+        others = False
+        for (model, replica), ids in self.table.replicas.items():
+            if model in classes and replica != node.replica_id and ids:
+                if any(nodes[i].keeps_copies for i in ids):
+                    return
+                others = True
+        if others:
+            self.ask_host_copy(node)
+
     def ask_host_copy(self, node: Node) -> None:
-        """The first non-spot reader to hold a retained version copies it to host memory in the
-        background (MakeHostCopy), unless a copy exists or another holder was asked already."""
+        """The first non-spot reader to hold a retained version (or its publisher, see
+        :meth:`ask_sole_keeper`) copies it to host memory in the background (MakeHostCopy), unless
+        a copy exists or another holder was asked already."""
         if self.table.config.versions_retained < 2 or not node.keeps_copies or node.host:
             return
         if not self.kept(node.model, node.version):

@@ -726,6 +726,10 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         """The staging buffer's placement: every checkpoint tensor whole (the model's schema)."""
         self.version: Optional[int] = None
         """The last version published."""
+        self.unpublish_s = 0.0
+        """Seconds the last ``send_weights`` spent moving off the version before (an offload of it
+        to host memory when no host copy was made ahead: engines keep none, so the server asks
+        this trainer to copy each version ahead once the engines have read it)."""
 
     @classmethod
     def trainer_init(cls, init_info: TensorHubTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -785,7 +789,9 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         if version is None:
             version = self._next_version()
         if hub.version is not None:
+            t0 = time.perf_counter()
             hub.unpublish()  # stop serving the last version before its bytes are overwritten
+            self.unpublish_s = time.perf_counter() - t0
         count = 0
         for name, tensor in self.source:
             if count >= len(self.buffer):

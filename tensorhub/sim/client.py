@@ -469,6 +469,8 @@ class SimClient:
         endpoint = f"host:{self.cid}:{version}".encode()
         self.host_copies[version] = list(self.mem)
         self.machine.host_copies[version] = endpoint
+        if self.role == "trainer":  # asked at its publish: no reader keeps copies (ask_publisher)
+            self.world.checker.observer.path("publisher_copy_ahead")
         # Whatever the answer, the copy stays until the server drops it: a call lost to a server
         # restart may already have been overtaken by an announcement that carried the copy.
         self._offer_host_copy(version, endpoint, 0, self.copy_gen)

@@ -1108,8 +1108,8 @@ def test_a_free_source_on_the_readers_own_host_is_preferred():
 
 
 def test_the_first_non_spot_reader_of_a_retained_version_is_asked_for_its_host_copy():
-    """Not the publisher (its process also holds the newest version: one death would take both),
-    not a spot reader, and only one reader per version and shard."""
+    """Not the publisher while a reader keeps copies (its process also holds the newest version:
+    one death would take both), not a spot reader, and only one reader per version and shard."""
     w = World(versions_retained=2)
     w.reg("t"); w.reg("s", spot=True); w.reg("a"); w.reg("b")
     w.send(m.Publish("t", 1))
@@ -1147,6 +1147,54 @@ def test_a_reader_registered_with_retains_false_keeps_no_copy_and_counts_for_non
     k.send(m.Publish("t", 1)); k.send(m.Replicate("e", 1)); k.send(m.ReplicateDone("e", 1))
     assert not k.core.members.registration_of(k.core.nodes["e"]).retains
     assert err(k.send(m.Leave("t"))) == "LastCopyHeld", "the engine's copy does not spare the trainer's"
+
+
+def test_a_trainer_whose_readers_keep_no_copies_is_asked_for_its_host_copy_once_they_are_done():
+    """Every rollout engine ``retains=False`` (or spot): no reader will ever make the retention
+    copy, so each trainer shard is asked (``MakeHostCopy``) once its own readers are done: not
+    at its publish (the copy would compete with their reads), not while one still reads from
+    it; an engine reading from another engine does not hold it back. Its offered copy spares
+    the unpublish the offload. A replica of the model that keeps copies is asked instead (the
+    existing rule); a trainer that no other replica read is not asked, nor one past retention."""
+    def asked(w, cid):
+        return [x for x in w.pop(cid) if isinstance(x, m.MakeHostCopy)]
+
+    w = World(versions_retained=2, readers_per_source_max=1)
+    for k in (0, 1):
+        w.reg(f"t{k}", replica="t", shard=k, num_shards=2)
+    for r in ("e", "f"):
+        for k in (0, 1):
+            reg = m.Register(f"{r}{k}", "pol", r, k, 2, LAYOUT, r.encode(), "a", retains=False)
+            assert isinstance(w.send(reg), m.Registered)
+    w.reg("s0", replica="s", shard=0, num_shards=2, spot=True)
+    for k in (0, 1):
+        w.send(m.Publish(f"t{k}", 1))
+    for k in (0, 1):
+        assert w.send(m.Replicate(f"e{k}", 1)).source_id == f"t{k}"
+        assert w.send(m.Replicate(f"f{k}", 1)).source_id == f"e{k}", "pipelined behind e"
+    assert asked(w, "t0") == asked(w, "t1") == [], "not at its publish, not while e reads"
+    w.send(m.ReplicateDone("e0", 1))
+    assert asked(w, "t0") == [m.MakeHostCopy(1)] and asked(w, "t1") == [], "f0 reads from e0"
+    w.send(m.ReplicateDone("e1", 1)); w.send(m.ReplicateDone("f0", 1)); w.send(m.ReplicateDone("f1", 1))
+    assert asked(w, "t1") == [m.MakeHostCopy(1)] and asked(w, "t0") == [], "each shard once"
+    assert all(asked(w, f"{r}{k}") == [] for r in "ef" for k in (0, 1)), "an engine is never asked"
+    assert w.send(m.HostCopy("t0", 1, b"t0-host")) == m.Ok()
+    assert w.send(m.Unpublish("t0")) == m.UnpublishDone(version=1), "copied ahead: no offload"
+    assert w.send(m.Unpublish("t1")) == m.OffloadOrder(version=1), "its copy was not offered yet"
+    # A replica that keeps copies is asked when it holds the version, not the trainer.
+    k = World(versions_retained=2)
+    k.reg("t"); k.reg("r")
+    assert isinstance(k.send(m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)), m.Registered)
+    k.send(m.Publish("t", 1))
+    k.send(m.Replicate("e", 1)); k.send(m.ReplicateDone("e", 1))
+    assert asked(k, "t") == []
+    k.send(m.Replicate("r", 1)); k.send(m.ReplicateDone("r", 1))
+    assert asked(k, "r") == [m.MakeHostCopy(1)] and asked(k, "t") == []
+    one = World(versions_retained=1)
+    one.reg("t")
+    assert isinstance(one.send(m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)), m.Registered)
+    one.send(m.Publish("t", 1)); one.send(m.Replicate("e", 1)); one.send(m.ReplicateDone("e", 1))
+    assert asked(one, "t") == [], "nothing retained past the newest: no copy ahead"
 
 
 def test_a_shard_cannot_finish_a_version_its_round_moved_away_from():

@@ -330,8 +330,9 @@ def test_retention_buffer_is_ready_at_register_so_an_offload_touches_no_fresh_me
 
 def test_a_reader_opened_with_retains_false_keeps_no_buffer_and_the_trainer_keeps_the_version(port):
     """``retains=False`` (a rollout engine): no pooled buffer from register, no copy made ahead,
-    no offload at its updates; the trainer offloads at its unpublish, and the retained version
-    is read from the trainer's host copy after the engine moved on."""
+    no offload at its updates; the trainer, asked at its publish (no reader of the model keeps
+    copies), makes its host copy in the background, so its unpublish copies nothing, and the
+    retained version is read from that host copy after the engine moved on."""
     cfg = CFG.replace(host_pool_refill_delay_s=0.2)
     t = tensorhub.open("m", port=port, config=cfg, replica="t")
     named = workload.allocate(SPEC)
@@ -344,8 +345,14 @@ def test_a_reader_opened_with_retains_false_keeps_no_buffer_and_the_trainer_keep
     e.replicate(1)
     time.sleep(0.3)
     assert e.host_copies.by_version == {}, "not asked to copy ahead"
+    deadline = time.monotonic() + 10
+    while 1 not in t.host_copies.by_version and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ahead = t.host_copies.by_version.get(1)
+    assert ahead is not None, "the trainer copies ahead, in the background"
     t.unpublish()
-    assert _host_holders(port) == [(t.client_id + "#host1", 1)], "the trainer offloaded at its unpublish"
+    assert _host_holders(port) == [(t.client_id + "#host1", 1)]
+    assert t.host_copies.by_version[1] is ahead, "its unpublish copied nothing"
     workload.fill_version(tt, 2); t.publish(2)
     st = e.update("latest")
     assert st.version == 2 and st.offload_s == 0 and e.host_buffers_allocated == 0
