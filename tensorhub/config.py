@@ -103,9 +103,9 @@ class Config:
     first touch competing with this process's reads). An offload that finds the pool empty has
     one prepared at once."""
     host_copy_ahead: bool = True
-    """When the server asks (the first non-spot reader to finish a retained version; or, when no
-    other replica of the model keeps copies, e.g. vLLM engines with ``retains=False``, the holder
-    they read from once they are done), copy it to a host buffer in the background and offer it
+    """When the server asks (the first non-spot reader to finish a retained version; or, when its
+    readers are engines registered ``retains=False`` and no replica that keeps copies holds or
+    reads the version, the holder they read from once they are done), copy it to a host buffer in the background and offer it
     as the version's retention copy, so that the last holder to move off it need not offload on
     its critical path -- and, when a reader makes it, the copy lives outside the trainer's
     process. Only with ``versions_retained >= 2``; the next call waits for

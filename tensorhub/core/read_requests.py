@@ -177,10 +177,11 @@ class ReadRequests:
         node.awaiting_source = None
         self.table.index.mark(node)
         self._retention.ask_host_copy(node)
-        for sid in sources:  # a trainer whose engines keep no copies: its readers are done
-            src = self.table.nodes.get(sid)
-            if src is not None:
-                self._retention.ask_sole_keeper(src)
+        if not node.retains:  # an engine that keeps no copies: its source may be the only keeper
+            for sid in sources:
+                src = self.table.nodes.get(sid)
+                if src is not None:
+                    self._retention.ask_sole_keeper(src)
 
     def on_Swap(self, req: m.Swap, now: float) -> m.Reply:
         """The handle takes over its complete staging copy's memory (see :class:`m.Swap`)."""

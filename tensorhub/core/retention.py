@@ -13,9 +13,10 @@ A part of :class:`tensorhub.core.reference.ReferenceCore`, kept apart because it
   (:meth:`~tensorhub.core.crossdc.CrossDatacenter.keeps_dc_copy`);
 - the first non-spot reader to hold a retained version is asked to copy it ahead, in the
   background (``MakeHostCopy``, answered by ``HostCopy``), so that unpublish has nothing left to copy;
-  when the model's other replicas keep no copies (every rollout engine ``retains=False`` or
-  spot), nobody else ever will: the publisher is asked once its readers are done
-  (``ask_sole_keeper``), so its next unpublish, on the trainer's critical path, copies nothing;
+  when no replica that keeps copies holds or reads the version (the rollout engines registered
+  ``retains=False``), nobody will: the holder they read from (the trainer) is asked once its
+  readers are done (``ask_sole_keeper``), so its next unpublish, on the trainer's critical
+  path, copies nothing;
 - a host copy is a node of its own (``<owner>#host<version>``), served by its owner's process;
 - a version past retention is forgotten: its host copies drain and are freed (``forget``);
 - a client that serves the last live copy of a retained version may not leave (``last_copies``),
@@ -84,28 +85,33 @@ class Retention:
 
     def ask_sole_keeper(self, node: Node) -> None:
         """``node`` (a holder, typically the trainer that published) has no readers left and none
-        waiting at its version and shard: if the model has other replicas (any layout class) and
-        none of them keeps copies, nobody else will ever make the retention copy, so ``node`` is
-        asked to copy its version ahead now (:meth:`ask_host_copy`), while its process trains,
-        rather than offload the same bytes at its next unpublish, on its critical path. Not at
-        publish: the copy would compete with the readers for the holder's memory bus and link.
-        While a replica keeps copies, its first reader is asked instead (the copy then lives
-        outside the publisher's process: one death does not take the newest version and its
-        retention copy together). Cost: the model's replicas, once per holder whose readers
-        are done."""
+        waiting at its version and shard, and no copy of that version was asked for or made: if
+        no other replica of the model (any layout class) that keeps copies holds or reads the
+        version, none will make the retention copy as things stand (rollout engines opened with
+        ``retains=False``), so ``node`` is asked to copy its version ahead now
+        (:meth:`ask_host_copy`), while its process trains, rather than offload the same bytes at
+        its next unpublish, on its critical path. Not at publish: the copy would compete with
+        the readers for the holder's memory bus and link. A replica that keeps copies and reads
+        the version is asked instead when it finishes (the copy then lives outside the
+        publisher's process: one death does not take the newest version and its retention copy
+        together). Called when one of ``node``'s readers registered with ``retains=False``
+        finishes (a spot reader finishing does not ask: spot fleets offload at unpublish, as they
+        did); cost: the version's nodes, until a copy is asked for."""
         if (not node.keeps_copies or node.host or node.stage_for or node.state is not NodeState.PUBLISHED
-                or node.readers or self.table.group(node.key).waiting):
+                or node.readers):
             return
-        classes = set(self.table.classes.get(logical(node.model), ())) | {node.model}
-        nodes = self.table.nodes
-        others = False
-        for (model, replica), ids in self.table.replicas.items():
-            if model in classes and replica != node.replica_id and ids:
-                if any(nodes[i].keeps_copies for i in ids):
-                    return
-                others = True
-        if others:
-            self.ask_host_copy(node)
+        g = self.table.group(node.key)
+        if g.waiting or g.asked or g.hosts:
+            return
+        nodes, groups = self.table.nodes, self.table.groups
+        for cls in set(self.table.classes.get(logical(node.model), ())) | {node.model}:
+            mod = self.table.models.get(cls)
+            for k in range(mod.num_shards if mod is not None else 0):
+                for i in groups.get((cls, node.version, k), ()):
+                    o = nodes[i]
+                    if o.keeps_copies and not o.host and o.replica_id != node.replica_id:
+                        return
+        self.ask_host_copy(node)
 
     def ask_host_copy(self, node: Node) -> None:
         """The first non-spot reader to hold a retained version (or its publisher, see

@@ -198,7 +198,7 @@ class HostCopies:
             self._take_notes()
         except errors.TensorHubError:
             pass
-        entry = self._pooled_buffer(cancel)
+        entry = self._pooled_buffer(cancel, refill=False)
         if entry is None:  # cancelled before a buffer was ready: the last holder will offload
             return
         region, copies = entry
@@ -261,25 +261,32 @@ class HostCopies:
             if endpoint is not None:
                 self._offer(version, endpoint, _NO_RETRY)
 
-    def _take_pooled(self) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
-        """A pooled buffer taken out (the pool thread woken to refill in its own time), or None.
-        Called under the lock."""
+    def _take_pooled(self, refill: bool = True) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
+        """A pooled buffer taken out (``refill``: the pool thread woken to refill in its own
+        time), or None. Called under the lock."""
         if not self.pool:
             return None
         entry = self.pool.pop()
-        self.pool_wake.set()
+        if refill:
+            self.pool_wake.set()
         return entry
 
-    def _pooled_buffer(self, cancel: threading.Event) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
+    def _pooled_buffer(self, cancel: threading.Event,
+                       refill: bool = True) -> Optional[tuple[tx.Region, list[torch.Tensor]]]:
         """A ready retention buffer; while the pool thread is preparing one, wait for it (a
         second fresh buffer would only compete with it for first touches), unless cancelled.
+        ``refill`` False (a copy made ahead): taking the pooled buffer does not wake the pool
+        thread at all. The next commit frees a retained copy into the pool, and no offload waits
+        meanwhile (the copy made ahead is the version's retention copy); a refill after
+        ``host_pool_refill_delay_s`` would, with steps longer than that delay, touch a fresh buffer
+        every version and close the freed copy (and keep one more buffer than needed).
 
         A buffer taken from the pool at once is not urgent: the pool refills after
         ``host_pool_refill_delay_s``, usually from the host copy the next commit frees. Waking the
         pool thread urgently then made it touch a fresh buffer at once and the freed copy find the
         pool full and be closed: a fresh 1 GiB buffer and a close every version (issue 27)."""
         with self.lock:
-            entry = self._take_pooled()
+            entry = self._take_pooled(refill)
             if entry is not None:
                 return entry
             self._waiters += 1
@@ -289,7 +296,7 @@ class HostCopies:
             t0 = time.monotonic()
             while True:
                 with self.lock:
-                    entry = self._take_pooled()
+                    entry = self._take_pooled(refill)
                 if entry is not None:
                     return entry
                 t = self.pool_thread

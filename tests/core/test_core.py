@@ -1150,12 +1150,13 @@ def test_a_reader_registered_with_retains_false_keeps_no_copy_and_counts_for_non
 
 
 def test_a_trainer_whose_readers_keep_no_copies_is_asked_for_its_host_copy_once_they_are_done():
-    """Every rollout engine ``retains=False`` (or spot): no reader will ever make the retention
-    copy, so each trainer shard is asked (``MakeHostCopy``) once its own readers are done: not
+    """Every rollout engine ``retains=False`` (a spot one idle beside them): no reader will make
+    the retention copy, so each trainer shard is asked (``MakeHostCopy``) once its own readers are done: not
     at its publish (the copy would compete with their reads), not while one still reads from
     it; an engine reading from another engine does not hold it back. Its offered copy spares
-    the unpublish the offload. A replica of the model that keeps copies is asked instead (the
-    existing rule); a trainer that no other replica read is not asked, nor one past retention."""
+    the unpublish the offload. A replica of the model that keeps copies and reads the version is
+    asked instead (the existing rule), but an idle one holds nothing back; a trainer that no
+    other replica read is not asked, nor one past retention."""
     def asked(w, cid):
         return [x for x in w.pop(cid) if isinstance(x, m.MakeHostCopy)]
 
@@ -1181,15 +1182,23 @@ def test_a_trainer_whose_readers_keep_no_copies_is_asked_for_its_host_copy_once_
     assert w.send(m.HostCopy("t0", 1, b"t0-host")) == m.Ok()
     assert w.send(m.Unpublish("t0")) == m.UnpublishDone(version=1), "copied ahead: no offload"
     assert w.send(m.Unpublish("t1")) == m.OffloadOrder(version=1), "its copy was not offered yet"
-    # A replica that keeps copies is asked when it holds the version, not the trainer.
+    # A replica that keeps copies and reads the version is asked when it holds it, not the
+    # trainer; one that keeps copies but sits idle does not hold the trainer's copy back.
     k = World(versions_retained=2)
-    k.reg("t"); k.reg("r")
+    k.reg("t"); k.reg("r"); k.reg("idle")
     assert isinstance(k.send(m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)), m.Registered)
     k.send(m.Publish("t", 1))
-    k.send(m.Replicate("e", 1)); k.send(m.ReplicateDone("e", 1))
+    assert k.send(m.Replicate("e", 1)).source_id == "t"
+    assert isinstance(k.send(m.Replicate("r", 1)), m.Assignment)
+    k.send(m.ReplicateDone("e", 1))
     assert asked(k, "t") == []
-    k.send(m.Replicate("r", 1)); k.send(m.ReplicateDone("r", 1))
+    k.send(m.ReplicateDone("r", 1))
     assert asked(k, "r") == [m.MakeHostCopy(1)] and asked(k, "t") == []
+    j = World(versions_retained=2)
+    j.reg("t"); j.reg("idle")
+    assert isinstance(j.send(m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)), m.Registered)
+    j.send(m.Publish("t", 1)); j.send(m.Replicate("e", 1)); j.send(m.ReplicateDone("e", 1))
+    assert asked(j, "t") == [m.MakeHostCopy(1)] and asked(j, "idle") == []
     one = World(versions_retained=1)
     one.reg("t")
     assert isinstance(one.send(m.Register("e", "pol", "e", 0, 1, LAYOUT, b"e", "a", retains=False)), m.Registered)

@@ -383,13 +383,17 @@ def test_a_host_copy_freed_by_a_commit_refills_the_pool_instead_of_a_fresh_buffe
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
 
 
-def test_copies_made_ahead_version_after_version_reuse_the_freed_buffers(port):
+@pytest.mark.parametrize("refill_delay_s", [60.0, 0.0])
+def test_copies_made_ahead_version_after_version_reuse_the_freed_buffers(port, refill_delay_s):
     """Issue 27: a copy made ahead that found the pooled buffer ready still woke the pool thread
     as if it waited, so the pool touched a fresh buffer at once and the copy that the next commit
     freed found the pool full and was closed: a fresh buffer every version. Now the freed copies
     come back to the pool and feed the next copies: a reader that copies ahead every version
-    allocates at most the retained copies plus the pooled one, however many versions pass."""
-    cfg = CFG.replace(host_pool_refill_delay_s=60.0)
+    allocates at most the retained copies plus the pooled one, however many versions pass.
+    With a refill delay shorter than a step (0 here; steps of an RL job are longer than the
+    default 5 s), a copy made ahead used to wake the pool after that delay: the same fresh buffer
+    every version. It no longer wakes it at all (the commit's freed copy refills the pool)."""
+    cfg = CFG.replace(host_pool_refill_delay_s=refill_delay_s)
     t, tt = inproc.open_hub(port, config=cfg, replica="t")
     r, _ = inproc.open_hub(port, config=cfg, replica="r")
     try:
