@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -147,6 +148,18 @@ def _model_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _copied_ahead(engine, version: int, timeout_s: float = 20.0):
+    """The trainer's host copy of ``version``, made in the background once the engines read it
+    (they keep none: ``retains=False``), waited for."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        entry = engine.hub.host_copies.by_version.get(version)
+        if entry is not None:
+            return entry
+        time.sleep(0.02)
+    raise AssertionError(f"the trainer made no host copy of version {version} ahead")
+
+
 def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: int, path: str = "auto"):
     """``steps`` updates of the engine ``make_llm()`` builds, from ``trainer_model`` through
     ``backend="tensorhub"`` (the engine runs each version); then, per version, greedy generation
@@ -159,12 +172,17 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
         thv.TensorHubTrainerInitInfo(model=model_name, rank=0, path=path), client=thv.LocalLLMClient(llm),
         source=ModuleSource(trainer_model))
     saved = []
+    ahead = None
     try:
         for k in range(steps):
             _step(trainer_model, k)
             v = engine.send_weights()
             assert v == k
             assert llm.get_weight_version() == str(v)
+            if ahead is not None:  # the engine keeps no copy: the trainer made its own, in the background
+                assert engine.hub.host_copies.by_version.get(v - 1) is ahead, \
+                    "send_weights offloaded the previous version: no copy was made ahead"
+            ahead = _copied_ahead(engine, v)
             if _report(llm)[0]["path"] in ("direct", "mixed"):
                 state = {n: p.detach().clone() for n, p in trainer_model.named_parameters()}
                 # in the callable (pickled whole): vLLM's encoder would turn tensors in args into lists
