@@ -18,6 +18,10 @@ parameters; every injection is traced and counted.
 - ``msg_loss``         while the server is up, a call's request or reply is lost with chance
                        ``p`` for a while (the caller sees the server unavailable and retries).
 - ``msg_dup``          while the server is up, a request is delivered twice with chance ``p``.
+- ``late_dup``         for a while, a ``Replicate`` is delivered a second time with chance ``p``,
+                       up to ``delay_s`` later (a call Ray retried, overtaken by events: a version
+                       published, a read finished): the server must answer it as it answered
+                       the first, and start nothing (the bug class of mixed_spot seed 4730).
 - ``push_delay``       for a while, a pulse answer that brings a ``Newest`` (the server's push of
                        a commit or withdrawal) is held up to ``max_s`` on its way: handles keep
                        answering no-op updates locally from what they knew, within
@@ -74,7 +78,7 @@ from tensorhub.core import messages as m
 
 FAULT_KINDS = ("worker_crash", "source_crash", "server_restart", "spot_preemption", "slow_link", "msg_delay",
                "interrupt", "trainer_replaced", "msg_loss", "msg_dup", "holders_hang", "restart_mid_read",
-               "restart_after_failed_read", "broadcast_shard_crash", "push_delay")
+               "restart_after_failed_read", "broadcast_shard_crash", "push_delay", "late_dup")
 """The kinds a seed may plan, in the order it draws them (new kinds go last: a seed's draws for the
 earlier kinds stay as they were)."""
 
@@ -91,6 +95,9 @@ BOUNDS = {
     "msg_loss.duration_s": (1.0, 6.0),
     "msg_dup.p": (0.05, 0.3),
     "msg_dup.duration_s": (1.0, 6.0),
+    "late_dup.p": (0.1, 0.5),
+    "late_dup.duration_s": (2.0, 8.0),
+    "late_dup.delay_s": (0.3, 4.0),
     "restart_after_failed_read.delay_s": (0.0, 0.4),
     "broadcast_shard_crash.delay_s": (0.0, 0.5),
     "restart_after_round_moved.delay_s": (0.0, 0.3),
@@ -130,9 +137,11 @@ def plan_faults(world, rng: random.Random) -> list[tuple[float, str, dict]]:
                 knobs["duration_s"] = rng.uniform(*BOUNDS["push_delay.duration_s"])
             elif kind == "spot_preemption":
                 knobs["nodes"] = rng.randint(*BOUNDS["spot_preemption.max_nodes"])
-            elif kind in ("msg_loss", "msg_dup"):
+            elif kind in ("msg_loss", "msg_dup", "late_dup"):
                 knobs["p"] = rng.uniform(*BOUNDS[f"{kind}.p"])
                 knobs["duration_s"] = rng.uniform(*BOUNDS[f"{kind}.duration_s"])
+                if kind == "late_dup":
+                    knobs["delay_s"] = rng.uniform(*BOUNDS["late_dup.delay_s"])
             knobs["pick"] = knobs.get("pick", rng.random())
             plan.append((t, kind, knobs))
     if p.num_shards > 1:
@@ -232,6 +241,10 @@ def inject(world, kind: str, knobs: dict) -> None:
     elif kind == "msg_dup":
         world.net.dup_p = knobs["p"]
         sim.after(knobs["duration_s"], setattr, world.net, "dup_p", 0.0)
+        done = True
+    elif kind == "late_dup":
+        world.net.late_p, world.net.late_delay_max_s = knobs["p"], knobs["delay_s"]
+        sim.after(knobs["duration_s"], setattr, world.net, "late_p", 0.0)
         done = True
     elif kind == "restart_mid_read":
         world.restart_armed = knobs["down_s"]

@@ -73,6 +73,11 @@ class Network:
         """``msg_dup`` fault: the chance that a request is delivered twice (server up)."""
         self.fault_rng = random.Random(f"{sim.seed}/net-faults")
         """Its own stream: the jitter draws of a seed stay as they were."""
+        self.late_p = 0.0
+        """``late_dup`` fault: the chance that a ``Replicate`` is delivered again, later."""
+        self.late_delay_max_s = 0.0
+        self.late_rng = random.Random(f"{sim.seed}/net-late")
+        """Its own stream: the other faults' draws of a seed stay as they were."""
         self.lost = self.duplicated = 0
         self.hosts: dict[str, Host] = {}
         self.links: dict[tuple[str, str], tuple[Resource, float]] = {}
@@ -152,6 +157,12 @@ class Network:
             self.duplicated += 1
             return True
         return False
+
+    def late_duplicate(self) -> Optional[float]:
+        """``late_dup``: after how long the request about to be sent is delivered again, or None."""
+        if self.late_p > 0 and self.late_rng.random() < self.late_p:
+            return self.late_rng.uniform(0.0, self.late_delay_max_s)
+        return None
 
     def host(self, name: str) -> Optional[Host]:
         return self.hosts.get(name)

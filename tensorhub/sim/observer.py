@@ -48,7 +48,7 @@ from tensorhub.sim.known import KNOWN_OPEN
 PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "prefetch_in_dc", "default_rounds",
          "checksums_off", "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
          "msg_lost", "msg_duplicated", "local_noop", "local_skip", "answer_replayed", "round_asked_again",
-         "round_waited", "publisher_copy_ahead")
+         "round_waited", "publisher_copy_ahead", "msg_late_dup")
 """Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""
 
 ERROR_PATHS = frozenset({"LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable"})

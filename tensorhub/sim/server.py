@@ -67,6 +67,8 @@ class SimServer:
         self.mail = self._mailboxes()
         self.calls: set[Call] = set()
         """Calls sent and not answered yet (a crash fails them)."""
+        self._late: dict[str, list[list]] = {}
+        """client -> its ``late_dup`` copies not sent yet: [call, epoch]."""
         self.polls: dict[str, Call] = {}
         """Long polls: a blocking call waiting for its client's next terminal event."""
         self.holds = PulseHolds()
@@ -126,6 +128,8 @@ class SimServer:
             return
         self.calls.add(c)
         net = self.world.net
+        if token is not None:
+            self._flush_late(client.cid)  # a client's own requests stay in order (one connection)
         if net.lose():
             self._lost(c, "request")
             return
@@ -134,6 +138,28 @@ class SimServer:
             self.world.sim.trace(f"duplicate {client.cid} {req!r}")
             self.world.checker.observer.path("msg_duplicated")
             net.send(client.cid, NAME, self._arrive, c, self.epoch)
+        if token is not None and isinstance(req, m.Replicate):
+            late = net.late_duplicate()
+            if late is not None:
+                self.world.sim.trace(f"late duplicate in {late:.3f}s {client.cid} {req!r}")
+                self.world.checker.observer.path("msg_late_dup")
+                entry = [c, self.epoch]
+                self._late.setdefault(client.cid, []).append(entry)
+                self.world.sim.after(late, self._send_late, client.cid, entry)
+
+    def _send_late(self, cid: str, entry: list) -> None:
+        """A ``late_dup`` copy goes out now (unless the client's next request sent it already)."""
+        pending = self._late.get(cid, [])
+        if entry in pending:
+            pending.remove(entry)
+            self.world.net.send(cid, NAME, self._arrive, *entry)
+
+    def _flush_late(self, cid: str) -> None:
+        """The client sends another request: its late copies go out first. A connection keeps a
+        client's requests in order, so a late copy can overtake other clients' requests (a version
+        published meanwhile), never its own later ones."""
+        for entry in self._late.pop(cid, []):
+            self.world.net.send(cid, NAME, self._arrive, *entry)
 
     def _lost(self, c: Call, what: str) -> None:
         """The ``msg_loss`` fault: the call's request or reply is lost; its caller sees the

@@ -271,20 +271,28 @@ def test_a_too_lax_retention_across_classes_is_caught(monkeypatch):
 
 def test_a_replicate_answered_again_starts_nothing_or_a_reader_waits_for_good(monkeypatch):
     """The plant: the server forgets its final answers to Replicate (a duplicate is taken
-    afresh). Seed 4730 hung with it until host copies became resharded reads' sources (stop 47),
-    which changed that seed's schedule; a search of 21,000 seeds with the plant (mixed_spot
-    0-11000, mixed 0-2000, mixed_engines 0-4000, the default workloads 0-4000) found none that
-    reaches the interleaving again. The bug stays pinned where it is exact:
-    ``tests/core/test_core.py::test_a_replicate_answered_for_good_gets_the_same_answer_again_and_starts_no_read``
-    (run here under the plant, which it must catch); seed 4730 still runs clean."""
+    afresh). Seed 4730 (mixed_spot) hung with it until host copies became resharded reads'
+    sources (stop 47), which changed that seed's schedule; a search of 21,000 seeds found none
+    that reached the interleaving again. The ``late_dup`` fault (stop 48: a Replicate delivered
+    a second time, up to seconds later, after other clients' requests but before its own client's
+    next one) brings it back: seed 39 (crossdc) runs clean, and hangs under the plant (a staging
+    copy's duplicate started a read nobody followed; without ``late_dup`` it runs clean under the
+    plant too). The exact core test is run under the plant as well."""
     from tensorhub.core.reference import ReferenceCore
+    from tensorhub.sim.network import Network
     from tests.core import test_core
 
     assert run_scenario(4730, "mixed_spot").ok
+    clean = run_scenario(39)
+    assert clean.workload == "crossdc" and clean.ok and clean.paths.get("msg_late_dup"), clean.violations
     with monkeypatch.context() as mp:
         mp.setattr(ReferenceCore, "_note_answered", lambda self, req, reply: None)
+        planted = run_scenario(39)
+        assert "hang" in {kind for kind, _, _ in planted.violations}, planted.violations
         with pytest.raises(AssertionError):
             test_core.test_a_replicate_answered_for_good_gets_the_same_answer_again_and_starts_no_read()
+        mp.setattr(Network, "late_duplicate", lambda self: None)
+        assert run_scenario(39).ok, "the late duplicate is what reaches the interleaving"
 
 
 # ---------------------------------------------------------------------------- mixed_engines
