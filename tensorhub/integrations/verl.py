@@ -39,6 +39,11 @@ as 0): it is ``global_steps`` while steps grow, and a new version whenever verl 
 passes none, so a rollout never takes an older publication for this update's weights and never
 races the trainer (it asks for that exact version and waits for it).
 
+Retention stays with the rollouts here (their handles keep copies, unlike vLLM's engines, which
+open with ``retains=False``): the trainer unpublishes at every ``finalize``, so a trainer that
+kept the retained versions would copy its staging buffer to host memory at each of them, on the
+update's path; the first rollout to finish a version copies it in the background instead.
+
 A rollout that dies mid-update does not hang the others: their reads fail over to another source
 (TensorHub's scheduler). A sharded trainer (``num_shards`` > 1: trainer rank r yields the
 tensors of shard r) maps onto TensorHub shards; each rollout rank then holds all shards (one
