@@ -279,7 +279,10 @@ class HostCopies:
         thread at all. The next commit frees a retained copy into the pool, and no offload waits
         meanwhile (the copy made ahead is the version's retention copy); a refill after
         ``host_pool_refill_delay_s`` would, with steps longer than that delay, touch a fresh buffer
-        every version and close the freed copy (and keep one more buffer than needed).
+        every version and close the freed copy (and keep one more buffer than needed). The price:
+        an offload the handle must make before that commit (it became the last holder of another
+        retained version, e.g. the reader that copied ahead died) finds no ready buffer and waits
+        for a fresh one to be touched, on its path.
 
         A buffer taken from the pool at once is not urgent: the pool refills after
         ``host_pool_refill_delay_s``, usually from the host copy the next commit frees. Waking the
