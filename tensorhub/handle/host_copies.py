@@ -44,6 +44,26 @@ _NO_RETRY.set()
 """A stop already set: one offer, no pause and retry (the next answered pulse retries)."""
 
 
+def copy_to_host(copies: list[torch.Tensor], held: list[torch.Tensor]) -> None:
+    """Copy the published tensors ``held`` into the host buffer ``copies``; returns once every
+    byte is there. CUDA tensors are copied on a stream of the copy's own (DMA from device into
+    pinned memory), so a copy made in the background overlaps the process's GPU work instead of
+    queueing on its default stream, where it would wait for the trainer's queued kernels and
+    hold back the ones queued after it. It waits for nothing: ``publish`` synchronized the
+    devices, and the tensors do not change while published (the mutability contract). Not run
+    on a GPU here (no GPU on the machines this was built on)."""
+    cuda = [t for t in held if t.is_cuda]
+    if not cuda:
+        for dst, src in zip(copies, held):
+            dst.copy_(src)
+        return
+    stream = torch.cuda.Stream(device=cuda[0].device)
+    with torch.cuda.stream(stream):
+        for dst, src in zip(copies, held):
+            dst.copy_(src, non_blocking=dst.is_pinned())
+    stream.synchronize()
+
+
 class Held(NamedTuple):
     """What a handle holds now: its registered tensors, their layout and its region (a swap
     exchanges tensors and region, so a part asks each time)."""
@@ -153,8 +173,7 @@ class HostCopies:
                      "on the offload's path", self.model, version, self.shard)
         else:
             region, copies = pooled
-        for dst, src in zip(copies, self._held().tensors):
-            dst.copy_(src)
+        copy_to_host(copies, self._held().tensors)
         region.publish_complete(version, self._held().region.checksums() if self.config.checksums else None)
         with self.lock:
             self.by_version[version] = (region, copies)
@@ -203,10 +222,7 @@ class HostCopies:
             return
         region, copies = entry
         try:
-            for dst, src in zip(copies, self._held().tensors):
-                dst.copy_(src)  # a touched buffer: memory speed; unpublish() waits for this part
-            if any(t.is_cuda for t in self._held().tensors):
-                torch.cuda.current_stream().synchronize()
+            copy_to_host(copies, self._held().tensors)  # a touched buffer; unpublish() waits for this part
             region.publish_complete(version, self._held().region.checksums() if self.config.checksums else None)
             endpoint = tx.encode_endpoint(region.endpoint())
         except Exception:  # noqa: BLE001 - the last holder's offload still keeps the version

@@ -529,3 +529,25 @@ def test_progress_callback_and_stall_seconds(port, monkeypatch):
     assert 0.0 <= st.stall_s <= st.seconds and recorded[-1] == {"stall_s": st.stall_s}
     assert workload.digest(rt) == workload.digest(tt)
     r.close(drop_last_copy=True); t.close(drop_last_copy=True)
+
+
+def test_copy_to_host_copies_every_byte():
+    """The retention copy (offload and copy made ahead): the host tensors get every byte."""
+    from tensorhub.handle.host_copies import copy_to_host
+
+    held = [torch.randn(1000), torch.arange(7, dtype=torch.int64)]
+    copies = [torch.empty_like(t) for t in held]
+    copy_to_host(copies, held)
+    assert all(torch.equal(c, t) for c, t in zip(copies, held))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the CUDA branch is not run here")
+def test_copy_to_host_of_cuda_tensors_runs_on_a_side_stream_and_returns_with_every_byte():
+    """On CUDA the copy runs on a stream of its own (overlapping the process's GPU work) and
+    returns only once every byte is in pinned host memory."""
+    from tensorhub.handle.host_copies import copy_to_host
+
+    held = [torch.randn(1 << 20, device="cuda"), torch.arange(7, device="cuda")]
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in held]
+    copy_to_host(copies, held)
+    assert all(torch.equal(c, t.cpu()) for c, t in zip(copies, held))
