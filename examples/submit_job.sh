@@ -87,8 +87,25 @@ for attempt in $(seq 1 60); do
   fi
   sleep 1
 done
-ray job logs --address "$ADDR" --follow "$JOB_ID" || true
+# Follow the logs. The dashboard's log stream can fail while its job agent settles (a 404 on its
+# websocket right after a submission whose answer was lost, seen in CI): then wait for the job to
+# end by its status and print its logs once. Each query is retried: the same agent may drop one.
+if ! ray job logs --address "$ADDR" --follow "$JOB_ID"; then
+  for attempt in $(seq 1 900); do
+    S="$(ray job status --address "$ADDR" "$JOB_ID" 2>&1)" || S=""
+    if echo "$S" | grep -qiE "succeeded|failed|stopped"; then break; fi
+    sleep 1
+  done
+  for attempt in $(seq 1 30); do
+    if ray job logs --address "$ADDR" "$JOB_ID"; then break; fi
+    sleep 1
+  done
+fi
 if [ -n "${TENSORHUB_SHOW_SESSION:-}" ]; then ps -o pid=,sid=,cmd= --sid "$HEAD_PID" | cut -c1-100; fi
-STATUS="$(ray job status --address "$ADDR" "$JOB_ID" 2>&1)"
+STATUS=""
+for attempt in $(seq 1 30); do
+  if STATUS="$(ray job status --address "$ADDR" "$JOB_ID" 2>&1)"; then break; fi
+  sleep 1
+done
 echo "$STATUS"
 echo "$STATUS" | grep -qi "succeeded"
