@@ -105,11 +105,11 @@ class Config:
     host_copy_ahead: bool = True
     """When the server asks (the first non-spot reader to finish a retained version; or, when its
     readers are engines registered ``retains=False`` and no replica that keeps copies holds or
-    reads the version, the holder they read from once they are done), copy it to a host buffer in the background and offer it
-    as the version's retention copy, so that the last holder to move off it need not offload on
-    its critical path -- and, when a reader makes it, the copy lives outside the trainer's
-    process. Only with ``versions_retained >= 2``; the next call waits for
-    a copy in progress (memory speed) or cancels one still waiting for a buffer."""
+    reads the version, the holder they read from once they are done), copy it to a host buffer
+    in the background and offer it as the version's retention copy, so that the last holder to
+    move off it need not offload on its critical path -- and, when a reader makes it, the copy
+    lives outside the trainer's process. Only with ``versions_retained >= 2``; the next call
+    waits for a copy in progress (memory speed) or cancels one still waiting for a buffer."""
     smart_skipping: bool = True
     """While a cross-datacenter seed is in flight, "latest" resolves to the newest local version
     (``ReadStats.skipped_in_flight`` names the version still seeding); with

@@ -469,7 +469,7 @@ class SimClient:
         endpoint = f"host:{self.cid}:{version}".encode()
         self.host_copies[version] = list(self.mem)
         self.machine.host_copies[version] = endpoint
-        if self.role == "trainer":  # asked at its publish: no reader keeps copies (ask_publisher)
+        if self.role == "trainer":  # its readers keep no copies (Retention.ask_sole_keeper)
             self.world.checker.observer.path("publisher_copy_ahead")
         # Whatever the answer, the copy stays until the server drops it: a call lost to a server
         # restart may already have been overtaken by an announcement that carried the copy.

@@ -20,8 +20,10 @@ parameters; every injection is traced and counted.
 - ``msg_dup``          while the server is up, a request is delivered twice with chance ``p``.
 - ``late_dup``         for a while, a ``Replicate`` is delivered a second time with chance ``p``,
                        up to ``delay_s`` later (a call Ray retried, overtaken by events: a version
-                       published, a read finished): the server must answer it as it answered
-                       the first, and start nothing (the bug class of mixed_spot seed 4730).
+                       published, a read finished), but never after its own client's next
+                       request (one connection keeps a client's requests in order): the server
+                       must answer it as it answered the first, and start nothing (the bug
+                       class of mixed_spot seed 4730).
 - ``push_delay``       for a while, a pulse answer that brings a ``Newest`` (the server's push of
                        a commit or withdrawal) is held up to ``max_s`` on its way: handles keep
                        answering no-op updates locally from what they knew, within

@@ -150,8 +150,8 @@ class SimServer:
     def _send_late(self, cid: str, entry: list) -> None:
         """A ``late_dup`` copy goes out now (unless the client's next request sent it already)."""
         pending = self._late.get(cid, [])
-        if entry in pending:
-            pending.remove(entry)
+        if any(e is entry for e in pending):
+            pending[:] = [e for e in pending if e is not entry]
             self.world.net.send(cid, NAME, self._arrive, *entry)
 
     def _flush_late(self, cid: str) -> None:
