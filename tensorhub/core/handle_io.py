@@ -243,6 +243,8 @@ class Outcome:
     action: str = "ok"
     version: int = -1
     sources: tuple[str, ...] = ()
+    holders: tuple[str, ...] = ()
+    """Reads: every client an assignment named (a resharded read's holder shards too), in order."""
     failovers: int = 0
     start_units: int = 0
     first: Optional[m.Assignment] = None

@@ -65,6 +65,8 @@ class Read:
         self.assignment: Optional[m.Assignment] = None
         self.first: Optional[m.Assignment] = None
         self.sources: list[str] = []
+        self.holders: dict[str, None] = {}
+        """Every client an assignment named (a resharded read's holder shards too), in order."""
         self.failovers = 0
         self.stuck = 0
         self.last_progress = -1
@@ -78,6 +80,7 @@ class Read:
         self.open = self.drained_old = False
         self.assignment = self.first = None
         self.sources = []
+        self.holders = {}
         self.failovers = self.stuck = 0
         self.last_progress = -1
         self.start_units = 0
@@ -100,6 +103,10 @@ class Read:
         self.lost_at_server = None
         self.assignment = a
         self.sources.append(a.source_id)
+        self._named(a)
+
+    def _named(self, a: m.Assignment) -> None:
+        self.holders.update(dict.fromkeys((a.source_id, *(r.client_id for r in a.reshard))))
 
     def pull(self, region_version: int, region_progress: int) -> Pull:
         """Pull from the current assignment, on from what the region holds of its version."""
@@ -140,12 +147,14 @@ class Read:
                                          f"at unit {progress}; last error: {self.last_error}")
         self.assignment = a
         self.sources.append(a.source_id)
+        self._named(a)
         return Sleep(min(0.05 * 2 ** (self.stuck - 1), 1.0))
 
     def outcome(self, version: int) -> Outcome:
         """The read's outcome once the server confirmed its completion."""
         first = self.first
-        return Outcome(action="replicated", version=version, sources=tuple(self.sources), failovers=self.failovers,
+        return Outcome(action="replicated", version=version, sources=tuple(self.sources), holders=tuple(self.holders),
+                       failovers=self.failovers,
                        start_units=self.start_units, first=first, in_flight=first.in_flight if first is not None else -1)
 
     # ------------------------------------------------------------------ the completion, lost reads

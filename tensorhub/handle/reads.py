@@ -54,6 +54,9 @@ class ReadStats:
     bytes: int = 0
     sources: tuple[str, ...] = ()
     """Source client ids in order (more than one after a failover)."""
+    holders: tuple[str, ...] = ()
+    """Every client the read was told to take bytes from, in order: ``sources``, and for a
+    resharded read each holder shard of each assignment (docs/placements.md)."""
     partial_source: bool = False
     """The first source was itself still receiving (pipeline replication)."""
     cross_datacenter: bool = False
@@ -158,6 +161,7 @@ class ReadSession:
         stall = waited + max(0.0, hub._memory.region.starved_s - self._starved0)
         return ReadStats(action="replicated", version=out.version, seconds=dt, stall_s=stall,
                          transfer_s=t_end - (d.t_assigned or t_end), bytes=nbytes, sources=out.sources,
+                         holders=out.holders,
                          partial_source=bool(first and first.source_partial),
                          cross_datacenter=bool(first and first.cross_datacenter), failovers=out.failovers,
                          finished_at=d.finished_at, offload_s=d.offload_s,

@@ -350,8 +350,8 @@ class Staging:
         dt = time.perf_counter() - t0
         log.info("model=%s replica=%s shard=%d: swapped to prefetched version %d in %.4fs", owner.model,
                  owner.replica, owner.shard, v, dt)
-        st = ReadStats(action="replicated", version=v, seconds=dt, sources=(stage.client_id,), prefetched=True,
-                       swapped=True, finished_at=time.time())
+        st = ReadStats(action="replicated", version=v, seconds=dt, sources=(stage.client_id,),
+                       holders=(stage.client_id,), prefetched=True, swapped=True, finished_at=time.time())
         metrics.record_read(owner.model, st.action, st.seconds, st.transfer_s, st.bytes, st.failovers, stall_s=0.0)
         return st
 

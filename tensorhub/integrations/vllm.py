@@ -44,14 +44,17 @@ What each call does::
     trainer_init        sender (rank 0): a staging buffer shaped as source.metadata() (the
                         registered copy buffer of the paper's RDMA-copy mode), registered as
                         shard 0 of replica "vllm-trainer" with a whole placement (the schema);
-                        then the engines' init over the client
+                        then the engines' init over the client. With world_size > 1 every rank
+                        registers its own part as shard `rank` (trainer_parts: DTensors' local
+                        shards, other parameters whole): no rank gathers the model
     init_transfer_engine  worker: connect to the cluster, wait for the trainer's layout, choose
                         the path, allocate its buffer (the rank's slice, or the whole checkpoint)
                         and register it: a holder too, so engines read from each other
     send_weights        sender: stop serving the last version (drain), copy what the source yields
                         into the buffer, publish version v, then start_weight_update,
                         update_weights({"version": v}), finish_weight_update(str(v)) through the
-                        client; other trainer ranks iterate the source (its collectives)
+                        client; other trainer ranks iterate the source (its collectives), or, with
+                        world_size > 1, drain, copy and publish their own parts the same way
     receive_weights     worker: update(version) into its buffer: every byte verified before the
                         model is touched; then the copy and re-pack (direct) or the layerwise
                         reload around model.load_weights (checkpoint). A failed read leaves the
@@ -80,6 +83,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -97,6 +101,7 @@ from tensorhub.core import messages as m
 from tensorhub.handle import Hub, ReadStats
 from tensorhub.layout import dtype_name
 from tensorhub.integrations import vllm_layout as VL
+from tensorhub.integrations.trainer_parts import RankPart
 from tensorhub.integrations.vllm_layout import DirectLayout
 
 log = logging.getLogger(__name__)
@@ -189,7 +194,15 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``path``: passed to the
     engines (:class:`TensorHubInitInfo`); ``engines_retain``: passed as their ``retains``. The
     trainer's handle keeps the retained versions (its ``Config``: ``versions_retained``,
-    ``host_copies_pooled``)."""
+    ``host_copies_pooled``).
+
+    ``world_size``: the trainer ranks that register parts of the model, each as a shard of the
+    trainer's replica (ranks 0 to ``world_size - 1``), so no rank gathers the whole model: a
+    ``ModuleSource``'s ``DTensor`` parameters (FSDP, TP) as their local shards, its other
+    parameters whole; another source's ``held_names()`` whole, from its iteration
+    (:mod:`tensorhub.integrations.trainer_parts`). The engines reshard their bytes from the ranks
+    that hold them. 1 (the default): rank 0 registers the whole model, gathered by iterating the
+    source (``full_tensor()`` on FSDP); the other ranks only iterate it, for its collectives."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -200,6 +213,22 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     wait_timeout_s: float = 600.0
     path: str = "auto"
     engines_retain: bool = False
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise errors.ConfigError(f"init_info.{name} must be an int >= 0, got {v!r}")
+        if not 1 <= self.world_size <= 4096:
+            raise errors.ConfigError(f"init_info.world_size must be in [1, 4096], got {self.world_size!r}")
+        if self.world_size > 1 and self.rank >= self.world_size:
+            raise errors.ConfigError(f"init_info.rank {self.rank} is not below world_size {self.world_size}")
+
+    @property
+    def registers(self) -> bool:
+        """Whether this rank registers a part of the model (rank 0 alone when ``world_size`` is 1)."""
+        return self.is_sender or self.world_size > 1
 
 
 def _config(model: str, fields: dict) -> Config:
@@ -474,7 +503,8 @@ def report(worker) -> dict[str, Any]:
     ``last_read_bytes`` (what the last update moved into this rank), ``last_split_s``,
     ``pack_on_first_use`` (the modules whose CPU-packed copy is made again only if used),
     ``retention_bytes`` (host memory its handles hold for retention: host copies and pooled
-    buffers; 0 unless ``init_info.retains``)."""
+    buffers; 0 unless ``init_info.retains``), ``last_sources`` (the clients the last update was
+    told to read from, ``model/replica/shard/id``, sorted: ``ReadStats.holders``)."""
     e = worker.weight_transfer_engine
     hub = e.hubs[0] if e.hubs else None
     lazy = [n for n, m in worker.model_runner.model.named_modules()
@@ -483,7 +513,8 @@ def report(worker) -> dict[str, Any]:
             "shard": hub.shard if hub else None, "num_shards": hub.num_shards if hub else None,
             "version": e.version, "slice_bytes": sum(t.nbytes for buf in e.buffers for _, t in buf),
             "last_read_bytes": sum(s.bytes for s in e.last_reads), "last_split_s": list(e.last_split_s),
-            "retention_bytes": sum(h.host_copies.held_bytes() for h in e.hubs)}
+            "retention_bytes": sum(h.host_copies.held_bytes() for h in e.hubs),
+            "last_sources": sorted({src for st in e.last_reads for src in st.holders})}
 
 
 def _first(why: dict[str, str], n: int = 1) -> str:
@@ -721,9 +752,11 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         self.info = info
         self.hub: Optional[Hub] = None
         self.port = None
-        self.buffer: list[tuple[str, torch.Tensor]] = []
-        self.placement: Optional[P.Placement] = None
-        """The staging buffer's placement: every checkpoint tensor whole (the model's schema)."""
+        self.part: Optional[RankPart] = None
+        """This rank's staging buffer and its placement (None on a rank that registers nothing)."""
+        self.module: Optional[torch.nn.Module] = None
+        """A ``ModuleSource``'s module when the ranks register parts: filled from its parameters
+        (DTensors' local shards), not from the source's iteration (which would gather them)."""
         self.version: Optional[int] = None
         """The last version published."""
         self.unpublish_s = 0.0
@@ -731,11 +764,23 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         to host memory when no host copy was made ahead: engines keep none, so the server asks
         this trainer to copy each version ahead once the engines have read it)."""
 
+    @property
+    def buffer(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's staging buffer, (name, tensor) in registration order ([] if none)."""
+        return self.part.buffers if self.part is not None else []
+
+    @property
+    def placement(self) -> Optional[P.Placement]:
+        """The staging buffer's placement (the whole schema with ``world_size`` 1)."""
+        return self.part.placement if self.part is not None else None
+
     @classmethod
     def trainer_init(cls, init_info: TensorHubTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: Optional[WeightSource] = None) -> "TensorHubTrainerWeightTransferEngine":
-        """Every trainer rank. The sender registers a staging buffer shaped as
-        ``source.metadata()`` and initialises the engines through ``client``."""
+        """Every trainer rank. A rank that registers (rank 0, or every rank with ``world_size``
+        > 1) opens its shard of the trainer's replica and registers its staging buffer with its
+        placement; the sender then initialises the engines through ``client`` (they wait for
+        every rank's registration, ``wait_timeout_s``)."""
         if source is None:
             raise errors.ConfigError(f"backend {BACKEND!r}: the trainer needs a WeightSource")
         if init_info.device not in ("cpu", "cuda"):
@@ -743,43 +788,55 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         if init_info.path not in PATHS:
             raise errors.ConfigError(f"init_info.path must be one of {', '.join(PATHS)}, got {init_info.path!r}")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if not engine.is_sender:
+        if not init_info.registers:
             return engine
         cfg = _config(init_info.model, init_info.config)
         metas = source.metadata()
         if not metas:
             raise errors.LayoutMismatch(f"model={init_info.model}: the WeightSource declares no parameter")
-        engine.buffer = [(p.name, torch.zeros(p.shape, dtype=p.dtype, device=init_info.device)) for p in metas]
+        schema = [P.GlobalTensor(p.name, dtype_name(p.dtype), tuple(p.shape)) for p in metas]
+        try:
+            if init_info.world_size == 1:
+                engine.part = RankPart.whole(schema, device=init_info.device)
+            elif isinstance(source, ModuleSource):
+                engine.module = source._module  # vLLM's ModuleSource keeps its module there
+                engine.part = RankPart.of(engine.module.named_parameters(), schema, device=init_info.device)
+            else:
+                engine.part = RankPart.whole(schema, source.held_names(), device=init_info.device)
+        except errors.LayoutMismatch as e:
+            raise errors.LayoutMismatch(f"model={init_info.model} trainer rank {init_info.rank}: {e}") from None
         from tensorhub.ports import connect
 
         engine.port = connect(cfg, init_info.model)
-        hub = tensorhub.open(init_info.model, replica=TRAINER_REPLICA, datacenter=init_info.datacenter or None,
+        hub = tensorhub.open(init_info.model, replica=TRAINER_REPLICA, shard=init_info.rank if init_info.world_size > 1 else 0,
+                             num_shards=init_info.world_size, datacenter=init_info.datacenter or None,
                              config=cfg, port=engine.port)
         try:
-            # a whole placement: engines on the direct path reshard their slices from it
-            engine.placement = P.whole_placement(
-                [P.GlobalTensor(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in engine.buffer])
-            hub.register(engine.buffer, placement=engine.placement)
+            # engines on the direct path reshard their slices from it
+            hub.register(engine.part.buffers, placement=engine.part.placement)
             engine.hub = hub
-            client.init_weight_transfer_engine(dataclasses.asdict(TensorHubInitInfo(
-                model=init_info.model, config=dict(init_info.config), ray_address=_gcs_address(),
-                datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s, path=init_info.path,
-                retains=init_info.engines_retain)))
+            if engine.is_sender:
+                client.init_weight_transfer_engine(dataclasses.asdict(TensorHubInitInfo(
+                    model=init_info.model, config=dict(init_info.config), ray_address=_gcs_address(),
+                    datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s, path=init_info.path,
+                    retains=init_info.engines_retain)))
         except BaseException:
             hub.close(drop_last_copy=True)
             raise
         return engine
 
     def send_weights(self, version: Optional[int] = None) -> int:
-        """Publish what the source yields as ``version`` (None: the next after the newest the
-        model has) and move every engine to it (start / update / finish through the client).
-        Returns the version. Every trainer rank calls it; only the sender touches TensorHub and
-        the client. The source must yield the parameters of its metadata, in order
-        (``LayoutMismatch`` otherwise, nothing published: the engines keep the last version).
-        An engine that dies or fails its update does not hold up the others
+        """Publish this rank's part of what the source holds as ``version`` (None: the next after
+        the newest the model has; the ranks agree, since a version is not available before
+        every rank published it) and, on the sender, move every engine to it (start / update /
+        finish through the client; the engines wait for the other ranks' parts). Returns the
+        version. Every trainer rank calls it. With ``world_size`` 1 only the sender touches
+        TensorHub and the others iterate the source. The source must yield the parameters of
+        its metadata (``LayoutMismatch`` otherwise, nothing published: the engines keep the last
+        version). An engine that dies or fails its update does not hold up the others
         (:func:`_update_engines`): they take the version and say so, then ``UpdateIncomplete``
         names the engines that did not (they keep their previous weights)."""
-        if not self.is_sender:
+        if not self.info.registers:
             for _ in self.source:
                 pass
             return -1
@@ -792,23 +849,14 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             t0 = time.perf_counter()
             hub.unpublish()  # stop serving the last version before its bytes are overwritten
             self.unpublish_s = time.perf_counter() - t0
-        count = 0
-        for name, tensor in self.source:
-            if count >= len(self.buffer):
-                raise errors.LayoutMismatch(f"model={self.info.model}: the source yields more than the "
-                                            f"{len(self.buffer)} parameters of its metadata (extra: {name!r})")
-            have, buf = self.buffer[count]
-            if name != have or tensor.shape != buf.shape or tensor.dtype != buf.dtype:
-                raise errors.LayoutMismatch(f"model={self.info.model}: parameter #{count} is {name!r} {tensor.dtype} "
-                                            f"{tuple(tensor.shape)}, the metadata says {have!r} {buf.dtype} "
-                                            f"{tuple(buf.shape)}")
-            buf.copy_(tensor.detach())
-            count += 1
-        if count != len(self.buffer):
-            raise errors.LayoutMismatch(f"model={self.info.model}: the source yielded {count} parameters, "
-                                        f"its metadata {len(self.buffer)}")
+        try:
+            self.part.fill(self.module.named_parameters() if self.module is not None else self.source)
+        except errors.LayoutMismatch as e:
+            raise errors.LayoutMismatch(f"model={self.info.model} trainer rank {self.info.rank}: {e}") from None
         hub.publish(version)
         self.version = version
+        if not self.is_sender:
+            return version
         failed = _update_engines(self.client, version)
         if failed:
             where, first = failed[0]

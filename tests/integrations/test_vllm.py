@@ -27,7 +27,7 @@ cloudpickle = pytest.importorskip("cloudpickle")  # what vLLM pickles collective
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import WeightTransferConfig  # noqa: E402
-from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
+from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource  # noqa: E402
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
 
 from tensorhub import errors  # noqa: E402
@@ -306,60 +306,168 @@ def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster
         assert r["last_read_bytes"] == r["slice_bytes"] < 0.6 * whole, r
 
 
-@pytest.mark.parametrize("path", ["auto", "checkpoint"])
-def test_an_engine_updates_from_a_trainer_of_two_row_shards(ray_cluster, model_name, tmp_path, path):
-    """An FSDP-like trainer: 2 shards of one replica, each holding half the rows of every
-    parameter, published with TensorHub's own API (no vLLM trainer engine). The engine sees the
-    model's schema (the global shapes, not the shards' local ones): the direct path (``auto``)
-    derives its placement over it and reads exactly its bytes, resharded from both shards; the
-    checkpoint path gathers the whole checkpoint into its buffer by a resharded read, then
-    ``load_weights``. After 2 updates, greedy generation equals an engine's loaded from disk."""
-    import tensorhub
-    from tensorhub import placement as P
-    from tensorhub.layout import dtype_name
+def _dtensor_rank(model, rank: int, world: int = 2):
+    """``model`` with each parameter replaced by this rank's DTensor shard of it, cut by rows over
+    a mesh of ``world`` (what FSDP2 leaves on a rank), on torch's fake process group (this process
+    as ``rank``; a DTensor keeps its mesh coordinate once the group is gone)."""
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed import fake_pg
 
-    trainer_model = _build("llama", seed=2)
-    params = dict(trainer_model.named_parameters())
-    schema = P.Schema.of([P.GlobalTensor(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in params.items()])
-    llm = _engine(_save(trainer_model, tmp_path / "init"))
-    before = _greedy(llm)
-    shards = []
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
     try:
-        for k in range(2):
-            hub = tensorhub.open(model_name, replica="fsdp", shard=k, num_shards=2)
-            half = [(g.name, params[g.name].detach()[g.shape[0] // 2 * k: g.shape[0] // 2 * (k + 1)].clone())
-                    for g in schema.tensors]
-            hub.register(half, placement=P.Placement.build([P.split(g, 0, k, 2) for g in schema.tensors], schema))
-            shards.append((hub, half))
-        llm.init_weight_transfer_engine({"init_info": {"model": model_name, "ray_address": thv._gcs_address(),
-                                                       "path": path}})
+        mesh = init_device_mesh("cpu", (world,))
+        for mod in model.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is None:  # e.g. a linear layer without bias
+                    continue
+                g = p.detach()
+                shape, offset = compute_local_shape_and_global_offset(g.shape, mesh, [dt.Shard(0)])
+                local = g[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
+                mod._parameters[attr] = torch.nn.Parameter(dt.DTensor.from_local(
+                    local, mesh, [dt.Shard(0)], run_check=False, shape=g.shape, stride=g.stride()))
+    finally:
+        dist.destroy_process_group()
+    return model
+
+
+def _copy_rows(full, sharded) -> None:
+    """An optimizer step on a rank: its DTensor shards take their rows of ``full``'s parameters."""
+    from tensorhub import placement as P
+
+    with torch.no_grad():
+        for (name, g), (_, p) in zip(full.named_parameters(), sharded.named_parameters()):
+            box = P.dtensor_placement(name, p)[1].pieces[0].box
+            p.to_local().copy_(g[tuple(slice(a, z) for a, z in zip(box.start, box.stop))])
+
+
+class _Stage(WeightSource):
+    """A pipeline stage's source: the whole model's metadata; its iteration yields the stage's
+    parameters and None for the others (vLLM's ``held_names`` contract)."""
+
+    def __init__(self, model, held: set[str]) -> None:
+        self.model, self.held = model, held
+
+    def metadata(self):
+        return ModuleSource(self.model).metadata()
+
+    def held_names(self):
+        return self.held
+
+    def __iter__(self):
+        for name, p in self.model.named_parameters():
+            yield name, (p.detach() if name in self.held else None)
+
+
+def _rank_actor_class():
+    import ray
+
+    _by_value()
+
+    @ray.remote(num_cpus=0)
+    class TrainerRank:
+        """Trainer rank ``rank`` of ``world``, FSDP-like: its DTensor shards of the model built
+        from ``seed``, registered through ``ModuleSource``, and a full copy to step."""
+
+        def __init__(self, model_name: str, seed: int, rank: int, world: int) -> None:
+            import copy
+
+            self.full = _build("llama", seed=seed)
+            self.model = _dtensor_rank(copy.deepcopy(self.full), rank, world)
+            self.engine = WeightTransferTrainerFactory.trainer_init(
+                thv.TensorHubTrainerInitInfo(model=model_name, rank=rank, world_size=world), client=None,
+                source=ModuleSource(self.model))
+
+        def send(self, k: int) -> int:
+            _step(self.full, k)
+            _copy_rows(self.full, self.model)
+            return self.engine.send_weights()
+
+        def part_bytes(self) -> int:
+            return self.engine.part.nbytes
+
+        def shutdown(self) -> None:
+            self.engine.shutdown()
+
+    return TrainerRank
+
+
+@pytest.mark.parametrize("trainer,path", [("fsdp", "auto"), ("stages", "checkpoint")])
+def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(ray_cluster, model_name, tmp_path,
+                                                                               trainer, path):
+    """A trainer of 2 ranks (``world_size=2``), each registering its own part of the model as a
+    shard of the trainer's replica: no rank gathers the model.
+
+    - ``fsdp``: every parameter a DTensor cut by rows (rank 0 here, rank 1 a Ray actor), through
+      vLLM's ``ModuleSource``: each rank registers its local shards, half the model; the engine
+      (``auto``: direct) derives its placement over the model's schema and reads exactly its
+      bytes, resharded from both ranks.
+    - ``stages``: a pipeline split (both ranks here): rank 0 holds the embedding and layer 0,
+      rank 1 layer 1, the norm and the head, each a source that yields None for the rest; the
+      engine (``checkpoint``) gathers the whole checkpoint by a resharded read, then
+      ``load_weights``.
+
+    The ranks agree on each version without being told it. After 2 updates greedy generation
+    equals an engine's loaded from disk."""
+    import copy
+
+    ray = ray_cluster
+    full = _build("llama", seed=2)
+    llm = _engine(_save(full, tmp_path / "init"))
+    before = _greedy(llm)
+    whole = _model_bytes(full)
+    remote = None
+    ranks = []
+    try:
+        if trainer == "fsdp":
+            remote = _rank_actor_class().remote(model_name, 2, 1, 2)
+            ray.get(remote.part_bytes.remote())  # registered before rank 0 asks the engine to join
+            mine = _dtensor_rank(copy.deepcopy(full), 0, 2)
+            ranks.append(WeightTransferTrainerFactory.trainer_init(
+                thv.TensorHubTrainerInitInfo(model=model_name, rank=0, world_size=2, path=path),
+                client=thv.LocalLLMClient(llm), source=ModuleSource(mine)))
+            parts = [ranks[0].part.nbytes, ray.get(remote.part_bytes.remote())]
+        else:
+            names = [n for n, _ in full.named_parameters()]
+            first = {n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))}
+            for rank in (1, 0):  # rank 1 registered before rank 0 asks the engine to join
+                ranks.insert(0, WeightTransferTrainerFactory.trainer_init(
+                    thv.TensorHubTrainerInitInfo(model=model_name, rank=rank, world_size=2, path=path),
+                    client=thv.LocalLLMClient(llm) if rank == 0 else None,
+                    source=_Stage(full, first if rank == 0 else set(names) - first)))
+            parts = [r.part.nbytes for r in ranks]
+        assert sum(parts) == whole and all(0.2 * whole < b < 0.8 * whole for b in parts), (parts, whole)
         for v in range(2):
-            _step(trainer_model, v)
-            for k, (hub, half) in enumerate(shards):
-                hub.unpublish()
-                for name, t in half:
-                    g = params[name].detach()
-                    t.copy_(g[g.shape[0] // 2 * k: g.shape[0] // 2 * (k + 1)])
-                hub.publish(v)
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"version": v}})
-            llm.finish_weight_update(str(v))
+            _step(full, v)
+            if trainer == "fsdp":
+                _copy_rows(full, mine)
+                assert ray.get(remote.send.remote(v)) == v
+            else:
+                assert ranks[1].send_weights() == v
+            assert ranks[0].send_weights() == v
             (rep,) = _report(llm)
-            assert rep["version"] == v and rep["last_read_bytes"] == rep["slice_bytes"] == _model_bytes(trainer_model)
+            assert rep["version"] == v and rep["last_read_bytes"] == rep["slice_bytes"] == whole, rep
+            assert sorted(s.split("/")[1:3] for s in rep["last_sources"]) == [["vllm-trainer", "0"],
+                                                                              ["vllm-trainer", "1"]], rep
             if v == 0:
                 assert _greedy(llm) != before, "the update changed what the engine generates"
         if path == "checkpoint":
             assert rep["path"] == "checkpoint"
         else:
             assert rep["path"] == "direct" and rep["fallback"] == {}, rep
-            state = {n: t.detach().clone() for n, t in params.items()}
+            state = {n: t.detach().clone() for n, t in full.named_parameters()}
             assert llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state)) == [[]]
         got = _greedy(llm)
     finally:
-        for hub, _ in shards:
-            hub.close(drop_last_copy=True)
+        for r in ranks:
+            r.shutdown()
+        if remote is not None:
+            ray.get(remote.shutdown.remote())
+            ray.kill(remote)
         del llm
-    ref = _engine(_save(trainer_model, tmp_path / "last"), backend=False)
+    ref = _engine(_save(full, tmp_path / "last"), backend=False)
     try:
         assert got == _greedy(ref), "the updated engine and one loaded from disk differ"
     finally:
