@@ -42,6 +42,8 @@ import secrets
 import threading
 from typing import Callable, Hashable, Optional, Union
 
+import msgspec
+
 from tensorhub.core import bounds
 from tensorhub.core import messages as m
 from tensorhub.errors import TensorHubError, Unauthorized, code_of
@@ -192,11 +194,8 @@ class Gate:
             case m.Leave() if isinstance(reply, m.Ok):
                 self._caps.pop(req.client_id, None)
             case m.Query() if isinstance(reply, m.Status):
-                return m.Status(models=tuple(
-                    m.ModelView(model=v.model, num_shards=v.num_shards, available=v.available,
-                                committed=v.committed, holders=(), layouts=v.layouts, placements=v.placements,
-                                schema=v.schema)
-                    for v in reply.models))
+                # everything but the holders (client ids), whatever fields a view grows
+                return m.Status(models=tuple(msgspec.structs.replace(v, holders=()) for v in reply.models))
         return reply
 
     def _bind(self, core, cid: str, cap: bytes) -> None:

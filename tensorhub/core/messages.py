@@ -617,6 +617,10 @@ class ModelView(_Msg, frozen=True):
     """Known shard layouts in shard order; only when the :class:`Query` asked for them."""
     placements: tuple[PlacementUse, ...] = ()
     """The model's distinct placements by digest (empty, not encoded, when none registered one)."""
+    publishing: tuple[int, ...] = ()
+    """Versions some shard of the class publishes that it does not hold whole (a sharded replica
+    part way through publishing one: its other shards have not yet), ascending. A trainer rank
+    restarted alone joins the version its peers publish (:mod:`tensorhub.integrations.vllm`)."""
     schema: tuple[GlobalTensor, ...] = ()
     """The model's global tensors (sorted by name), the union of its placements': only when the
     :class:`Query` asked for layouts and some client registered a placement. A reader derives its

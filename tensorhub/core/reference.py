@@ -455,9 +455,12 @@ class ReferenceCore:
                 for n in sorted(self.nodes.values(), key=lambda n: n.order)
                 if n.model == name
             )
+            available = self.available(name)
+            publishing = sorted({n.version for n in self.nodes.values() if n.model == name and not n.host
+                                 and n.state is NodeState.PUBLISHED} - set(available))
             views.append(m.ModelView(
-                model=base if first else shown(name), num_shards=mod.num_shards, available=tuple(self.available(name)),
-                committed=tuple(self.retained(name)), holders=holders,
+                model=base if first else shown(name), num_shards=mod.num_shards, available=tuple(available),
+                committed=tuple(self.retained(name)), holders=holders, publishing=tuple(publishing),
                 layouts=tuple(m.ShardLayout(i, mod.layouts[i]) for i in sorted(mod.layouts)) if layouts else (),
                 placements=self.placements.view(base) if first else (),
                 schema=self.placements.schema(base) if first and layouts else (),

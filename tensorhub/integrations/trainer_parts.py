@@ -17,8 +17,10 @@ What a rank holds:
 :class:`RankPart` is a staging buffer of those bytes with its placement: the registered copy
 buffer of the paper's RDMA-copy mode (parameters change at every optimizer step, so what readers
 see is the copy :meth:`RankPart.fill` makes of each version, taken while the buffer is not
-published). The whole replica must cover every global tensor: the server refuses its first
-publish otherwise, naming what is missing. vLLM-free; the vLLM trainer engine
+published). Unstaged (``stage=False``), its buffers are the parameters' own (local) tensors,
+registered as they are: no copy and no memory of its own, but the trainer must unpublish before
+its optimizer changes them. The whole replica must cover every global tensor: the server refuses
+its first publish otherwise, naming what is missing. vLLM-free; the vLLM trainer engine
 (:mod:`tensorhub.integrations.vllm`) builds on it.
 """
 
@@ -53,25 +55,30 @@ class RankPart:
     (from the rank's parameters) or :meth:`whole` (whole tensors of a schema)."""
 
     def __init__(self, buffers: list[tuple[str, torch.Tensor]], placement: P.Placement,
-                 not_held: Collection[str] = ()) -> None:
+                 not_held: Collection[str] = (), *, staged: bool = True) -> None:
         self.buffers = buffers
         self.placement = placement
+        self.staged = staged
+        """False: ``buffers`` are the parameters' own tensors (:meth:`fill` copies nothing)."""
         self._by_name = dict(buffers)
         self._not_held = frozenset(not_held)
         """Names of the schema this rank holds none of: skipped by :meth:`fill`."""
 
     @property
     def nbytes(self) -> int:
+        """Bytes registered (staged or not)."""
         return sum(t.numel() * t.element_size() for _, t in self.buffers)
 
     @classmethod
     def of(cls, params: Iterable[tuple[str, torch.Tensor]], schema: Sequence[P.GlobalTensor], *,
-           device: str = "cpu") -> "RankPart":
+           device: str = "cpu", stage: bool = True) -> "RankPart":
         """The part of a rank whose parameters are ``params`` (a module's ``named_parameters()``:
         DTensors give their local shards, other tensors are whole), over ``schema`` (the whole
-        model's global tensors: names, dtypes, global shapes). ``LayoutMismatch`` names a
-        parameter that is not in the schema or disagrees with it (dtype, global shape), a DTensor
-        placement that is not a box, or a rank that holds nothing."""
+        model's global tensors: names, dtypes, global shapes): a staging buffer on ``device``,
+        or (``stage=False``) the parameters' own tensors. ``LayoutMismatch`` names a parameter
+        that is not in the schema or disagrees with it (dtype, global shape), a DTensor placement
+        that is not a box, or a rank that holds nothing; ``ConfigError`` one that cannot be
+        registered unstaged (not contiguous)."""
         by_name = {g.name: g for g in schema}
         locals_: list[P.LocalPlacement] = []
         buffers: list[tuple[str, torch.Tensor]] = []
@@ -92,11 +99,14 @@ class RankPart:
             if tuple(placed.shape) != tuple(local.shape):
                 raise errors.LayoutMismatch(f"parameter {name!r}: its local shard is {list(local.shape)}, its "
                                             f"device mesh gives this rank {list(placed.shape)}")
+            if not stage and not local.is_contiguous():
+                raise errors.ConfigError(f"parameter {name!r} is not contiguous: it cannot be registered as it is "
+                                         "(stage it)")
             locals_.append(placed)
-            buffers.append((name, torch.zeros(local.shape, dtype=local.dtype, device=device)))
+            buffers.append((name, torch.zeros(local.shape, dtype=local.dtype, device=device) if stage else local))
         if not buffers:
             raise errors.LayoutMismatch("this trainer rank holds no parameter of the model")
-        return cls(buffers, P.Placement.build(locals_, schema), not_held)
+        return cls(buffers, P.Placement.build(locals_, schema), not_held, staged=stage)
 
     @classmethod
     def whole(cls, schema: Sequence[P.GlobalTensor], held: Optional[Collection[str]] = None, *,
@@ -118,7 +128,8 @@ class RankPart:
         of and ``None`` (a name another rank holds). Returns the tensors copied.
         ``LayoutMismatch`` when a name is not in the registration, comes twice, disagrees in
         dtype or shape, or one the part holds does not come; the buffers may then hold parts of
-        two versions (publish nothing)."""
+        two versions (publish nothing). Unstaged, nothing is copied: each tensor must still be
+        the one registered (same memory), else ``LayoutMismatch`` (it was reallocated)."""
         seen: set[str] = set()
         for name, t in params:
             if t is None or name in self._not_held:
@@ -132,7 +143,11 @@ class RankPart:
             if local.shape != buf.shape or local.dtype != buf.dtype:
                 raise errors.LayoutMismatch(f"parameter {name!r} is {local.dtype} {tuple(local.shape)} here, "
                                             f"{buf.dtype} {tuple(buf.shape)} when registered")
-            buf.copy_(local)
+            if self.staged:
+                buf.copy_(local)
+            elif local.data_ptr() != buf.data_ptr() or local.stride() != buf.stride():
+                raise errors.LayoutMismatch(f"parameter {name!r} is no longer the tensor registered (reallocated): "
+                                            "register the parameters again")
             seen.add(name)
         if len(seen) != len(self.buffers):
             missing = [n for n, _ in self.buffers if n not in seen]

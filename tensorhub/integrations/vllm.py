@@ -55,6 +55,9 @@ What each call does::
                         update_weights({"version": v}), finish_weight_update(str(v)) through the
                         client; other trainer ranks iterate the source (its collectives), or, with
                         world_size > 1, drain, copy and publish their own parts the same way
+                        (staging=False: no copy; the parameters themselves are published)
+    release             trainer rank: drain the version published (staging=False: call it before
+                        the optimizer changes the parameters; send_weights refuses otherwise)
     receive_weights     worker: update(version) into its buffer: every byte verified before the
                         model is touched; then the copy and re-pack (direct) or the layerwise
                         reload around model.load_weights (checkpoint). A failed read leaves the
@@ -202,7 +205,14 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     parameters whole; another source's ``held_names()`` whole, from its iteration
     (:mod:`tensorhub.integrations.trainer_parts`). The engines reshard their bytes from the ranks
     that hold them. 1 (the default): rank 0 registers the whole model, gathered by iterating the
-    source (``full_tensor()`` on FSDP); the other ranks only iterate it, for its collectives."""
+    source (``full_tensor()`` on FSDP); the other ranks only iterate it, for its collectives.
+
+    ``staging``: True (the default): each registering rank copies its part into a staging buffer
+    of its own at every ``send_weights`` (the registered copy buffer; ``device``), so the trainer
+    may change its parameters whenever it likes. False: a ``ModuleSource``'s parameters (their
+    local shards) are registered themselves, with no copy and no memory of TensorHub's own; the
+    trainer must then call :meth:`TensorHubTrainerWeightTransferEngine.release` on every
+    registering rank before its optimizer changes them (``send_weights`` refuses otherwise)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -214,6 +224,7 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     path: str = "auto"
     engines_retain: bool = False
     world_size: int = 1
+    staging: bool = True
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size"):
@@ -224,6 +235,8 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
             raise errors.ConfigError(f"init_info.world_size must be in [1, 4096], got {self.world_size!r}")
         if self.world_size > 1 and self.rank >= self.world_size:
             raise errors.ConfigError(f"init_info.rank {self.rank} is not below world_size {self.world_size}")
+        if not isinstance(self.staging, bool):
+            raise errors.ConfigError(f"init_info.staging must be a bool, got {self.staging!r}")
 
     @property
     def registers(self) -> bool:
@@ -787,6 +800,9 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             raise errors.ConfigError(f"init_info.device must be 'cpu' or 'cuda', got {init_info.device!r}")
         if init_info.path not in PATHS:
             raise errors.ConfigError(f"init_info.path must be one of {', '.join(PATHS)}, got {init_info.path!r}")
+        if not init_info.staging and not isinstance(source, ModuleSource):
+            raise errors.ConfigError(f"backend {BACKEND!r}: staging=False registers the trainer's parameters "
+                                     f"themselves, so it needs a ModuleSource, not a {type(source).__name__}")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if not init_info.registers:
             return engine
@@ -796,11 +812,12 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             raise errors.LayoutMismatch(f"model={init_info.model}: the WeightSource declares no parameter")
         schema = [P.GlobalTensor(p.name, dtype_name(p.dtype), tuple(p.shape)) for p in metas]
         try:
-            if init_info.world_size == 1:
+            if init_info.world_size == 1 and init_info.staging:
                 engine.part = RankPart.whole(schema, device=init_info.device)
             elif isinstance(source, ModuleSource):
                 engine.module = source._module  # vLLM's ModuleSource keeps its module there
-                engine.part = RankPart.of(engine.module.named_parameters(), schema, device=init_info.device)
+                engine.part = RankPart.of(engine.module.named_parameters(), schema, device=init_info.device,
+                                          stage=init_info.staging)
             else:
                 engine.part = RankPart.whole(schema, source.held_names(), device=init_info.device)
         except errors.LayoutMismatch as e:
@@ -843,12 +860,15 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         hub = self.hub
         if hub is None:
             raise errors.InvalidState(f"model={self.info.model}: send_weights after shutdown")
+        if hub.version is not None and not self.part.staged:
+            raise errors.InvalidState(
+                f"model={self.info.model} trainer rank {self.info.rank}: send_weights while version {hub.version} is "
+                "still published from the parameters themselves (staging=False): call release() before the "
+                "optimizer changes them; nothing was published")
         if version is None:
             version = self._next_version()
         if hub.version is not None:
-            t0 = time.perf_counter()
-            hub.unpublish()  # stop serving the last version before its bytes are overwritten
-            self.unpublish_s = time.perf_counter() - t0
+            self.release()  # stop serving the last version before its bytes are overwritten
         try:
             self.part.fill(self.module.named_parameters() if self.module is not None else self.source)
         except errors.LayoutMismatch as e:
@@ -865,15 +885,32 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
                 f"({', '.join(w for w, _ in failed)}): {type(first).__name__}: {str(first)[:500]}") from first
         return version
 
+    def release(self) -> None:
+        """Stop serving the version published (its readers drain first; the last copy of a
+        retained version moves to host memory unless a copy was made ahead): after it returns
+        the registered tensors may change. With ``staging=False`` call it on every registering
+        rank before the optimizer changes the parameters; with staging ``send_weights`` calls
+        it. Idempotent; ``unpublish_s`` says how long it took."""
+        hub = self.hub
+        if hub is None or hub.version is None:
+            return
+        t0 = time.perf_counter()
+        hub.unpublish()
+        self.unpublish_s = time.perf_counter() - t0
+
     def _next_version(self) -> int:
-        """One past the last version published here, or past the newest the model has (a
-        restarted trainer continues above what the engines hold)."""
+        """One past the last version published here; at a rank's first ``send_weights``, one
+        past the newest version the model has (a restarted trainer continues above what the
+        engines hold), or the newer version another rank of the trainer publishes now (its
+        peers are part way through publishing it: a rank restarted alone joins them instead of
+        lagging behind them for good)."""
         if self.version is not None:
             return self.version + 1
         status = self.port.call(m.Query(model=self.info.model))
         view = next((v for v in status.models if v.model == self.info.model), None)
         known = [*(view.available if view else ()), *(view.committed if view else ())]
-        return max(known) + 1 if known else 0
+        nxt = max(known) + 1 if known else 0
+        return max([nxt, *(p for v in status.models for p in v.publishing)])
 
     def shutdown(self) -> None:
         """Leave TensorHub; engines that hold the last version keep serving it to each other."""

@@ -195,3 +195,22 @@ def test_parameters_that_disagree_with_the_schema_are_refused_naming_them():
         RankPart.of([], SCHEMA)
     part = RankPart.of(params, SCHEMA)
     assert part.placement == P.whole_placement(SCHEMA) and part.nbytes == sum(t.numel() * 4 for _, t in params)
+
+
+def test_an_unstaged_part_registers_the_parameters_themselves_and_copies_nothing():
+    params = [(n, torch.nn.Parameter(t)) for n, t in full(0).items()]
+    part = RankPart.of(params, SCHEMA, stage=False)
+    assert not part.staged
+    assert [(n, t.data_ptr()) for n, t in part.buffers] == [(n, p.data_ptr()) for n, p in params]
+    with torch.no_grad():
+        params[0][1].add_(1)  # what an optimizer step does (after the trainer unpublished)
+    assert part.fill(params) == len(params)
+    assert torch.equal(part.buffers[0][1], full(0)["w"] + 1)  # the same memory, nothing copied
+    moved = [(n, torch.nn.Parameter(p.detach().clone())) if n == "c" else (n, p) for n, p in params]
+    with pytest.raises(errors.LayoutMismatch, match="'c' is no longer the tensor registered"):
+        part.fill(moved)
+    strided = [(n, torch.nn.Parameter(t.t().contiguous().t())) if n == "w" else (n, torch.nn.Parameter(t))
+               for n, t in full(0).items()]
+    with pytest.raises(errors.ConfigError, match="'w' is not contiguous"):
+        RankPart.of(strided, SCHEMA, stage=False)
+    assert RankPart.of(strided, SCHEMA).staged  # staged, a strided parameter is copied as usual

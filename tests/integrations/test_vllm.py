@@ -160,21 +160,31 @@ def _copied_ahead(engine, version: int, timeout_s: float = 20.0):
     raise AssertionError(f"the trainer made no host copy of version {version} ahead")
 
 
-def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: int, path: str = "auto"):
+def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: int, path: str = "auto",
+                          staging: bool = True):
     """``steps`` updates of the engine ``make_llm()`` builds, from ``trainer_model`` through
     ``backend="tensorhub"`` (the engine runs each version); then, per version, greedy generation
     equals that of a TP=1 engine loaded from the version's weights saved to disk. Returns what
     the engine generated before the updates and after each, and the ranks' reports after the
-    last update."""
+    last update. ``staging=False``: the trainer registers its parameters themselves and releases
+    them before each step (``send_weights`` without the release is refused)."""
     llm = make_llm()
     before = _greedy(llm)
     engine = WeightTransferTrainerFactory.trainer_init(
-        thv.TensorHubTrainerInitInfo(model=model_name, rank=0, path=path), client=thv.LocalLLMClient(llm),
-        source=ModuleSource(trainer_model))
+        thv.TensorHubTrainerInitInfo(model=model_name, rank=0, path=path, staging=staging),
+        client=thv.LocalLLMClient(llm), source=ModuleSource(trainer_model))
+    if not staging:  # no buffer of its own: what it registered is the parameters' memory
+        assert [(n, t.data_ptr()) for n, t in engine.buffer] == [(n, p.data_ptr())
+                                                               for n, p in trainer_model.named_parameters()]
     saved = []
     ahead = None
     try:
         for k in range(steps):
+            if not staging and k:
+                with pytest.raises(errors.InvalidState, match="call release"):
+                    engine.send_weights()  # the parameters are still published
+                assert engine.hub.version == k - 1
+                engine.release()
             _step(trainer_model, k)
             v = engine.send_weights()
             assert v == k
@@ -206,18 +216,20 @@ def _updated_as_from_disk(make_llm, trainer_model, model_name, tmp_path, steps: 
     return before, [got for got, _ in saved], reports
 
 
-@pytest.mark.parametrize("kind,path", [("llama", "auto"), ("qwen2-tied", "direct"), ("qwen2-tied", "checkpoint"),
-                                       ("phi3", "auto")])
-def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind, path):
+@pytest.mark.parametrize("kind,path,staging", [("llama", "auto", True), ("qwen2-tied", "direct", False),
+                                               ("qwen2-tied", "checkpoint", True), ("phi3", "auto", True)])
+def test_three_updates_generate_as_a_reference_engine_loaded_from_disk(ray_cluster, model_name, tmp_path, kind, path,
+                                                                      staging):
     """Both paths, a GQA Llama and a Qwen2 with tied embeddings and qkv biases. The direct path
     (``auto`` takes it: every parameter's placement is derived) reads exactly the engine's
     bytes into its slice buffer and loads them without ``load_weights``; the checkpoint path
     reads the trainer's tensors and loads them through vLLM's layerwise reload. A Phi-3, whose
     checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused, mixes them per layer: those two
-    layers from their whole checkpoint tensors through ``load_weights``, the rest direct."""
+    layers from their whole checkpoint tensors through ``load_weights``, the rest direct. The
+    Qwen2 direct run's trainer registers its parameters themselves (``staging=False``)."""
     trainer_model = _build(kind)
     before, got, (rep,) = _updated_as_from_disk(lambda: _engine(_save(trainer_model, tmp_path / "v-initial")),
-                                                trainer_model, model_name, tmp_path, 3, path)
+                                                trainer_model, model_name, tmp_path, 3, path, staging)
     assert got[0] != before, "the update changed what the engine generates"
     want = "checkpoint" if path == "checkpoint" else "mixed" if kind == "phi3" else "direct"
     assert rep["path"] == want and rep["version"] == 2, rep
@@ -474,6 +486,40 @@ def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(r
         del ref
 
 
+def test_trainer_ranks_agree_on_versions_and_a_rank_restarted_alone_joins_its_peers(ray_cluster, model_name):
+    """Two pipeline-stage ranks and no engine (``LocalLLMClient()``): each ``send_weights()``
+    picks its version on its own, and they agree. Rank 1 dies while rank 0 goes on publishing
+    (versions 1 and 2 never whole); a new rank 1 takes version 2, the one its peer publishes,
+    not 1 (one past the newest whole version), and from then on the ranks publish whole
+    versions again."""
+    model = _build("llama")
+    names = [n for n, _ in model.named_parameters()]
+    first = {n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))}
+
+    def rank(r: int):
+        return WeightTransferTrainerFactory.trainer_init(
+            thv.TensorHubTrainerInitInfo(model=model_name, rank=r, world_size=2), client=thv.LocalLLMClient(),
+            source=_Stage(model, first if r == 0 else set(names) - first))
+
+    def whole() -> list[int]:
+        from tensorhub.core import messages
+
+        status = r0.port.call(messages.Query(model=model_name))
+        return list(next(v for v in status.models if v.model == model_name).available)
+
+    r1, r0 = rank(1), rank(0)
+    try:
+        assert (r1.send_weights(), r0.send_weights()) == (0, 0) and whole() == [0]
+        assert (r0.send_weights(), r0.send_weights()) == (1, 2)  # rank 1 is gone: neither is whole
+        r1.shutdown()
+        r1 = rank(1)
+        assert r1.send_weights() == 2 and 2 in whole()
+        assert (r0.send_weights(), r1.send_weights()) == (3, 3) and 3 in whole()
+    finally:
+        r0.shutdown()
+        r1.shutdown()
+
+
 def _fail_next_read(worker, rank: int) -> bool:
     """In a worker: make TP rank ``rank``'s next read fail (once), as a dead source would."""
     from vllm.distributed import get_tensor_model_parallel_rank
@@ -726,6 +772,37 @@ def test_the_plugin_registers_both_sides_once():
     assert thv.TensorHubInitInfo(model="m").retains is False, "engines keep no retention copy by default"
     with pytest.raises(errors.BadVersionSpec):
         thv.TensorHubUpdateInfo(version="newest")
+
+
+def test_bad_trainer_init_info_is_a_typed_error_before_anything_registers():
+    """Bad ranks, world sizes and staging flags are ``ConfigError``; ``staging=False`` needs the
+    parameters themselves (a ``ModuleSource``), and a rank whose module holds nothing of the
+    model is ``LayoutMismatch``: all before the trainer connects to anything."""
+    for bad, match in (({"rank": -1}, "rank must be an int"), ({"rank": 0, "world_size": 0}, r"world_size must be in"),
+                       ({"rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
+                       ({"rank": 0, "world_size": True}, "world_size must be an int"),
+                       ({"rank": 0, "staging": "no"}, "staging must be a bool")):
+        with pytest.raises(errors.ConfigError, match=match):
+            thv.TensorHubTrainerInitInfo(model="m", **bad)
+    model = _build("llama")
+    with pytest.raises(errors.ConfigError, match="staging=False .* needs a ModuleSource, not a _Stage"):
+        WeightTransferTrainerFactory.trainer_init(thv.TensorHubTrainerInitInfo(model="m", rank=0, staging=False),
+                                                  client=None, source=_Stage(model, set()))
+    other = torch.nn.Linear(2, 2)  # parameters the metadata does not name
+    with pytest.raises(errors.LayoutMismatch, match="trainer rank 1: parameter 'weight': not in the model's schema"):
+        WeightTransferTrainerFactory.trainer_init(thv.TensorHubTrainerInitInfo(model="m", rank=1, world_size=2),
+                                                  client=None, source=_Mislabelled(model, other))
+
+
+class _Mislabelled(ModuleSource):
+    """A ModuleSource whose metadata is one model's and whose parameters are another module's."""
+
+    def __init__(self, model, module) -> None:
+        super().__init__(module)
+        self.model = model
+
+    def metadata(self):
+        return ModuleSource(self.model).metadata()
 
 
 def test_the_rl_example_with_vllm_rollouts_improves_its_reward(tmp_path):

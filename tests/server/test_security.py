@@ -133,6 +133,7 @@ def test_a_readers_query_gives_the_models_schema_whatever_the_trainers_shards(se
     w, b = P.GlobalTensor("w", "float32", (8, 4)), P.GlobalTensor("b", "float32", (3,))
     (unplaced,) = s.call(m.Query(model="policy", layouts=True)).models or (None,)
     assert unplaced is None
+    keys = [auth.Keyring(), auth.Keyring()]
     for k in range(2):
         locs = [P.split(w, 0, k, 2)] + ([P.whole(b)] if k == 0 else [])
         place = P.Placement.build(locs, [w, b])
@@ -140,12 +141,20 @@ def test_a_readers_query_gives_the_models_schema_whatever_the_trainers_shards(se
                            tensors=tuple(m.TensorMeta(t.name, t.dtype, t.shape, t.nbytes) for t in locs))
         reg = m.Register(client_id=f"policy/trainer/{k}/aaaaa{k}", model="policy", replica_id="trainer", shard=k,
                          num_shards=2, layout=lay, endpoint=b"placed", placement=place)
-        assert isinstance(s.call(reg, auth.Keyring()), m.Registered)
+        assert isinstance(s.call(reg, keys[k]), m.Registered)
     (view,) = s.call(m.Query(model="policy", layouts=True)).models
     assert view.schema == (b, w) and view.holders == ()
     assert [sl.layout.tensors[0].shape for sl in view.layouts] == [(4, 4), (4, 4)]
     (bare,) = s.call(m.Query(model="policy")).models
     assert bare.schema == ()
+    # A version part way through its publish (shard 0 only) is named, without a client, and
+    # no longer once it is whole (a trainer rank restarted alone joins it: the vLLM trainer).
+    assert s.call(m.Publish("policy/trainer/0/aaaaa0", 5), keys[0]) == m.Ok()
+    (view,) = s.call(m.Query(model="policy")).models
+    assert (view.publishing, view.available, view.holders) == ((5,), (), ())
+    assert s.call(m.Publish("policy/trainer/1/aaaaa1", 5), keys[1]) == m.Ok()
+    (view,) = s.call(m.Query(model="policy")).models
+    assert (view.publishing, view.available) == ((), (5,))
 
 
 def test_a_foreign_caller_cannot_act_for_the_trainer_and_changes_nothing(server):
