@@ -825,9 +825,9 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         from tensorhub.ports import connect
 
         engine.port = connect(cfg, init_info.model)
-        hub = tensorhub.open(init_info.model, replica=TRAINER_REPLICA, shard=init_info.rank if init_info.world_size > 1 else 0,
-                             num_shards=init_info.world_size, datacenter=init_info.datacenter or None,
-                             config=cfg, port=engine.port)
+        hub = tensorhub.open(init_info.model, replica=TRAINER_REPLICA,
+                             shard=init_info.rank if init_info.world_size > 1 else 0, num_shards=init_info.world_size,
+                             datacenter=init_info.datacenter or None, config=cfg, port=engine.port)
         try:
             # engines on the direct path reshard their slices from it
             hub.register(engine.part.buffers, placement=engine.part.placement)
@@ -843,9 +843,8 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
         return engine
 
     def send_weights(self, version: Optional[int] = None) -> int:
-        """Publish this rank's part of what the source holds as ``version`` (None: the next after
-        the newest the model has; the ranks agree, since a version is not available before
-        every rank published it) and, on the sender, move every engine to it (start / update /
+        """Publish this rank's part of what the source holds as ``version`` (None: the next one,
+        :meth:`_next_version`, on which the ranks agree) and, on the sender, move every engine to it (start / update /
         finish through the client; the engines wait for the other ranks' parts). Returns the
         version. Every trainer rank calls it. With ``world_size`` 1 only the sender touches
         TensorHub and the others iterate the source. The source must yield the parameters of
