@@ -445,6 +445,7 @@ class ReferenceCore:
                 continue
             first = (self.table.classes.get(base) or [name])[0] == name
             mod = self.models[name]
+            mine = sorted((n for n in self.nodes.values() if n.model == name), key=lambda n: n.order)
             holders = tuple(
                 m.HolderView(
                     client_id=n.id, replica_id=n.replica_id, shard=n.shard, datacenter=n.datacenter,
@@ -452,12 +453,11 @@ class ReferenceCore:
                     progress=n.progress, readers=len(n.readers), source=n.source or "",
                     units=n.layout.unit_count, total_bytes=n.layout.total_bytes,
                 )
-                for n in sorted(self.nodes.values(), key=lambda n: n.order)
-                if n.model == name
+                for n in mine
             )
             available = self.available(name)
-            publishing = sorted({n.version for n in self.nodes.values() if n.model == name and not n.host
-                                 and n.state is NodeState.PUBLISHED} - set(available))
+            publishing = sorted({n.version for n in mine if not n.host and n.state is NodeState.PUBLISHED}
+                                - set(available))
             views.append(m.ModelView(
                 model=base if first else shown(name), num_shards=mod.num_shards, available=tuple(available),
                 committed=tuple(self.retained(name)), holders=holders, publishing=tuple(publishing),

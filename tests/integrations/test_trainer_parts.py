@@ -23,9 +23,10 @@ import torch
 import tensorhub
 from tensorhub import errors
 from tensorhub import placement as P
-from tensorhub.integrations.trainer_parts import RankPart, is_dtensor
+from tensorhub.integrations.trainer_parts import RankPart
 from tensorhub.ports import LocalPort
 from tensorhub.testing import inproc
+from tensorhub.testing.dtensors import copy_local, dtensor_params
 
 dist = pytest.importorskip("torch.distributed")
 fake = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
@@ -49,42 +50,16 @@ def full(version: int) -> dict[str, torch.Tensor]:
 
 
 def rank_params(rank: int, world: int = 2) -> list[tuple[str, torch.nn.Parameter]]:
-    """Rank ``rank``'s parameters of version 0: DTensors whose local shards torch itself cuts
-    (``compute_local_shape_and_global_offset``), and the plain ``n``."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    """Rank ``rank``'s parameters of version 0: DTensors whose local shards torch itself cuts,
+    and the plain ``n``."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        out = []
-        for name, g in full(0).items():
-            if name not in PLACED:
-                out.append((name, torch.nn.Parameter(g.clone())))
-                continue
-            shape, offset = compute_local_shape_and_global_offset(g.shape, mesh, [PLACED[name]])
-            local = g[tuple(slice(o, o + s) for o, s in zip(offset, shape))].contiguous().clone()
-            out.append((name, torch.nn.Parameter(dt.DTensor.from_local(
-                local, mesh, [PLACED[name]], run_check=False, shape=g.shape, stride=g.stride()))))
-        return out
-    finally:
-        dist.destroy_process_group()
+    return list(dtensor_params(full(0), PLACED, rank, world).items())
 
 
 def step(params, version: int) -> None:
     """Move every rank's bytes to ``version`` (what an optimizer step does, shard by shard)."""
-    g = full(version)
-    with torch.no_grad():
-        for name, p in params:
-            if not is_dtensor(p):
-                p.copy_(g[name])
-                continue
-            local = p.to_local()
-            if local.numel():
-                box = P.dtensor_placement(name, p)[1].pieces[0].box
-                local.copy_(g[name][tuple(slice(a, z) for a, z in zip(box.start, box.stop))])
+    copy_local(params, full(version))
 
 
 def rank_run(rank: int, versions: int):

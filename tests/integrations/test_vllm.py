@@ -320,39 +320,24 @@ def test_a_tp2_engine_updates_as_a_reference_engine_loaded_from_disk(ray_cluster
 
 def _dtensor_rank(model, rank: int, world: int = 2):
     """``model`` with each parameter replaced by this rank's DTensor shard of it, cut by rows over
-    a mesh of ``world`` (what FSDP2 leaves on a rank), on torch's fake process group (this process
-    as ``rank``; a DTensor keeps its mesh coordinate once the group is gone)."""
-    import torch.distributed as dist
+    a mesh of ``world`` (what FSDP2 leaves on a rank; :mod:`tensorhub.testing.dtensors`)."""
     import torch.distributed.tensor as dt
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.testing._internal.distributed import fake_pg
 
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for mod in model.modules():
-            for attr, p in list(mod._parameters.items()):
-                if p is None:  # e.g. a linear layer without bias
-                    continue
-                g = p.detach()
-                shape, offset = compute_local_shape_and_global_offset(g.shape, mesh, [dt.Shard(0)])
-                local = g[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
-                mod._parameters[attr] = torch.nn.Parameter(dt.DTensor.from_local(
-                    local, mesh, [dt.Shard(0)], run_check=False, shape=g.shape, stride=g.stride()))
-    finally:
-        dist.destroy_process_group()
+    from tensorhub.testing.dtensors import dtensor_params
+
+    full = dict(model.named_parameters())
+    sharded = dtensor_params(full, {n: dt.Shard(0) for n in full}, rank, world)
+    for name, p in sharded.items():
+        mod_name, _, attr = name.rpartition(".")
+        model.get_submodule(mod_name)._parameters[attr] = p
     return model
 
 
 def _copy_rows(full, sharded) -> None:
     """An optimizer step on a rank: its DTensor shards take their rows of ``full``'s parameters."""
-    from tensorhub import placement as P
+    from tensorhub.testing.dtensors import copy_local
 
-    with torch.no_grad():
-        for (name, g), (_, p) in zip(full.named_parameters(), sharded.named_parameters()):
-            box = P.dtensor_placement(name, p)[1].pieces[0].box
-            p.to_local().copy_(g[tuple(slice(a, z) for a, z in zip(box.start, box.stop))])
+    copy_local(list(sharded.named_parameters()), dict(full.named_parameters()))
 
 
 class _Stage(WeightSource):
