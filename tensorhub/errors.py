@@ -60,6 +60,15 @@ class VersionNotFound(TensorHubError, LookupError):
     """The version spec names no available version (never published, or not yet complete)."""
 
 
+class VersionStalled(VersionNotFound):
+    """The version is not available, and it cannot become so as things stand: every replica
+    that publishes it has published it from some shards only, and each lacks a client for one
+    of its other shards (not registered yet, or it left or died before publishing). It becomes
+    available once those shards register (a restarted trainer rank) and publish it, so a reader
+    may wait a while, then give up: the engines of the vLLM and verl integrations wait
+    ``stall_timeout_s`` for it, not their whole ``wait_timeout_s``."""
+
+
 class DeltaPending(VersionNotFound):
     """No delta of that version is offered yet, but its publisher offered one of the version
     before and publishes this one: it is being encoded. Ask again shortly

@@ -7,7 +7,10 @@ retained versions with a visible holder of every shard are *available* to versio
 newest ``versions_retained`` committed versions are kept, older ones forgotten (retention frees
 their host copies); a committed version of which some shard has no node left is lost. During
 the recovery window after a restart a spec that finds nothing, or finds only host copies of the
-newest version, waits (``ServerRecovering``): holders are still re-announcing.
+newest version, waits (``ServerRecovering``): holders are still re-announcing. An exact version
+that is not available but that every replica publishing it cannot complete (a shard without a
+client) is ``VersionStalled``, a ``VersionNotFound`` that tells its reader not to wait for good
+(:meth:`Versions.stalled`).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Callable, Iterable, Sequence, Union
 
 from tensorhub.core import messages as m
 from tensorhub.core.placements import logical, shown
-from tensorhub.core.state import COMPLETE, SERVABLE, VISIBLE_SOURCE, Node
+from tensorhub.core.state import COMPLETE, SERVABLE, VISIBLE_SOURCE, Node, NodeState
 from tensorhub.core.table import Table
-from tensorhub.errors import BadVersionSpec, ServerRecovering, UnknownModel, VersionExpired, VersionNotFound
+from tensorhub.errors import (BadVersionSpec, ServerRecovering, UnknownModel, VersionExpired, VersionNotFound,
+                              VersionStalled)
 
 log = logging.getLogger("tensorhub.core.reference")
 
@@ -205,4 +209,39 @@ class Versions:
         others = sum(self._nodes_in(c) for c in classes) - len(table.replicas.get((node.model, node.replica_id), ()))
         if not avail and not mod.committed and not others:
             raise UnknownModel(f"{logical(node.model)}: no other replica of this model is registered")
-        return resolve(spec, shown(node.model), avail, mod.forgotten_below)
+        try:
+            return resolve(spec, shown(node.model), avail, mod.forgotten_below)
+        except VersionNotFound as err:
+            stalled = self.stalled(node.model, k) if kind == "exact" and type(err) is VersionNotFound else ""
+            if stalled:
+                raise VersionStalled(f"{err}; it cannot become available: {stalled}") from None
+            raise
+
+    def stalled(self, model: str, version: int) -> str:
+        """Why ``version`` of ``model``'s model cannot become available as things stand, or ""
+        (it may: nobody publishes it yet, or some replica that publishes it has every shard
+        registered). Stalled: every replica (of any layout class) that publishes it from some
+        shards lacks a client for another shard (not registered yet, or it left or died before
+        publishing): "replica
+        trainer publishes it from shard(s) [0] of 2; shard(s) [1] have no client". Cost: the
+        version's groups and its publishers' replicas."""
+        table = self.table
+        said = []
+        for cls in table.classes.get(logical(model)) or [model]:
+            mod = table.models.get(cls)
+            if mod is None:
+                continue
+            publishers: dict[str, set[int]] = {}
+            for k in range(mod.num_shards):
+                for nid in table.groups.get((cls, version, k), ()):
+                    n = table.nodes[nid]
+                    if not n.host and n.state is NodeState.PUBLISHED:
+                        publishers.setdefault(n.replica_id, set()).add(k)
+            for replica in sorted(publishers):
+                registered = {n.shard for n in table.replica_nodes(cls, replica)}
+                absent = sorted(set(range(mod.num_shards)) - registered)
+                if not absent:
+                    return ""
+                said.append(f"replica {replica} publishes it from shard(s) {sorted(publishers[replica])} of "
+                            f"{mod.num_shards}; shard(s) {absent} have no client")
+        return "; ".join(said)

@@ -94,6 +94,9 @@ class TensorHubCheckpointEngine(CheckpointEngine):
     - ``datacenter``, ``spot``: passed to :func:`tensorhub.open` (rollouts; the trainer is never spot).
     - ``wait_timeout_s``: how long a rollout waits for the trainer's first layout and for the
       version it asked for (default 600); then :class:`~tensorhub.errors.RequestTimeout`.
+    - ``stall_timeout_s``: how long a rollout waits for a version the server says cannot be
+      published as things stand (default 60): a trainer rank without a client (it died or left
+      after its peers published; :class:`~tensorhub.errors.VersionStalled`, then raised).
     - ``config``: :class:`~tensorhub.config.Config` fields over ``Config.from_env()``.
 
     ``bucket_size`` is accepted and unused (TensorHub cuts transfer units itself: ``unit_bytes``);
@@ -105,7 +108,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int = 0, is_master: Optional[bool] = None, *, model: str = "verl-policy",
                  num_shards: int = 1, device: str = "cpu", datacenter: Optional[str] = None,
-                 spot: bool = False, wait_timeout_s: float = 600.0,
+                 spot: bool = False, wait_timeout_s: float = 600.0, stall_timeout_s: float = 60.0,
                  config: Optional[dict[str, Any]] = None) -> None:
         if not isinstance(model, str) or not model:
             raise errors.ConfigError(f"engine_kwargs.tensorhub.model must be a non-empty string, got {model!r}")
@@ -113,8 +116,9 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             raise errors.ConfigError(f"engine_kwargs.tensorhub.num_shards must be an int >= 1, got {num_shards!r}")
         if device not in ("cpu", "cuda"):
             raise errors.ConfigError(f"engine_kwargs.tensorhub.device must be 'cpu' or 'cuda', got {device!r}")
-        if not isinstance(wait_timeout_s, (int, float)) or wait_timeout_s <= 0:
-            raise errors.ConfigError(f"engine_kwargs.tensorhub.wait_timeout_s must be > 0, got {wait_timeout_s!r}")
+        for name, v in (("wait_timeout_s", wait_timeout_s), ("stall_timeout_s", stall_timeout_s)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise errors.ConfigError(f"engine_kwargs.tensorhub.{name} must be > 0, got {v!r}")
         try:
             self.config = Config.from_env(**dict(config or {}))
         except TypeError as e:
@@ -126,6 +130,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.datacenter = datacenter
         self.spot = bool(spot)
         self.wait_timeout_s = float(wait_timeout_s)
+        self.stall_timeout_s = float(stall_timeout_s)
         self.role: Optional[str] = None
         self.rank: Optional[int] = None
         self.replica = f"verl-rollout-{uuid.uuid4().hex[:8]}"
@@ -348,9 +353,12 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             time.sleep(_POLL_S)
 
     async def _update_all(self, spec: m.VersionSpec, deadline: float) -> list[ReadStats]:
-        """update(spec) on every shard, retrying those whose version is not published yet."""
+        """update(spec) on every shard, retrying those whose version is not published yet: until
+        ``deadline`` (``RequestTimeout``), or for ``stall_timeout_s`` while the server says it
+        cannot be (``VersionStalled``, raised)."""
         stats: list[Optional[ReadStats]] = [None] * len(self._hubs)
         sharded = len(self._hubs) > 1
+        stalled_since: Optional[float] = None
         while True:
             todo = [i for i, s in enumerate(stats) if s is None]
             results = await asyncio.gather(
@@ -366,7 +374,15 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                     stats[i] = res
             if waiting is None:
                 return stats
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if not isinstance(waiting, errors.VersionStalled):
+                stalled_since = None
+            elif stalled_since is None:
+                stalled_since = now
+            elif now - stalled_since > self.stall_timeout_s:
+                raise errors.VersionStalled(f"model={self.model}: version {spec!r} could not be published for "
+                                            f"{self.stall_timeout_s} s ({waiting})")
+            if now > deadline:
                 raise errors.RequestTimeout(f"model={self.model}: version {spec!r} was not published within "
                                             f"{self.wait_timeout_s} s ({waiting})")
             await asyncio.sleep(_POLL_S)

@@ -141,7 +141,10 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     over ``Config.from_env()`` (``model_secret`` among them, when the model has one).
     ``ray_address``: the cluster to join ("" : ``RAY_ADDRESS``, else ``"auto"``; the trainer
     fills it in). ``datacenter``, ``spot``: as :func:`tensorhub.open`. ``wait_timeout_s``: how long
-    to wait for the trainer's layout and for a version to be published. ``path``: ``"auto"``
+    to wait for the trainer's layout and for a version to be published. ``stall_timeout_s``: how
+    long to wait for a version that cannot be published as things stand
+    (:class:`~tensorhub.errors.VersionStalled`: a trainer rank without a client, that died or left
+    after its peers published; raised then, the engine keeps its weights). ``path``: ``"auto"``
     (direct when every parameter's placement can be derived, mixed when some can, else
     checkpoint format),
     ``"direct"`` (``LayoutMismatch`` naming what cannot be derived, the engine unchanged) or
@@ -156,6 +159,7 @@ class TensorHubInitInfo(WeightTransferInitInfo):
     datacenter: str = ""
     spot: bool = False
     wait_timeout_s: float = 600.0
+    stall_timeout_s: float = 60.0
     path: str = "auto"
     retains: bool = False
 
@@ -164,14 +168,19 @@ class TensorHubInitInfo(WeightTransferInitInfo):
             raise errors.ConfigError(f"init_info.model must be a non-empty string, got {self.model!r}")
         if not isinstance(self.config, dict):
             raise errors.ConfigError(f"init_info.config must be a dict of Config fields, got {type(self.config).__name__}")
-        if not isinstance(self.wait_timeout_s, (int, float)) or isinstance(self.wait_timeout_s, bool) \
-                or not 0 < self.wait_timeout_s <= 86400:
-            raise errors.ConfigError(f"init_info.wait_timeout_s must be in (0, 86400], got {self.wait_timeout_s!r}")
+        _check_timeouts(self)
         if self.path not in PATHS:
             raise errors.ConfigError(f"init_info.path must be one of {', '.join(PATHS)}, got {self.path!r}")
         for name in ("spot", "retains"):
             if not isinstance(getattr(self, name), bool):
                 raise errors.ConfigError(f"init_info.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _check_timeouts(info) -> None:
+    for name in ("wait_timeout_s", "stall_timeout_s"):
+        v = getattr(info, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 86400:
+            raise errors.ConfigError(f"init_info.{name} must be in (0, 86400], got {v!r}")
 
 
 @dataclass
@@ -194,7 +203,7 @@ class TensorHubUpdateInfo(WeightTransferUpdateInfo):
 class TensorHubTrainerInitInfo(TrainerInitInfo):
     """The trainer side's init info. ``model``, ``config``, ``datacenter``: as
     :class:`TensorHubInitInfo`. ``device``: where the trainer's staging buffer lives (``"cpu"``:
-    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``path``: passed to the
+    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``stall_timeout_s``, ``path``: passed to the
     engines (:class:`TensorHubInitInfo`); ``engines_retain``: passed as their ``retains``. The
     trainer's handle keeps the retained versions (its ``Config``: ``versions_retained``,
     ``host_copies_pooled``).
@@ -221,6 +230,7 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
     datacenter: str = ""
     device: str = "cpu"
     wait_timeout_s: float = 600.0
+    stall_timeout_s: float = 60.0
     path: str = "auto"
     engines_retain: bool = False
     world_size: int = 1
@@ -237,6 +247,7 @@ class TensorHubTrainerInitInfo(TrainerInitInfo):
             raise errors.ConfigError(f"init_info.rank {self.rank} is not below world_size {self.world_size}")
         if not isinstance(self.staging, bool):
             raise errors.ConfigError(f"init_info.staging must be a bool, got {self.staging!r}")
+        _check_timeouts(self)
 
     @property
     def registers(self) -> bool:
@@ -416,7 +427,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
         sharded = self.hubs[0].num_shards > 1
         failed: Optional[BaseException] = None
         try:
-            stats = _update_all(self.hubs, update_info.version, deadline, self.info.wait_timeout_s,
+            stats = _update_all(self.hubs, update_info.version, deadline, self.info,
                                 self._round if sharded else None)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
             failed = e
@@ -480,7 +491,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine[TensorHubInitInfo, Tens
             try:
                 self._round += 1
                 sharded = self.hubs[0].num_shards > 1
-                _update_all(self.hubs, prev, time.monotonic() + self.info.wait_timeout_s, self.info.wait_timeout_s,
+                _update_all(self.hubs, prev, time.monotonic() + self.info.wait_timeout_s, self.info,
                             self._round if sharded else None)
                 self._load()
             except Exception as e:  # noqa: BLE001 - reported with the load's failure
@@ -591,11 +602,14 @@ def _wait_layouts(port, model: str, deadline: float) -> tuple[list[m.LayoutInfo]
         time.sleep(_POLL_S)
 
 
-def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float, round_no: Optional[int]) -> list[ReadStats]:
+def _update_all(hubs: list[Hub], spec, deadline: float, info: "TensorHubInitInfo",
+                round_no: Optional[int]) -> list[ReadStats]:
     """update(spec) on every handle, as round ``round_no`` of a sharded replica (this engine's
     count of its updates: growing, the same on every shard; None: unsharded), retrying while the
-    version is not published."""
+    version is not published: until ``deadline`` (``RequestTimeout``), or for ``stall_timeout_s``
+    of ``info`` while the server says it cannot be (``VersionStalled``, raised)."""
     stats: list[Optional[ReadStats]] = [None] * len(hubs)
+    stalled_since: Optional[float] = None
     while True:
         waiting = None
         for i, hub in enumerate(hubs):
@@ -607,8 +621,16 @@ def _update_all(hubs: list[Hub], spec, deadline: float, timeout_s: float, round_
                 waiting = e
         if waiting is None:
             return stats
-        if time.monotonic() > deadline:
-            raise errors.RequestTimeout(f"version {spec!r} was not published within {timeout_s} s ({waiting})")
+        now = time.monotonic()
+        if not isinstance(waiting, errors.VersionStalled):
+            stalled_since = None
+        elif stalled_since is None:
+            stalled_since = now
+        elif now - stalled_since > info.stall_timeout_s:
+            raise errors.VersionStalled(f"version {spec!r} could not be published for {info.stall_timeout_s} s "
+                                        f"({waiting})")
+        if now > deadline:
+            raise errors.RequestTimeout(f"version {spec!r} was not published within {info.wait_timeout_s} s ({waiting})")
         time.sleep(_POLL_S)
 
 
@@ -835,7 +857,8 @@ class TensorHubTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorHub
             if engine.is_sender:
                 client.init_weight_transfer_engine(dataclasses.asdict(TensorHubInitInfo(
                     model=init_info.model, config=dict(init_info.config), ray_address=_gcs_address(),
-                    datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s, path=init_info.path,
+                    datacenter=init_info.datacenter, wait_timeout_s=init_info.wait_timeout_s,
+                    stall_timeout_s=init_info.stall_timeout_s, path=init_info.path,
                     retains=init_info.engines_retain)))
         except BaseException:
             hub.close(drop_last_copy=True)

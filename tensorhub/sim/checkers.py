@@ -62,9 +62,11 @@ would), every physical memory write of a client, every finished operation, and t
                    names as its source the first holder shard the reader needs, and every needed
                    shard holds the version whole when assigned (a holder whose process died,
                    which the server cannot know yet, excepted).
-(j)-(n), (v)       need the core's table before and after a step: :mod:`tensorhub.sim.observer`
+(j)-(n), (v), (w)  need the core's table before and after a step: :mod:`tensorhub.sim.observer`
                    ((v) ``replayed``: a new call of a named round is not answered an earlier
-                   call's ``VersionNotFound`` while its version is available).
+                   call's ``VersionNotFound`` while its version is available; (w) ``stalled``:
+                   ``VersionStalled`` exactly when every replica publishing the version lacks a
+                   shard's client).
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ heartbeats and progress reports are not (they change no version, holder or round
                        replica asks again in its round after ``VersionNotFound``, as verl's
                        rollouts do: a stale answer would keep it waiting for good).
 
+(w) ``stalled``        a replicate of an exact version that is not available is answered
+                       ``VersionStalled`` (a reader may stop waiting) if and only if some replica
+                       publishes that version from some shards and every such replica lacks a
+                       registered client of another shard (it cannot complete until one comes).
+
 Rare paths are counted as they are taken (:data:`PATHS`): the simulator's JSON reports across
 how many seeds each was taken.
 """
@@ -48,7 +53,7 @@ from tensorhub.sim.known import KNOWN_OPEN
 PATHS = ("reply_retry", "swap", "swap_retry", "prefetch", "sharded_seeding", "prefetch_in_dc", "default_rounds",
          "checksums_off", "rounds_apart", "LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable",
          "msg_lost", "msg_duplicated", "local_noop", "local_skip", "answer_replayed", "round_asked_again",
-         "round_waited", "publisher_copy_ahead", "msg_late_dup")
+         "round_waited", "publisher_copy_ahead", "msg_late_dup", "stalled")
 """Rare paths whose use is counted per seed (``ScenarioResult.paths``)."""
 
 ERROR_PATHS = frozenset({"LastCopyHeld", "TransactionMismatch", "RequestTimeout", "ServerUnavailable"})
@@ -143,6 +148,8 @@ class CoreObserver:
                 # What a version spec resolves against: every layout class of the model (v).
                 pre["avail_all"] = core.versions.available_all(node.model) if node.model in core.models else []
                 pre["complete_here"] = {v for v in avail if _complete_in(core, node.model, v, node.datacenter)}
+                if isinstance(req.spec, int):
+                    pre["stalled"] = _stalled_truth(core, node.model, req.spec)
                 if node.num_shards > 1:
                     sib = [n.round_seq for n in core.nodes.values() if not n.host and n.model == node.model
                            and n.replica_id == node.replica_id and n.id != node.id and n.round_seq > 0]
@@ -229,7 +236,9 @@ class CoreObserver:
 
     def _check_not_found(self, req: m.Replicate, reply, pre: dict) -> None:
         key = (req.client_id, req.call)
-        missed = isinstance(reply, m.ErrorReply) and reply.code == "VersionNotFound"
+        code = reply.code if isinstance(reply, m.ErrorReply) else ""
+        self._check_stalled(req, code, pre)
+        missed = code in ("VersionNotFound", "VersionStalled")
         if (req.client_id, req.seq) in self.round_misses and not missed and req.call > 0 and key not in self.not_found:
             self.path("round_waited")  # a named round asked again after VersionNotFound, resolved now
         if not missed:
@@ -242,6 +251,23 @@ class CoreObserver:
             self.checker.violate("replayed", f"{req.client_id}'s replicate call {req.call} (round {req.seq}) for "
                                              f"version {req.spec} answered VersionNotFound while the server has it "
                                              f"available (available {pre['avail_all']})")
+
+    def _check_stalled(self, req: m.Replicate, code: str, pre: dict) -> None:
+        """(w): an exact version that is not available is answered ``VersionStalled`` exactly
+        when, in the table before the request, every replica publishing it from some shards
+        lacks a registered client of another shard (and some replica does publish it). A call
+        answered before gets that answer again, whatever the table says now."""
+        if code not in ("VersionNotFound", "VersionStalled") or "stalled" not in pre:
+            return
+        if req.call > 0 and (req.client_id, req.call) in self.not_found:
+            return  # this very call was answered so before: the same answer again (v)
+        stalled = pre["stalled"]
+        if code == "VersionStalled":
+            self.path("stalled")
+        if (code == "VersionStalled") != stalled:
+            self.checker.violate("stalled", f"{req.client_id}'s replicate of version {req.spec} answered {code}; "
+                                            f"the table says it {'cannot' if stalled else 'may still'} become "
+                                            f"available (every replica publishing it lacks a shard: {stalled})")
 
     # ------------------------------------------------------------------ (l)
 
@@ -400,3 +426,19 @@ def path_seeds(results) -> dict[str, int]:
             if n:
                 out[p] = out.get(p, 0) + 1
     return out
+
+
+def _stalled_truth(core, model: str, version: int) -> bool:
+    """Whether ``version`` of ``model``'s model is published in part by some replica (of any
+    layout class) and every such replica lacks a registered client of some shard: the table's
+    nodes, counted here apart from the core's own answer (:meth:`Versions.stalled`)."""
+    base = logical(model)
+    publishing: set[tuple[str, str]] = set()
+    registered: dict[tuple[str, str], set[int]] = {}
+    for n in core.nodes.values():
+        if n.host or logical(n.model) != base:
+            continue
+        registered.setdefault((n.model, n.replica_id), set()).add(n.shard)
+        if n.version == version and n.state is NodeState.PUBLISHED:
+            publishing.add((n.model, n.replica_id))
+    return bool(publishing) and all(len(registered[k]) < core.models[k[0]].num_shards for k in publishing)

@@ -19,7 +19,7 @@ from tensorhub.sim.faults import restart_mid_read
 
 _TRANSIENT = frozenset({"ServerUnavailable", "ServerRecovering", "RequestTimeout"})
 """Registration failures a starting process retries (the server comes back)."""
-_NOT_PUBLISHED_YET = frozenset({"VersionNotFound", "UnknownModel", "DeltaPending"})
+_NOT_PUBLISHED_YET = frozenset({"VersionNotFound", "UnknownModel", "DeltaPending", "VersionStalled"})
 """The codes of ``errors.VersionNotFound`` and its subclasses: what verl's rollout adapter waits
 out, asking again (``tensorhub.integrations.verl``, ``_update_all``)."""
 

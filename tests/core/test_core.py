@@ -285,6 +285,40 @@ def test_version_of_sharded_replica_is_visible_only_when_all_shards_published():
     assert w.core.available("pol") == [1]
 
 
+def test_a_version_whose_publisher_lost_a_shard_is_stalled_until_the_shard_registers_again():
+    """A trainer rank that dies before publishing the version its peers published: readers of
+    that version hear ``VersionStalled`` (naming the replica and the shards without a client),
+    not a plain ``VersionNotFound``, so they can stop waiting; nothing changes. A rank
+    registered again makes it a plain wait again, and its publish makes the version readable."""
+    w = World()
+    for s in (0, 1):
+        w.reg(f"t{s}", replica="trainer", shard=s, num_shards=2)
+        w.reg(f"r{s}", replica="r", shard=s, num_shards=2)
+    w.reg("u0", replica="u", shard=0, num_shards=2)
+    w.reg("u1", replica="u", shard=1, num_shards=2)
+    w.send(m.Publish("t0", 1))
+    assert err(w.send(m.Replicate("r0", 1, seq=1))) == "VersionNotFound"  # t1 may still publish it
+    assert isinstance(w.send(m.Leave("t1")), m.Ok)
+    before = w.core.status()
+    reply = w.send(m.Replicate("r0", 1, seq=1))
+    assert err(reply) == "VersionStalled"
+    assert "replica trainer publishes it from shard(s) [0] of 2; shard(s) [1] have no client" in reply.message
+    assert w.core.status() == before and w.state("r0") == ("idle", -1)
+    assert err(w.send(m.Replicate("r0", "latest", seq=1))) == "VersionNotFound"  # no version yet: not stalled
+    assert err(w.send(m.Replicate("r0", 2, seq=1))) == "VersionNotFound"  # nobody publishes 2
+    # Another replica of the model with every shard registered publishes version 1 in part: it
+    # may complete it, so the version is not stalled.
+    w.send(m.Publish("u0", 1))
+    assert err(w.send(m.Replicate("r0", 1, seq=1))) == "VersionNotFound"
+    w.send(m.Leave("u1"))
+    assert "replica u publishes it" in w.send(m.Replicate("r0", 1, seq=1)).message
+    w.reg("t1b", replica="trainer", shard=1, num_shards=2)
+    assert err(w.send(m.Replicate("r0", 1, seq=1))) == "VersionNotFound"
+    w.send(m.Publish("t1b", 1))
+    assert w.core.available("pol") == [1]
+    assert isinstance(w.send(m.Replicate("r0", 1, seq=1)), m.Assignment)
+
+
 def test_transaction_spec_mismatch_is_rejected():
     w = World()
     for s in (0, 1):

@@ -68,7 +68,8 @@ def test_registry_builds_the_backend_from_verls_config_keys():
         cfg.backend, is_master=True, bucket_size=cfg.update_weights_bucket_megabytes << 20,
         **cfg.engine_kwargs[cfg.backend])
     assert (engine.model, engine.num_shards, engine.device) == ("m", 1, "cpu")
-    for bad in ({"num_shards": 0}, {"device": "tpu"}, {"model": ""}, {"wait_timeout_s": 0},
+    for bad in ({"num_shards": 0}, {"device": "tpu"}, {"model": ""}, {"wait_timeout_s": 0}, {"stall_timeout_s": -1},
+                {"stall_timeout_s": True},
                 {"config": {"no_such_field": 1}}, {"config": {"unit_bytes": 1}}):
         with pytest.raises(errors.ConfigError):
             verl_ce.CheckpointEngineRegistry.new("tensorhub", bucket_size=1 << 20, **bad)
@@ -372,8 +373,13 @@ def test_rollout_added_between_updates_gets_the_next_version_and_a_late_one_read
 @pytest.mark.ray
 def test_sharded_trainer_maps_onto_tensorhub_shards(ray_cluster, pool, model_name):
     """Trainer ranks 0 and 1 each publish their part (shards 0 and 1); a third trainer rank
-    only consumes its generator. Each rollout holds both shards and yields shard 0 then 1."""
-    job = Ranks(ray_cluster, ce_config(model_name, num_shards=2))
+    only consumes its generator. Each rollout holds both shards and yields shard 0 then 1.
+    Then trainer rank 1 leaves (its process died, say) and rank 0 publishes step 3 alone: the
+    step cannot be published, the server says so (``VersionStalled``) and the rollouts give up
+    after ``stall_timeout_s`` (2 s here), not their 600 s ``wait_timeout_s``; each still holds
+    step 2 and serves it."""
+    ray = ray_cluster
+    job = Ranks(ray, ce_config(model_name, num_shards=2, stall_timeout_s=2.0))
     for i in range(3):
         job.add("trainer", pool[i], is_master=(i == 0))
     job.add("rollout", pool[1])
@@ -382,6 +388,20 @@ def test_sharded_trainer_maps_onto_tensorhub_shards(ray_cluster, pool, model_nam
         for got, sources in job.update(step):
             assert_same(got, expected(step, shards=2))
             assert len(sources) == 2
+    actor, key = job.trainers[1]
+    ray.get(actor.execute.remote(key, "close"))
+    job.connect()
+    a0, k0 = job.trainers[0]
+    ray.get(a0.send.remote(k0, 3, shard=0), timeout=60)
+    t0 = time.monotonic()
+    for a, k in job.rollouts:
+        with pytest.raises(errors.VersionStalled, match="shard\\(s\\) \\[1\\] have no client"):
+            ray.get(a.receive.remote(k, 3), timeout=60)
+    assert time.monotonic() - t0 < 30
+    table = _server_table(ray, job.cfg)
+    for a, k in job.rollouts:
+        replica = ray.get(a.attr.remote(k, "replica"))
+        assert {(h.version, h.state) for h in table.values() if h.replica_id == replica} == {(2, "published")}
 
 
 @pytest.mark.ray

@@ -407,7 +407,11 @@ def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(r
       ``load_weights``.
 
     The ranks agree on each version without being told it. After 2 updates greedy generation
-    equals an engine's loaded from disk."""
+    equals an engine's loaded from disk. Then rank 1 goes (``fsdp``: its process is killed;
+    ``stages``: it shuts down) and rank 0 publishes the next version alone: the engine hears
+    that it cannot be published (``VersionStalled``) and gives up after ``stall_timeout_s``
+    (3 s), not ``wait_timeout_s`` (600 s); rank 0's ``send_weights`` raises ``UpdateIncomplete``
+    and the engine generates as before."""
     import copy
 
     ray = ray_cluster
@@ -423,7 +427,7 @@ def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(r
             ray.get(remote.part_bytes.remote())  # registered before rank 0 asks the engine to join
             mine = _dtensor_rank(copy.deepcopy(full), 0, 2)
             ranks.append(WeightTransferTrainerFactory.trainer_init(
-                thv.TensorHubTrainerInitInfo(model=model_name, rank=0, world_size=2, path=path),
+                thv.TensorHubTrainerInitInfo(model=model_name, rank=0, world_size=2, path=path, stall_timeout_s=3.0),
                 client=thv.LocalLLMClient(llm), source=ModuleSource(mine)))
             parts = [ranks[0].part.nbytes, ray.get(remote.part_bytes.remote())]
         else:
@@ -431,7 +435,8 @@ def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(r
             first = {n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))}
             for rank in (1, 0):  # rank 1 registered before rank 0 asks the engine to join
                 ranks.insert(0, WeightTransferTrainerFactory.trainer_init(
-                    thv.TensorHubTrainerInitInfo(model=model_name, rank=rank, world_size=2, path=path),
+                    thv.TensorHubTrainerInitInfo(model=model_name, rank=rank, world_size=2, path=path,
+                                                 stall_timeout_s=3.0),
                     client=thv.LocalLLMClient(llm) if rank == 0 else None,
                     source=_Stage(full, first if rank == 0 else set(names) - first)))
             parts = [r.part.nbytes for r in ranks]
@@ -457,6 +462,25 @@ def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(r
             state = {n: t.detach().clone() for n, t in full.named_parameters()}
             assert llm.collective_rpc(functools.partial(_direct_bytes_differ, state=state)) == [[]]
         got = _greedy(llm)
+        last = _save(full, tmp_path / "last")
+        # rank 1 goes; rank 0 publishes version 2 alone
+        if trainer == "fsdp":
+            ray.kill(remote)
+            remote = None
+        else:
+            ranks.pop().shutdown()
+        _step(full, 2)
+        if trainer == "fsdp":
+            _copy_rows(full, mine)
+        t0 = time.monotonic()
+        with pytest.raises(errors.UpdateIncomplete, match="version 2 is published") as failed:
+            ranks[0].send_weights()
+        assert time.monotonic() - t0 < 120, "the engine waited for the version longer than its stall timeout"
+        said = f"{failed.value} {failed.value.__cause__}"
+        assert "could not be published for 3.0 s" in said and "shard(s) [1] have no client" in said, said
+        (rep,) = _report(llm)
+        assert rep["version"] == 1, rep
+        assert _greedy(llm) == got, "a failed update changed what the engine generates"
     finally:
         for r in ranks:
             r.shutdown()
@@ -464,7 +488,7 @@ def test_an_engine_updates_from_a_trainer_whose_ranks_each_register_their_part(r
             ray.get(remote.shutdown.remote())
             ray.kill(remote)
         del llm
-    ref = _engine(_save(full, tmp_path / "last"), backend=False)
+    ref = _engine(last, backend=False)
     try:
         assert got == _greedy(ref), "the updated engine and one loaded from disk differ"
     finally:
@@ -674,7 +698,8 @@ def test_bad_init_and_update_info_are_typed_errors_and_the_engine_keeps_serving(
         source=ModuleSource(trainer_model))
     try:
         for bad, what in [({"model": ""}, "model must be"), ({"model": model_name, "nope": 1}, "nope"),
-                          ({"model": model_name, "wait_timeout_s": -1}, "wait_timeout_s")]:
+                          ({"model": model_name, "wait_timeout_s": -1}, "wait_timeout_s"),
+                          ({"model": model_name, "stall_timeout_s": "1"}, "stall_timeout_s")]:
             with pytest.raises(Exception, match=what):
                 llm.init_weight_transfer_engine({"init_info": bad})
         for bad, what in [({"version": "newest"}, "version"), ({"version": 999, "x": 1}, "x")]:
@@ -766,7 +791,9 @@ def test_bad_trainer_init_info_is_a_typed_error_before_anything_registers():
     for bad, match in (({"rank": -1}, "rank must be an int"), ({"rank": 0, "world_size": 0}, r"world_size must be in"),
                        ({"rank": 2, "world_size": 2}, "rank 2 is not below world_size 2"),
                        ({"rank": 0, "world_size": True}, "world_size must be an int"),
-                       ({"rank": 0, "staging": "no"}, "staging must be a bool")):
+                       ({"rank": 0, "staging": "no"}, "staging must be a bool"),
+                       ({"rank": 0, "stall_timeout_s": 0}, r"stall_timeout_s must be in \(0, 86400\]"),
+                       ({"rank": 0, "wait_timeout_s": True}, "wait_timeout_s must be in")):
         with pytest.raises(errors.ConfigError, match=match):
             thv.TensorHubTrainerInitInfo(model="m", **bad)
     model = _build("llama")

@@ -30,7 +30,7 @@ ERRORS = {
     "ReplicaIncomplete": ("InvalidState",), "ServerRecovering": ("TensorHubError",),
     "ServerBusy": ("TensorHubError",), "ShardTaken": ("TensorHubError",),
     "VersionNotFound": ("TensorHubError",), "UnknownModel": ("VersionNotFound",),
-    "DeltaPending": ("VersionNotFound",),
+    "DeltaPending": ("VersionNotFound",), "VersionStalled": ("VersionNotFound",),
     "VersionExpired": ("TensorHubError",), "VersionLost": ("TensorHubError",),
     "BadVersionSpec": ("TensorHubError",), "TransactionMismatch": ("TensorHubError",),
     "UnknownClient": ("TensorHubError",), "LastCopyHeld": ("InvalidState",),

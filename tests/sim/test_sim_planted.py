@@ -24,7 +24,7 @@ from tensorhub.core.read_requests import ReadRequests
 from tensorhub.core.reference import ReferenceCore
 from tensorhub.core.retention import Retention
 from tensorhub.core.rounds import Rounds
-from tensorhub.core.state import VISIBLE_SOURCE
+from tensorhub.core.state import VISIBLE_SOURCE, NodeState
 from tensorhub.core.versions import Versions
 from tensorhub.errors import InvalidState
 from tensorhub.sim import run_scenario
@@ -188,6 +188,22 @@ def replays_answer_by_round(mp):
     mp.setattr(ReferenceCore, "handle", bad)
 
 
+def stalled_never_said(mp):
+    """A version whose publishing replica lost a shard is answered a plain ``VersionNotFound``:
+    its readers wait out their whole timeout for a version that cannot come."""
+    mp.setattr(Versions, "stalled", lambda self, model, version: "")
+
+
+def stalled_while_publisher_whole(mp):
+    """Any version some shard publishes is called stalled, even while its replica has every
+    shard registered (a reader would give up on a version about to commit)."""
+    def bad(self, model, version):
+        return "every publisher" if any(n.version == version and n.state is NodeState.PUBLISHED and not n.host
+                                        for n in self.table.nodes.values()) else ""
+    mp.setattr(Versions, "stalled", bad)
+
+
+
 # ---------------------------------------------------------------------------- pinned seeds
 
 # (bug, checker kind, [(seed, workload)]): seeds found by the sweep below with this code.
@@ -211,6 +227,9 @@ CASES = [
     (lost_completion_not_retried, "lost", [(5, None)]),  # reached by the source_dies_at_done fault
     # reached by stepped rollouts (World.stepped): caught on 60 of default seeds 0-999, 245 of mixed
     (replays_answer_by_round, "replayed", [(1, None), (1, "mixed")]),
+    # a sharded trainer (replaced, or a shard crashed) publishing before all its shards register
+    (stalled_never_said, "stalled", [(130, "sharded")]),
+    (stalled_while_publisher_whole, "stalled", [(1, "sharded")]),
 ]
 
 
@@ -241,6 +260,8 @@ def test_planted_bug_is_caught_on_its_seeds(monkeypatch, plant, kind, seeds):
     (swap_ignores_stage_readers, "mutate", "standalone"),
     (lost_completion_not_retried, "lost", None),
     (replays_answer_by_round, "replayed", "mixed"),
+    (stalled_never_said, "stalled", "sharded"),
+    (stalled_while_publisher_whole, "stalled", "sharded"),
 ])
 def test_planted_bug_is_found_within_1000_seeds(monkeypatch, plant, kind, workload):
     """The long sweep: the first seed (of 1,000) on which each planted bug is caught."""
