@@ -129,6 +129,33 @@ class Members:
         table.index.mark(node)
         return node
 
+    def move_class(self, src: str, dst: str) -> list[Node]:
+        """Every client of layout class ``src`` (idle, at no version, with no host copy: the
+        caller checked) moves to class ``dst`` (:meth:`Placements.earlier_fit`); ``src`` is
+        left without nodes (:meth:`forget_empty_models` forgets it). The moved nodes."""
+        table = self.table
+        moved = [table.nodes[cid] for cid in self._clients.pop(src, {})]
+        replicas = sorted({n.replica_id for n in moved})
+        for n in moved:
+            table.index.drop(n)
+            ids = table.replicas[(src, n.replica_id)]
+            ids.discard(n.id)
+            if not ids:
+                del table.replicas[(src, n.replica_id)]
+            n.model = dst
+            table.replicas.setdefault((dst, n.replica_id), set()).add(n.id)
+            self._clients.setdefault(dst, {})[n.id] = None
+            self._placements.moved(n, src)
+            table.index.mark(n)
+        self._model_nodes[src] -= len(moved)
+        self._model_nodes[dst] += len(moved)
+        for rid in replicas:
+            shards = moved[0].num_shards
+            self._replica_changed(src, rid, shards)
+            self._replica_changed(dst, rid, shards)
+            self._replica_back(dst, rid)
+        return moved
+
     def add_host(self, owner: Node, version: int, endpoint: bytes) -> Node:
         """``owner``'s host copy of ``version`` as a node of its own (``<owner>#host<version>``,
         IDLE: the caller publishes it), with ``owner``'s layout and placement (its bytes are laid

@@ -31,9 +31,12 @@ replica's class if one of its shards is registered; else the first class (in cre
 fits (shard count, the shard's layout and placement); else a new one. Only a registration with
 a placement opens a class; one without is checked against the first class as before. A
 class found by fit cannot take a shard it has not seen yet, so replicas of one layout whose
-shards register interleaved may open two classes of equal placements; a registration that
-names its replica's layout (``Register.layout_key``) joins that key's class whatever it has
-seen (and a shard that does not fit it is refused). Across
+shards register interleaved may open two classes of equal placements. The later one is moved
+into the earlier as soon as the earlier has seen every shard the later holds, provided the later
+has not read, published or started a round yet (:meth:`Placements.earlier_fit`, checked by the
+core after each registration); a registration that names its replica's layout
+(``Register.layout_key``) joins that key's class whatever it has seen (and a shard that does not
+fit it is refused). Across
 classes bytes move only by resharded reads (:mod:`tensorhub.core.reading`, reshard
 assignments), so rule 5 holds per class.
 
@@ -173,6 +176,47 @@ class Placements:
         while class_name(req.model, n) in self.table.models:
             n += 1
         return class_name(req.model, n)
+
+    def earlier_fit(self, cls: str) -> Optional[str]:
+        """The first layout class of ``cls``'s model, created before it, that every shard
+        registered in ``cls`` fits (the same shard count, and per registered shard the same
+        layout and placement, both known there), or None; none for a class with a ``layout_key``
+        (it is that key's class). Two replicas of one layout whose ranks registered interleaved
+        may have opened two classes (:meth:`class_of` cannot judge a shard a class has not seen);
+        once the earlier class has seen those shards this finds it, and the core moves a class
+        that has not read or published anything into it (:meth:`moved`). Changes nothing."""
+        table = self.table
+        mod = table.models.get(cls)
+        mp = self.models.get(logical(cls))
+        if mod is None or mp is None or mod.layout_key:
+            return None
+        mine = {k: d for (c, k), d in mp.shard_digest.items() if c == cls}
+        if not mine:
+            return None
+        for other in table.classes.get(logical(cls), ()):
+            if other == cls:
+                return None
+            om = table.models.get(other)
+            if om is None or om.num_shards != mod.num_shards:
+                continue
+            if all(mp.shard_digest.get((other, k)) == d and k in om.layouts
+                   and (om.layouts[k].fingerprint, om.layouts[k].unit_count)
+                   == (mod.layouts[k].fingerprint, mod.layouts[k].unit_count) for k, d in mine.items()):
+                return other
+        return None
+
+    def moved(self, node: Node, old: str) -> None:
+        """``node`` moved from layout class ``old`` to ``node.model`` (:meth:`earlier_fit`, the
+        same placement per shard in both): its shard's use of the placement moves with it."""
+        if not node.placement:
+            return
+        mp = self.models[logical(node.model)]
+        at = (old, node.shard)
+        mp.shard_nodes[at] -= 1
+        if not mp.shard_nodes[at]:
+            del mp.shard_nodes[at], mp.shard_digest[at]
+        mp.shard_digest.setdefault((node.model, node.shard), node.placement)
+        mp.shard_nodes[(node.model, node.shard)] += 1
 
     def check(self, req: m.Register, cls: str) -> None:
         """Raise LayoutMismatch if ``req``'s placement breaks rules 1 to 5 in layout class

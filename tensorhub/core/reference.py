@@ -482,7 +482,10 @@ class ReferenceCore:
                 # announcements: a fresh process waits for them to count on with its siblings.
                 raise ServerRecovering(f"{req.model} replica {req.replica_id}: siblings of shard {req.shard} "
                                        f"are still re-announcing; retry")
-        self.members.add(req, now, cls)
+        node = self.members.add(req, now, cls)
+        if req.placement is not None and now >= self.recovery.until:
+            self._merge_classes(req.model)
+            cls = node.model
         self.views.joined(req.client_id)
         mod = self.models[cls]
         if not req.stage_for and mod.committed:
@@ -490,6 +493,31 @@ class ReferenceCore:
             if asked is None or asked[0] < mod.committed[-1]:
                 self.table.reseed.add((cls, req.datacenter))  # perhaps a datacenter to seed
         return m.Registered(round_seq=self.rounds.rounds_done(cls, req.replica_id, req.shard))
+
+    def _merge_classes(self, model: str) -> None:
+        """Layout classes of ``model`` opened for replicas of one layout whose ranks registered
+        interleaved (:meth:`Placements.class_of` cannot judge a shard a class has not seen yet)
+        become one once the earlier class has seen their shards (:meth:`Placements.earlier_fit`):
+        a later class whose clients are all idle at no version, with no host copy, no committed
+        version and no round (nothing read, published or begun, so no state of its own to carry)
+        moves into the earlier one, as if its clients had registered there. A class that has
+        begun reading stays apart (it reshards from the others, as before)."""
+        for cls in list(self.table.classes.get(model, ()))[1:]:
+            mod = self.models.get(cls)
+            if mod is None or mod.committed or self.members.nodes_in(cls) != self.members.clients_in(cls):
+                continue
+            clients = [self.nodes[c] for c in self.members.clients_of(cls)]
+            if any(n.version >= 0 or n.state is not NodeState.IDLE or self.txns.of(cls, n.replica_id)
+                   for n in clients):
+                continue
+            into = self.placements.earlier_fit(cls)
+            if into is None or any(self.txns.of(into, n.replica_id) for n in clients):
+                continue
+            self.members.move_class(cls, into)
+            self.members.forget_empty_models()
+            self.views.forget(cls)
+            log.info("%s: layout class %s joins %s (the same placements, registered interleaved)",
+                     model, shown(cls), shown(into))
 
     # ------------------------------------------------------------------ the end of a request or tick
 

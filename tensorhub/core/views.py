@@ -81,6 +81,11 @@ class Views:
 
     # ------------------------------------------------------------------ pushes (rules 1, 2)
 
+    def forget(self, model: str) -> None:
+        """``model`` (a layout class moved into another) is gone: what was pushed for it too."""
+        self.pushed.pop(model, None)
+        self.skips.pop(model, None)
+
     def settle(self, models: Iterable[str]) -> None:
         """Push ``Newest`` to every handle of each of ``models`` whose newest changed, and to the
         handles of every datacenter whose skip changed; every model told of a skip is looked at."""

@@ -191,7 +191,7 @@ class SimClient:
             client_id=self.cid, model=w.params.model, replica_id=self.replica_id, shard=self.shard,
             num_shards=self.num_shards, layout=layout, endpoint=self.endpoint,
             datacenter=self.dc, spot=self.spot, retains=self.retains, machine=self.host, placement=self.placement,
-            layout_key=self.layout_name if self.layout_name in mixed.KEYED else "",
+            layout_key=self.layout_name if self.layout_name in mixed.KEYED and w.layout_keys else "",
         )
 
     def want(self, version: int) -> list:

@@ -28,13 +28,17 @@ from tensorhub.sim.mixed import ROLLOUT_LAYOUTS, SHARDS, TRAINER_LAYOUTS, MixedM
 
 WORKLOADS = ("colocated", "standalone", "elastic", "crossdc", "sharded")
 """The workloads a seed picks from when none is forced."""
-FORCED_ONLY = ("mixed", "mixed_spot", "mixed_engines")
+FORCED_ONLY = ("mixed", "mixed_spot", "mixed_engines", "mixed_unkeyed")
+MIXED = FORCED_ONLY
+"""The workloads of several layouts (:mod:`tensorhub.sim.mixed`)."""
 """Workloads run only when forced (``--workload mixed``): adding them to the seeds' pick would
 change what every existing seed runs (and its digest). ``mixed_spot`` is ``mixed`` plus spot
 replicas of the rollout layouts and spot preemptions (a workload of its own, so that ``mixed``
 seeds keep their scenarios); ``mixed_engines`` is ``mixed`` whose rollouts of layouts other than
 the trainer's register with ``retains=False``, as vLLM engines do: the trainer keeps every
-retained version."""
+retained version; ``mixed_unkeyed`` is ``mixed`` whose replicas name no layout key, so every
+layout class is found by fit, and replicas of one layout whose ranks register interleaved open
+classes that the server merges if they have not begun reading (``ReferenceCore._merge_classes``)."""
 GiB = 1 << 30
 CHECKSUMS_OFF_SHARE = 0.15
 """Of the seeds, about this share run without checksums (readers check by seqlock instead)."""
@@ -146,7 +150,9 @@ class World:
         self.config = config or make_config(rng)
         self.mixed = None
         """The ``mixed`` workload's layouts (:mod:`tensorhub.sim.mixed`); None in the others."""
-        if self.params.workload in ("mixed", "mixed_spot", "mixed_engines"):
+        self.layout_keys = self.params.workload != "mixed_unkeyed"
+        """Replicas of the keyed layouts (``mixed.KEYED``) name them (``Register.layout_key``)."""
+        if self.params.workload in MIXED:
             self.mixed = _mixed_model(self.sim.rng("mixed"))
             if params is None:
                 self.params = dataclasses.replace(self.params, num_shards=SHARDS[self.mixed.trainer],
@@ -433,7 +439,7 @@ def build_workload(w: World, rng: random.Random) -> None:
         for dc in w.dcs:
             for i in range(rng.randint(2, 3)):
                 rollout(f"r{dc}-{i}", [w.add_host(dc) for _ in range(S)], dc)
-    elif wl in ("mixed", "mixed_spot", "mixed_engines"):
+    elif wl in MIXED:
         _build_mixed(w, rng, spot=wl == "mixed_spot", engines_retain=wl != "mixed_engines")
     elif wl == "sharded":
         for i in range(rng.randint(1, max(1, min(3, (p.max_clients - S) // S)))):

@@ -494,9 +494,10 @@ def test_replicas_that_name_their_layout_share_one_class_however_their_shards_in
     order = [("c", 0), ("d", 1), ("d", 0), ("c", 1)]
     w = RW()
     w.trainer("t")
-    for r, s in order:
+    for r, s in order[:3]:
         w.reg(f"{r}/{s}", r, s, cols(s), num_shards=2)
-    assert {w.node(f"{r}/{s}").model for r, s in order} == {f"pol{CLASS_SEP}1", f"pol{CLASS_SEP}2"}
+    assert {w.node(f"{r}/{s}").model for r, s in order[:3]} == {f"pol{CLASS_SEP}1", f"pol{CLASS_SEP}2"}
+    # (without a key, the later class joins the earlier once it has seen the shards: below)
 
     w = RW()
     w.trainer("t")
@@ -517,6 +518,44 @@ def test_replicas_that_name_their_layout_share_one_class_however_their_shards_in
     assert w.node("g/0").model == "pol" and w.core.table.models["pol"].layout_key == "rows2"
     # The key is part of the registration a repeated Register is answered with.
     assert w.core.members.registration_of(w.node("d/1")).layout_key == "tp2"
+
+
+def test_classes_of_one_layout_opened_by_interleaved_ranks_become_one_before_they_read():
+    """Without a layout key, engine d's rank 1 registers before engine c's: c's class has not
+    seen shard 1, so d opens a second class of the same placements. Once c's rank 1 registers
+    (c's class has seen every shard d holds) and d has read nothing, d's class joins c's: one
+    class, whose replicas copy whole shards between each other (d pipelines from c) and reshard
+    from the trainer once. A class that began reading before that stays apart (it has rounds
+    and versions of its own), and replicas of another placement never join."""
+    order = [("c", 0), ("d", 1), ("d", 0), ("c", 1)]
+    w = RW()
+    t = w.published_trainer("t")
+    for r, s in order:
+        w.reg(f"{r}/{s}", r, s, cols(s), num_shards=2)
+    assert {w.node(f"{r}/{s}").model for r, s in order} == {f"pol{CLASS_SEP}1"}
+    assert w.core.table.classes["pol"] == ["pol", f"pol{CLASS_SEP}1"]
+    assert f"pol{CLASS_SEP}2" not in w.core.table.models
+    assert sorted(mv.model for mv in w.core.status().models) == ["pol", "pol (layout class 1)"]
+    assert w.core.placements.models["pol"].shard_nodes[(f"pol{CLASS_SEP}1", 1)] == 2
+    # c reshards from the trainer; d, of c's class, reads c's units as they come
+    a = w.send(m.Replicate("c/0", "latest", seq=1))
+    assert isinstance(a, m.Assignment) and a.source_id == t[0] and a.reshard
+    w.send(m.Replicate("c/1", "latest", seq=1))
+    b = w.send(m.Replicate("d/0", "latest", seq=1))
+    assert isinstance(b, m.Assignment) and b.source_id == "c/0" and not b.reshard, b
+    # A new class of another placement (rows, 4 shards) never joins.
+    w.reg("e/0", "e", 0, cols(0, 4), num_shards=4)
+    assert w.node("e/0").model == f"pol{CLASS_SEP}2"
+
+    # d reads before c's rank 1 registers: d's class has begun, so it stays apart
+    w = RW()
+    w.published_trainer("t")
+    for r, s in order[:3]:
+        w.reg(f"{r}/{s}", r, s, cols(s), num_shards=2)
+    assert isinstance(w.send(m.Replicate("d/0", "latest", seq=1)), m.Assignment)
+    w.reg("c/1", "c", 1, cols(1), num_shards=2)
+    assert w.node("d/0").model == w.node("d/1").model == f"pol{CLASS_SEP}2"
+    assert w.node("c/1").model == f"pol{CLASS_SEP}1"
 
 
 def test_a_layout_key_is_bounded_and_needs_a_placement():

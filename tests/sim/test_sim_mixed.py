@@ -314,3 +314,41 @@ def test_copies_of_engines_that_retain_nothing_are_no_copies_for_retention(monke
     with monkeypatch.context() as mp:
         engines_copies_count(mp)
         assert "last_copy" in {kind for kind, _, _ in run_scenario(0, "mixed_engines").violations}
+
+
+def merges_any_class_of_its_shard_count(mp):
+    """A later layout class joins the first earlier one of its shard count, whatever its layouts
+    and placements (the checks of ``Placements.earlier_fit`` dropped)."""
+    from tensorhub.core.placements import Placements
+
+    def bad(self, cls):
+        t = self.table
+        mod = t.models.get(cls)
+        if mod is None or mod.layout_key:
+            return None
+        for other in t.classes.get(logical(cls), ()):
+            if other == cls:
+                return None
+            if t.models[other].num_shards == mod.num_shards:
+                return other
+        return None
+    mp.setattr(Placements, "earlier_fit", bad)
+
+
+def test_classes_found_by_fit_merge_when_their_ranks_interleaved(monkeypatch):
+    """``mixed_unkeyed``: no replica names its layout, so every class is found by fit, and
+    replicas of one layout whose ranks register interleaved open two classes, merged by the
+    server once the earlier has seen the later's shards (seed 264: one merge; the shipped code
+    runs it clean). A plant that merges classes of other placements is caught (seed 14)."""
+    from tensorhub.core.members import Members
+
+    merges = []
+    with monkeypatch.context() as mp:
+        orig = Members.move_class
+        mp.setattr(Members, "move_class", lambda self, src, dst: merges.append((src, dst)) or orig(self, src, dst))
+        assert run_scenario(264, "mixed_unkeyed").ok
+    assert merges, "seed 264 no longer merges classes: pick another seed"
+    assert run_scenario(14, "mixed_unkeyed").ok
+    with monkeypatch.context() as mp:
+        merges_any_class_of_its_shard_count(mp)
+        assert not run_scenario(14, "mixed_unkeyed").ok
