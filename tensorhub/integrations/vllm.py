@@ -203,10 +203,10 @@ class TensorHubUpdateInfo(WeightTransferUpdateInfo):
 class TensorHubTrainerInitInfo(TrainerInitInfo):
     """The trainer side's init info. ``model``, ``config``, ``datacenter``: as
     :class:`TensorHubInitInfo`. ``device``: where the trainer's staging buffer lives (``"cpu"``:
-    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``stall_timeout_s``, ``path``: passed to the
-    engines (:class:`TensorHubInitInfo`); ``engines_retain``: passed as their ``retains``. The
-    trainer's handle keeps the retained versions (its ``Config``: ``versions_retained``,
-    ``host_copies_pooled``).
+    host memory, no GPU memory used; ``"cuda"``). ``wait_timeout_s``, ``stall_timeout_s``,
+    ``path``: passed to the engines (:class:`TensorHubInitInfo`); ``engines_retain``: passed as
+    their ``retains``. The trainer's handle keeps the retained versions (its ``Config``:
+    ``versions_retained``, ``host_copies_pooled``).
 
     ``world_size``: the trainer ranks that register parts of the model, each as a shard of the
     trainer's replica (ranks 0 to ``world_size - 1``), so no rank gathers the whole model: a
@@ -630,7 +630,8 @@ def _update_all(hubs: list[Hub], spec, deadline: float, info: "TensorHubInitInfo
             raise errors.VersionStalled(f"version {spec!r} could not be published for {info.stall_timeout_s} s "
                                         f"({waiting})")
         if now > deadline:
-            raise errors.RequestTimeout(f"version {spec!r} was not published within {info.wait_timeout_s} s ({waiting})")
+            raise errors.RequestTimeout(f"version {spec!r} was not published within {info.wait_timeout_s} s "
+                                        f"({waiting})")
         time.sleep(_POLL_S)
 
 
