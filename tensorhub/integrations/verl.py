@@ -66,6 +66,7 @@ from tensorhub import errors
 from tensorhub.handle import Hub, ReadStats
 from tensorhub.config import Config
 from tensorhub.core import messages as m
+from tensorhub.integrations.waiting import PublishWait
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         cannot be (``VersionStalled``, raised)."""
         stats: list[Optional[ReadStats]] = [None] * len(self._hubs)
         sharded = len(self._hubs) > 1
-        stalled_since: Optional[float] = None
+        wait = PublishWait(spec, deadline, self.wait_timeout_s, self.stall_timeout_s, f"model={self.model}: ")
         while True:
             todo = [i for i, s in enumerate(stats) if s is None]
             results = await asyncio.gather(
@@ -374,17 +375,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                     stats[i] = res
             if waiting is None:
                 return stats
-            now = time.monotonic()
-            if not isinstance(waiting, errors.VersionStalled):
-                stalled_since = None
-            elif stalled_since is None:
-                stalled_since = now
-            elif now - stalled_since > self.stall_timeout_s:
-                raise errors.VersionStalled(f"model={self.model}: version {spec!r} could not be published for "
-                                            f"{self.stall_timeout_s} s ({waiting})")
-            if now > deadline:
-                raise errors.RequestTimeout(f"model={self.model}: version {spec!r} was not published within "
-                                            f"{self.wait_timeout_s} s ({waiting})")
+            wait.after(waiting)
             await asyncio.sleep(_POLL_S)
 
     # ------------------------------------------------------------------ both

@@ -106,6 +106,7 @@ from tensorhub.layout import dtype_name
 from tensorhub.integrations import vllm_layout as VL
 from tensorhub.integrations.trainer_parts import RankPart
 from tensorhub.integrations.vllm_layout import DirectLayout
+from tensorhub.integrations.waiting import PublishWait
 
 log = logging.getLogger(__name__)
 
@@ -609,7 +610,7 @@ def _update_all(hubs: list[Hub], spec, deadline: float, info: "TensorHubInitInfo
     version is not published: until ``deadline`` (``RequestTimeout``), or for ``stall_timeout_s``
     of ``info`` while the server says it cannot be (``VersionStalled``, raised)."""
     stats: list[Optional[ReadStats]] = [None] * len(hubs)
-    stalled_since: Optional[float] = None
+    wait = PublishWait(spec, deadline, info.wait_timeout_s, info.stall_timeout_s)
     while True:
         waiting = None
         for i, hub in enumerate(hubs):
@@ -621,17 +622,7 @@ def _update_all(hubs: list[Hub], spec, deadline: float, info: "TensorHubInitInfo
                 waiting = e
         if waiting is None:
             return stats
-        now = time.monotonic()
-        if not isinstance(waiting, errors.VersionStalled):
-            stalled_since = None
-        elif stalled_since is None:
-            stalled_since = now
-        elif now - stalled_since > info.stall_timeout_s:
-            raise errors.VersionStalled(f"version {spec!r} could not be published for {info.stall_timeout_s} s "
-                                        f"({waiting})")
-        if now > deadline:
-            raise errors.RequestTimeout(f"version {spec!r} was not published within {info.wait_timeout_s} s "
-                                        f"({waiting})")
+        wait.after(waiting)
         time.sleep(_POLL_S)
 
 
