@@ -222,9 +222,8 @@ class Versions:
         (it may: nobody publishes it yet, or some replica that publishes it has every shard
         registered). Stalled: every replica (of any layout class) that publishes it from some
         shards lacks a client for another shard (not registered yet, or it left or died before
-        publishing): "replica
-        trainer publishes it from shard(s) [0] of 2; shard(s) [1] have no client". Cost: the
-        version's groups and its publishers' replicas."""
+        publishing): "replica trainer publishes it from shard(s) [0] of 2; shard(s) [1] have no
+        client". Cost: the version's groups and its publishers' replicas."""
         table = self.table
         said = []
         for cls in table.classes.get(logical(model)) or [model]:
